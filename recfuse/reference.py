@@ -1,0 +1,113 @@
+"""Reference implementations of the fused chain: the oracle the fast paths are checked against.
+
+Two forms of split -> LayerNorm -> tanh -> stack -> Linear -> relu live here:
+
+* `ln_tanh_linear_relu`: literally the per-slice path a model author writes (F slices, F
+  layer_norm and tanh calls, a stack, a linear, a relu). It computes in the input's dtype, so
+  called on float64 tensors it is the float64 oracle of the tests.
+* `batched_ln_tanh_linear_relu`: the same maths on the whole [F, B, D] tensor at once (the
+  puzzler's `combined` form), accumulating in float32 for low-precision inputs. The fused op uses
+  it as its CPU implementation.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F_
+
+from ._checks import check_op_args
+
+__all__ = ["ln_tanh_linear_relu", "batched_ln_tanh_linear_relu"]
+
+
+def _feature_param(p: Optional[torch.Tensor], f: int, per_feature_ndim: int) -> Optional[torch.Tensor]:
+    if p is None:
+        return None
+    return p[f] if p.dim() == per_feature_ndim else p
+
+
+def ln_tanh_linear_relu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    ln_weight: Optional[torch.Tensor] = None,
+    ln_bias: Optional[torch.Tensor] = None,
+    eps: float = 1e-5,
+    feature_dim: int = 0,
+) -> torch.Tensor:
+    """Per-slice reference: split x into F slices, LayerNorm and tanh each, stack, Linear, relu.
+
+    Same signature and result as `recfuse.ln_tanh_linear_relu`; this is the slow path a model
+    author writes by hand, kept as the oracle the fused kernels are verified against.
+
+    Example:
+        >>> import torch, recfuse
+        >>> x, w = torch.randn(4, 2, 8), torch.randn(3, 8)
+        >>> recfuse.reference.ln_tanh_linear_relu(x, w).shape
+        torch.Size([4, 2, 3])
+    """
+    s = check_op_args(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    slices = x.unbind(feature_dim)
+    outs = []
+    for f, sl in enumerate(slices):
+        h = F_.layer_norm(
+            sl, (s.D,), _feature_param(ln_weight, f, 2), _feature_param(ln_bias, f, 2), eps
+        )
+        h = torch.tanh(h)
+        h = F_.linear(h, _feature_param(weight, f, 3), _feature_param(bias, f, 2))
+        outs.append(torch.relu(h))
+    if not outs:  # F == 0: keep the documented output shape
+        return x.new_zeros(s.out_shape())
+    return torch.stack(outs, dim=feature_dim)
+
+
+def batched_ln_tanh_linear_relu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    ln_weight: Optional[torch.Tensor] = None,
+    ln_bias: Optional[torch.Tensor] = None,
+    eps: float = 1e-5,
+    feature_dim: int = 0,
+) -> torch.Tensor:
+    """Batched composite of the chain on the whole 3D tensor (the `combined` form).
+
+    Five kernels instead of 2F+3: one layer_norm over all rows, per-feature affine by broadcast,
+    tanh, a batched matmul (or one matmul for a shared weight), relu. Low-precision inputs are
+    computed in float32 and the result cast back, matching the Triton kernels' accumulation.
+    Arguments are not re-validated: callers go through `recfuse.ln_tanh_linear_relu`.
+
+    Example:
+        >>> import torch
+        >>> batched_ln_tanh_linear_relu(torch.randn(4, 2, 8), torch.randn(3, 8)).shape
+        torch.Size([4, 2, 3])
+    """
+    out_dtype = x.dtype
+    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+    def up(t):
+        return None if t is None else t.to(compute)
+
+    xf = up(x)
+    D = x.shape[-1]
+    # Features on dim 0 so that per-feature params broadcast as [F, 1, D].
+    xf = xf if feature_dim == 0 else xf.transpose(0, 1)
+    h = F_.layer_norm(xf, (D,), None, None, eps)
+    lw, lb = up(ln_weight), up(ln_bias)
+    if lw is not None:
+        h = h * (lw.unsqueeze(1) if lw.dim() == 2 else lw)
+    if lb is not None:
+        h = h + (lb.unsqueeze(1) if lb.dim() == 2 else lb)
+    h = torch.tanh(h)
+    w, b = up(weight), up(bias)
+    if w.dim() == 3:
+        y = torch.bmm(h, w.transpose(1, 2))
+    else:
+        y = torch.matmul(h, w.t())
+    if b is not None:
+        y = y + (b.unsqueeze(1) if b.dim() == 2 else b)
+    y = torch.relu(y)
+    y = y if feature_dim == 0 else y.transpose(0, 1)
+    return y.to(out_dtype).contiguous()
