@@ -51,10 +51,7 @@ class SplitStack(torch.nn.Module):
         self.linear = torch.nn.Linear(input_dim, out_features)
 
     def forward(self, input_data: torch.Tensor, batch_size: int, input_dim: int) -> torch.Tensor:
-        x = input_data.view(batch_size, -1)
-        slices = torch.split(x, input_dim, dim=1)
-        outs = [torch.tanh(F.layer_norm(s, (input_dim,), eps=0.0)) for s in slices]
-        return F.relu(self.linear(torch.stack(outs)))
+        return split_stack(input_data, batch_size, input_dim, self.linear)
 
 
 class Combined(SplitStack):
