@@ -1,0 +1,194 @@
+"""Triton kernels of LayerNorm -> tanh -> Linear -> relu over F features (no torch logic here).
+
+Three kernels, as in Triton's layer-norm tutorial:
+
+* `ln_tanh_linear_relu_fwd`: one program per (tile of BLOCK_B rows, feature). Reads each row of x
+  once, keeps mean, rstd, the normalised row, tanh, the dot with the weight, the bias and the relu
+  in registers, writes y once. Nothing of x's size is written.
+* `ln_tanh_linear_relu_bwd`: one program per (chunk of rows, feature). Recomputes the normalised
+  row and tanh from x (no activation is saved), writes dx, and accumulates per-program partial
+  sums of the weight, bias and LayerNorm-affine gradients in registers.
+* `sum_partials`: the second stage of the weight-gradient reduction, a fixed-order sum over the
+  per-program partials. No float atomics anywhere, so the same inputs give the same bits.
+
+Precision: every dtype accumulates in float32. With ``USE_DOT`` the row tile is multiplied with
+``tl.dot``: for float32 inputs ``DOT_PRECISION`` is "ieee" (full fp32 FMA, not TF32, so results
+stay within 1e-5 of float64); for bf16/fp16 the tanh tile is rounded to the input dtype before the
+tensor-core dot (fp32 accumulate), which is the precision PyTorch's own bf16 Linear has.
+``DOT_DTYPE`` is the dtype the dot operands are rounded to: the input dtype on the GPU, float32 in
+the Triton interpreter (its numpy dot has no bf16).
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(a):
+    # tanh from exp of a non-positive argument: no overflow, exact sign, and portable to the
+    # interpreter (libdevice is CUDA-only).
+    e = tl.exp(-2.0 * tl.abs(a))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(a < 0, -t, t)
+
+
+@triton.jit
+def _normalize_tanh(
+    x_ptrs, mask, cmask, f, cols, D, eps,
+    LNW, LNB, stride_lnw_f, stride_lnb_f,
+    HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
+):
+    """Load a [rows, BLOCK_D] tile, return (xhat, t = tanh(affine(xhat)), rstd, ln weight)."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / D
+    xc = tl.where(cmask[None, :], x - mean[:, None], 0.0)
+    var = tl.sum(xc * xc, axis=1) / D
+    rstd = 1.0 / tl.sqrt(var + eps)
+    # Padded rows have zero variance: with eps=0 their rstd is inf, so mask them to exact zeros
+    # (a NaN there would poison the weight-gradient sums of the whole tile).
+    xhat = tl.where(mask, xc * rstd[:, None], 0.0)
+    a = xhat
+    g = tl.full([x.shape[1]], 1.0, tl.float32)
+    if HAS_LNW:
+        g = tl.load(LNW + f * stride_lnw_f + cols, mask=cmask, other=0.0).to(tl.float32)
+        a = a * g[None, :]
+    if HAS_LNB:
+        beta = tl.load(LNB + f * stride_lnb_f + cols, mask=cmask, other=0.0).to(tl.float32)
+        a = a + beta[None, :]
+    # Zero the padded columns and rows so that they add nothing to the dots with the weight.
+    t = tl.where(mask, _tanh(a), 0.0)
+    return xhat, t, rstd, g
+
+
+@triton.jit
+def ln_tanh_linear_relu_fwd(
+    X, W, BIAS, LNW, LNB, Y,
+    B, D, H,
+    stride_x_f, stride_x_b, stride_x_d,
+    stride_w_f, stride_w_h,
+    stride_bias_f, stride_lnw_f, stride_lnb_f,
+    stride_y_f, stride_y_b,
+    eps,
+    HAS_BIAS: tl.constexpr, HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    pid_b = tl.program_id(0)
+    f = tl.program_id(1).to(tl.int64)
+    rows = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    cols = tl.arange(0, BLOCK_D)
+    rmask = rows < B
+    cmask = cols < D
+    mask = rmask[:, None] & cmask[None, :]
+    x_ptrs = X + f * stride_x_f + rows[:, None].to(tl.int64) * stride_x_b + cols[None, :] * stride_x_d
+    _, t, _, _ = _normalize_tanh(
+        x_ptrs, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB
+    )
+    if USE_DOT:
+        t_dot = t.to(DOT_DTYPE)
+    y_row = Y + f * stride_y_f + rows.to(tl.int64) * stride_y_b
+    for h0 in range(0, H, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        hmask = hs < H
+        w = tl.load(
+            W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :],
+            mask=hmask[:, None] & cmask[None, :], other=0.0,
+        )
+        if USE_DOT:
+            z = tl.dot(t_dot, tl.trans(w.to(DOT_DTYPE)), input_precision=DOT_PRECISION, out_dtype=tl.float32)
+        else:
+            z = tl.sum(t[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if HAS_BIAS:
+            z += tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)[None, :]
+        # relu that keeps NaN, as torch.relu does (tl.maximum would turn NaN into 0).
+        y = tl.where(z < 0.0, 0.0, z)
+        tl.store(y_row[:, None] + hs[None, :], y.to(Y.dtype.element_ty),
+                 mask=rmask[:, None] & hmask[None, :])
+
+
+@triton.jit
+def ln_tanh_linear_relu_bwd(
+    GY, X, Y, W, LNW, LNB, DX, PARTIAL,
+    B, D, H, rows_per_program,
+    stride_x_f, stride_x_b, stride_x_d,
+    stride_y_f, stride_y_b,
+    stride_dx_f, stride_dx_b,
+    stride_w_f, stride_w_h,
+    stride_lnw_f, stride_lnb_f,
+    stride_part_prog,
+    eps,
+    HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # PARTIAL row of this program: [H*D weight | H bias | D ln_weight | D ln_bias], fp32.
+    pid_p = tl.program_id(0)
+    f = tl.program_id(1).to(tl.int64)
+    n_prog = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_D)
+    hs = tl.arange(0, BLOCK_H)
+    cmask = cols < D
+    hmask = hs < H
+    w = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :],
+                mask=hmask[:, None] & cmask[None, :], other=0.0)
+    acc_w = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc_lnw = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc_lnb = tl.zeros([BLOCK_D], dtype=tl.float32)
+    row_start = pid_p * rows_per_program
+    for r0 in range(row_start, row_start + rows_per_program, BLOCK_B):
+        rows = r0 + tl.arange(0, BLOCK_B)
+        rmask = rows < B
+        rows64 = rows.to(tl.int64)
+        mask = rmask[:, None] & cmask[None, :]
+        x_ptrs = X + f * stride_x_f + rows64[:, None] * stride_x_b + cols[None, :] * stride_x_d
+        xhat, t, rstd, g = _normalize_tanh(
+            x_ptrs, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
+            HAS_LNW, HAS_LNB,
+        )
+        ymask = rmask[:, None] & hmask[None, :]
+        y_off = f * stride_y_f + rows64[:, None] * stride_y_b + hs[None, :]
+        y = tl.load(Y + y_off, mask=ymask, other=0.0)
+        gy = tl.load(GY + y_off, mask=ymask, other=0.0).to(tl.float32)
+        # relu'(z) from y: y > 0 exactly where z > 0.
+        dz = tl.where(y > 0, gy, 0.0)
+        if USE_DOT:
+            dz_dot = dz.to(DOT_DTYPE)
+            dt = tl.dot(dz_dot, w.to(DOT_DTYPE), input_precision=DOT_PRECISION, out_dtype=tl.float32)
+            acc_w += tl.dot(tl.trans(dz_dot), t.to(DOT_DTYPE),
+                            input_precision=DOT_PRECISION, out_dtype=tl.float32)
+        else:
+            dt = tl.sum(dz[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+            acc_w += tl.sum(dz[:, :, None] * t[:, None, :], axis=0)
+        acc_b += tl.sum(dz, axis=0)
+        da = dt * (1.0 - t * t)
+        da = tl.where(mask, da, 0.0)
+        acc_lnw += tl.sum(da * xhat, axis=0)
+        acc_lnb += tl.sum(da, axis=0)
+        dxhat = da * g[None, :]
+        c1 = tl.sum(dxhat * xhat, axis=1) / D
+        c2 = tl.sum(dxhat, axis=1) / D
+        dx = (dxhat - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        tl.store(DX + f * stride_dx_f + rows64[:, None] * stride_dx_b + cols[None, :],
+                 dx.to(DX.dtype.element_ty), mask=mask)
+    part = PARTIAL + (f * n_prog + pid_p) * stride_part_prog
+    tl.store(part + hs[:, None] * D + cols[None, :], acc_w, mask=hmask[:, None] & cmask[None, :])
+    part += H * D
+    tl.store(part + hs, acc_b, mask=hmask)
+    part += H
+    tl.store(part + cols, acc_lnw, mask=cmask)
+    tl.store(part + D + cols, acc_lnb, mask=cmask)
+
+
+@triton.jit
+def sum_partials(
+    PARTIAL, OUT, n_groups, n_per_group, K,
+    BLOCK_K: tl.constexpr,
+):
+    """OUT[g, k] = sum over j < n_per_group of PARTIAL[g * n_per_group + j, k], in a fixed order."""
+    g = tl.program_id(1).to(tl.int64)
+    ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = ks < K
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for j in range(0, n_per_group):
+        acc += tl.load(PARTIAL + (g * n_per_group + j) * K + ks, mask=kmask, other=0.0)
+    tl.store(OUT + g * K + ks, acc, mask=kmask)

@@ -1,0 +1,249 @@
+"""Tensors -> kernel launches for `recfuse::ln_tanh_linear_relu` (forward and backward).
+
+Everything here is plain torch bookkeeping: strides (x is read in place, so a [B, F*D] buffer
+viewed as [B, F, D] costs no copy), block sizes, the grid, output allocation and the second stage
+of the weight-gradient reduction. The maths lives in `kernels.py`.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import kernels
+
+log = logging.getLogger("recfuse")
+
+# Register budget of one program, in fp32 elements of its largest tile. Past it Triton spills.
+_TILE_BUDGET = 16384
+# The backward keeps all of H in one tile (dx needs the whole dz @ W); beyond this it falls back.
+_BWD_MAX_WEIGHT_TILE = 16384
+_DOT_MIN_H = 5
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Block sizes and code path chosen for one (D, H, dtype) problem."""
+
+    block_b: int
+    block_d: int
+    block_h: int
+    use_dot: bool
+    num_warps: int
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+              torch.float64: tl.float64}
+
+
+def _dot_args(x: torch.Tensor) -> dict:
+    """DOT_DTYPE / DOT_PRECISION constexprs for x's dtype and device."""
+    if x.device.type == "cpu":  # Triton interpreter: numpy has no bf16 matmul
+        return {"DOT_DTYPE": tl.float32, "DOT_PRECISION": "ieee"}
+    # fp32 stays fp32 (TF32 would cost ~1e-3 relative error); bf16/fp16 are exact inputs anyway.
+    return {"DOT_DTYPE": _TL_DTYPES[x.dtype],
+            "DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32"}
+
+
+@functools.lru_cache(maxsize=None)
+def forward_config(D: int, H: int, dtype: torch.dtype, interpret: bool) -> KernelConfig:
+    """Pick block sizes for the forward kernel; cached, so a call costs one dict lookup.
+
+    Example:
+        >>> forward_config(256, 1, torch.float32, False).block_d
+        256
+    """
+    block_d = triton.next_power_of_2(D)
+    use_dot = H >= _DOT_MIN_H and 16 * block_d <= _TILE_BUDGET
+    if use_dot:
+        block_h = min(64, max(16, triton.next_power_of_2(H)))
+        block_b = max(16, min(64, _TILE_BUDGET // block_d))
+        # The [BLOCK_B, BLOCK_H] accumulator and the weight tile share the budget too.
+        while block_b > 16 and block_h * block_d + block_b * block_d > 2 * _TILE_BUDGET:
+            block_b //= 2
+    else:
+        block_h = min(triton.next_power_of_2(H), 4)
+        block_b = max(1, min(64, _TILE_BUDGET // (block_d * block_h)))
+    if interpret:
+        # The interpreter runs numpy per program: fewer, larger programs are faster.
+        block_b = max(block_b, 16) if use_dot else block_b
+    num_warps = 4 if block_b * block_d <= 4096 else 8
+    return KernelConfig(block_b, block_d, block_h, use_dot, num_warps)
+
+
+@functools.lru_cache(maxsize=None)
+def backward_config(D: int, H: int, dtype: torch.dtype, interpret: bool) -> Optional[KernelConfig]:
+    """Block sizes for the backward kernel, or None when (D, H) is too large for it.
+
+    Example:
+        >>> backward_config(256, 16, torch.bfloat16, False).use_dot
+        True
+    """
+    block_d = triton.next_power_of_2(D)
+    use_dot = H >= _DOT_MIN_H
+    if use_dot:
+        block_h = max(16, triton.next_power_of_2(H))
+        if block_h * block_d > _BWD_MAX_WEIGHT_TILE or 16 * block_d > _TILE_BUDGET:
+            return None
+        block_b = 16 if block_h * block_d > 4096 else 32
+    else:
+        block_h = triton.next_power_of_2(H)
+        if block_h * block_d > _BWD_MAX_WEIGHT_TILE:
+            return None
+        block_b = max(1, min(32, _TILE_BUDGET // (4 * block_d * block_h)))
+    num_warps = 8 if block_b * block_d >= 8192 or block_h * block_d >= 8192 else 4
+    return KernelConfig(block_b, block_d, block_h, use_dot, num_warps)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _feature_major(t: torch.Tensor, feature_dim: int) -> tuple[int, int]:
+    """(stride over features, stride over rows) of a 3D tensor in either layout."""
+    return (t.stride(0), t.stride(1)) if feature_dim == 0 else (t.stride(1), t.stride(0))
+
+
+def _param_stride(p: Optional[torch.Tensor], per_feature_ndim: int) -> int:
+    """Stride over features of an optional parameter; 0 broadcasts a shared one."""
+    if p is None or p.dim() != per_feature_ndim:
+        return 0
+    return p.stride(0)
+
+
+def _sizes(x: torch.Tensor, weight: torch.Tensor, feature_dim: int) -> tuple[int, int, int, int]:
+    F = x.shape[feature_dim]
+    B = x.shape[1 - feature_dim]
+    return F, B, x.shape[2], weight.shape[-2]
+
+
+def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+    """Run the fused forward kernel; returns y in x's layout with D replaced by H.
+
+    Example:
+        >>> y = forward(x, w, None, None, None, 1e-5, 0)  # doctest: +SKIP
+    """
+    F, B, D, H = _sizes(x, weight, feature_dim)
+    y = x.new_empty((F, B, H) if feature_dim == 0 else (B, F, H))
+    if y.numel() == 0:
+        return y
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    params = [p if p is None or p.stride(-1) == 1 else p.contiguous() for p in (bias, ln_weight, ln_bias)]
+    bias, ln_weight, ln_bias = params
+    cfg = forward_config(D, H, x.dtype, x.device.type == "cpu")
+    sxf, sxb = _feature_major(x, feature_dim)
+    syf, syb = _feature_major(y, feature_dim)
+    dummy = weight  # never read: the HAS_* flags are False for absent parameters
+    grid = (triton.cdiv(B, cfg.block_b), F)
+    kernels.ln_tanh_linear_relu_fwd[grid](
+        x, weight, bias if bias is not None else dummy,
+        ln_weight if ln_weight is not None else dummy, ln_bias if ln_bias is not None else dummy, y,
+        B, D, H,
+        sxf, sxb, x.stride(2),
+        weight.stride(0) if weight.dim() == 3 else 0, weight.stride(-2),
+        _param_stride(bias, 2), _param_stride(ln_weight, 2), _param_stride(ln_bias, 2),
+        syf, syb,
+        float(eps),
+        HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
+        USE_DOT=cfg.use_dot, **_dot_args(x),
+        BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
+        num_warps=cfg.num_warps,
+    )
+    return y
+
+
+def _programs_per_feature(x: torch.Tensor, F: int, B: int, block_b: int) -> int:
+    n_tiles = triton.cdiv(B, block_b)
+    if x.device.type == "cuda":
+        # A few waves over the SMs; more programs only add partial rows to reduce.
+        target = 4 * _num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    else:
+        target = 2
+    return max(1, min(n_tiles, triton.cdiv(target, F)))
+
+
+def backward(grad_y, x, y, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+    """Gradients (dx, dweight, dbias, dln_weight, dln_bias); empty tensors for absent parameters.
+
+    Two or three launches: the fused backward kernel (dx and per-program partial sums), the
+    fixed-order reduction of the partials over programs, and for parameters shared across
+    features a sum over F of the small per-feature sums.
+
+    Example:
+        >>> gx, gw, gb, glw, glb = backward(gy, x, y, w, None, None, None, 1e-5, 0)  # doctest: +SKIP
+    """
+    F, B, D, H = _sizes(x, weight, feature_dim)
+    cfg = backward_config(D, H, x.dtype, x.device.type == "cpu")
+    if cfg is None:
+        from .ln_tanh_linear_relu import _composite_backward
+
+        log.warning("recfuse: backward kernel does not cover D=%d, H=%d; using the torch composite", D, H)
+        return _composite_backward(grad_y, x, y, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    K = H * D + H + 2 * D
+    P = _programs_per_feature(x, F, B, cfg.block_b) if B > 0 else 1
+    rows_per_program = triton.cdiv(triton.cdiv(max(B, 1), P), cfg.block_b) * cfg.block_b
+    P = triton.cdiv(max(B, 1), rows_per_program)
+    partial = torch.empty((F * P, K), dtype=torch.float32, device=x.device)
+    weight_c = weight if weight.stride(-1) == 1 else weight.contiguous()
+    lnw = ln_weight if ln_weight is None or ln_weight.stride(-1) == 1 else ln_weight.contiguous()
+    lnb = ln_bias if ln_bias is None or ln_bias.stride(-1) == 1 else ln_bias.contiguous()
+    grad_y = grad_y if grad_y.is_contiguous() else grad_y.contiguous()
+    if F > 0:
+        sxf, sxb = _feature_major(x, feature_dim)
+        syf, syb = _feature_major(y, feature_dim)
+        sdf, sdb = _feature_major(dx, feature_dim)
+        kernels.ln_tanh_linear_relu_bwd[(P, F)](
+            grad_y, x, y, weight_c,
+            lnw if lnw is not None else weight_c, lnb if lnb is not None else weight_c,
+            dx, partial,
+            B, D, H, rows_per_program,
+            sxf, sxb, x.stride(2),
+            syf, syb,
+            sdf, sdb,
+            weight_c.stride(0) if weight_c.dim() == 3 else 0, weight_c.stride(-2),
+            _param_stride(lnw, 2), _param_stride(lnb, 2),
+            K,
+            float(eps),
+            HAS_LNW=lnw is not None, HAS_LNB=lnb is not None,
+            USE_DOT=cfg.use_dot, **_dot_args(x),
+            BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
+            num_warps=cfg.num_warps,
+        )
+    per_feature = [weight.dim() == 3,
+                   bias is not None and bias.dim() == 2,
+                   ln_weight is not None and ln_weight.dim() == 2,
+                   ln_bias is not None and ln_bias.dim() == 2]
+    all_shared = not any(per_feature)
+    groups = 1 if all_shared else F
+    sums = torch.empty((groups, K), dtype=torch.float32, device=x.device)
+    if F > 0:
+        block_k = 1024
+        kernels.sum_partials[(triton.cdiv(K, block_k), groups)](
+            partial, sums, groups, (F * P) // groups, K, BLOCK_K=block_k,
+        )
+    else:
+        sums.zero_()
+
+    def grad_of(p, start, size, shape_per_feature):
+        if p is None:
+            return x.new_empty((0,))
+        seg = sums[:, start:start + size]
+        if p.dim() == len(shape_per_feature) + 1:  # per-feature parameter: [F, ...]
+            g = seg.reshape((F,) + shape_per_feature)
+        else:
+            g = (seg if all_shared else seg.sum(0, keepdim=True)).reshape(shape_per_feature)
+        # A copy: a custom op's outputs may not alias each other.
+        return g.to(p.dtype, copy=True)
+
+    gw = grad_of(weight, 0, H * D, (H, D))
+    gb = grad_of(bias, H * D, H, (H,))
+    glw = grad_of(ln_weight, H * D + H, D, (D,))
+    glb = grad_of(ln_bias, H * D + H + D, D, (D,))
+    return dx, gw, gb, glw, glb

@@ -1,0 +1,107 @@
+"""Builds inputs for the fused op and checks it against the float64 per-slice reference.
+
+Used by the op tests (CPU composite) and the kernel tests (Triton interpreter, GPU): the same
+matrix of cases runs on every path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import recfuse
+
+# ||out - ref|| / ||ref|| bounds from the design notes.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float64: 1e-12}
+
+
+@dataclass(frozen=True)
+class Case:
+    F: int
+    B: int
+    D: int
+    H: int
+    feature_dim: int = 0
+    per_feature_weight: bool = False
+    bias: str = "shared"          # "none" | "shared" | "per_feature"
+    ln: str = "per_feature"        # "none" | "shared" | "per_feature" (affine weight and bias)
+    eps: float = 1e-5
+    strided_view: bool = False     # x is a [B, F*D] buffer viewed as [B, F, D] (feature_dim=1)
+
+    def __str__(self):
+        return (f"F{self.F}B{self.B}D{self.D}H{self.H}fd{self.feature_dim}"
+                f"{'-Wf' if self.per_feature_weight else ''}-b{self.bias}-ln{self.ln}-eps{self.eps}"
+                f"{'-view' if self.strided_view else ''}")
+
+
+def make_inputs(case: Case, device="cpu", generator=None):
+    """float64 master copies of (x, weight, bias, ln_weight, ln_bias, grad_y)."""
+    g = generator
+    kw = dict(dtype=torch.float64, device=device, generator=g)
+    F, B, D, H = case.F, case.B, case.D, case.H
+    if case.strided_view:
+        x = torch.randn(B, F * D, **kw).view(B, F, D)
+    else:
+        x = torch.randn((F, B, D) if case.feature_dim == 0 else (B, F, D), **kw)
+    w = torch.randn((F, H, D) if case.per_feature_weight else (H, D), **kw) / D ** 0.5
+    # A small positive bias keeps most relus open, so gradients are not trivially zero.
+    b = {"none": None, "shared": 0.1 + 0.1 * torch.randn(H, **kw),
+         "per_feature": 0.1 + 0.1 * torch.randn(F, H, **kw)}[case.bias]
+    shape = {"none": None, "shared": (D,), "per_feature": (F, D)}[case.ln]
+    lw = None if shape is None else 1 + 0.2 * torch.randn(shape, **kw)
+    lb = None if shape is None else 0.2 * torch.randn(shape, **kw)
+    gy = torch.randn((F, B, H) if case.feature_dim == 0 else (B, F, H), **kw)
+    return x, w, b, lw, lb, gy
+
+
+def _leaf(t, dtype):
+    return None if t is None else t.detach().to(dtype).requires_grad_(True)
+
+
+def run_op(fn, tensors, dtype, case: Case, keep_view=True):
+    """Forward and backward of `fn` on leaves cast to dtype; returns (y, [grads of present args])."""
+    x, w, b, lw, lb, gy = tensors
+    if case.strided_view and keep_view:
+        B, F, D = x.shape
+        base = x.detach().reshape(B, F * D).to(dtype).requires_grad_(True)
+        xin, xleaf = base.view(B, F, D), base
+    else:
+        xleaf = _leaf(x, dtype)
+        xin = xleaf
+    params = [_leaf(t, dtype) for t in (w, b, lw, lb)]
+    y = fn(xin, params[0], params[1], ln_weight=params[2], ln_bias=params[3], eps=case.eps,
+           feature_dim=case.feature_dim)
+    y.backward(gy.to(dtype))
+    grads = [xleaf.grad.reshape(x.shape)] + [p.grad for p in params if p is not None]
+    return y.detach(), grads
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    # The floor keeps gradients that are zero up to rounding (D=1 rows) from dividing by ~1e-15.
+    denom = max(ref.norm().item(), 1e-6)
+    return (out - ref).norm().item() / denom
+
+
+def check_against_float64(case: Case, dtype, device="cpu", fn=None):
+    """Assert fn (default: the fused op) matches the float64 per-slice reference, fwd and bwd."""
+    fn = fn or recfuse.ln_tanh_linear_relu
+    # The reference sees the same dtype-rounded inputs, so only the op's own rounding is measured.
+    tensors = tuple(None if t is None else t.to(dtype).double() for t in make_inputs(case, device))
+    y_ref, g_ref = run_op(recfuse.reference.ln_tanh_linear_relu, tensors, torch.float64, case, keep_view=False)
+    if y_ref.abs().sum() == 0:
+        # Every relu closed (tiny cases): negating the linear layer opens them all.
+        x, w, b, lw, lb, gy = tensors
+        tensors = (x, -w, None if b is None else -b, lw, lb, gy)
+        y_ref, g_ref = run_op(recfuse.reference.ln_tanh_linear_relu, tensors, torch.float64, case, keep_view=False)
+    assert y_ref.abs().sum() > 0, f"{case}: degenerate case, reference output is all zero"
+    y, grads = run_op(fn, tensors, dtype, case)
+    assert y.dtype == dtype and y.shape == y_ref.shape
+    tol = TOLERANCE[dtype]
+    names = ["y", "x.grad", "weight.grad", "bias.grad", "ln_weight.grad", "ln_bias.grad"]
+    present = [True, True, True, tensors[2] is not None, tensors[3] is not None, tensors[4] is not None]
+    names = [n for n, p in zip(names, present) if p]
+    for name, out, ref in zip(names, [y] + grads, [y_ref] + g_ref):
+        assert out.shape == ref.shape, f"{case} {name}: shape {tuple(out.shape)} vs {tuple(ref.shape)}"
+        err = rel_err(out, ref)
+        assert err < tol, f"{case} {dtype} {name}: relative error {err:.2e} >= {tol:.0e}"

@@ -1,0 +1,80 @@
+"""The Triton kernels themselves, run under the Triton interpreter on CPU (TRITON_INTERPRET=1).
+
+`make test-interpret` runs these; on a CUDA machine `tests/gpu_check.py` runs the same cases on the
+GPU at realistic sizes. Grids stay small: the interpreter runs numpy per program.
+"""
+import pytest
+import torch
+
+import recfuse
+from recfuse.ops import launch
+from op_cases import Case, check_against_float64, make_inputs, rel_err, run_op
+
+pytestmark = pytest.mark.interpret
+
+CASES = [
+    Case(3, 5, 7, 1),
+    Case(2, 3, 7, 3, feature_dim=1, per_feature_weight=True, bias="per_feature"),
+    Case(1, 1, 1, 1, ln="shared"),
+    Case(2, 4, 100, 2, ln="shared", eps=0.0),
+    Case(2, 17, 20, 16, feature_dim=1, strided_view=True, ln="none", bias="none"),
+    Case(3, 2, 9, 6, per_feature_weight=True, ln="per_feature", eps=0.0),
+    Case(4, 3, 33, 1, feature_dim=1, strided_view=True, eps=0.0, ln="none"),
+    Case(1, 2, 300, 20, bias="per_feature"),
+    Case(2, 2, 1000, 1, ln="per_feature"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_kernels_match_float64_reference(case, dtype):
+    check_against_float64(case, dtype)
+
+
+def test_float16_dot_path():
+    check_against_float64(Case(2, 16, 16, 16, per_feature_weight=True), torch.float16)
+
+
+def test_kernels_are_what_runs(monkeypatch):
+    calls = []
+    for name in ("forward", "backward"):
+        original = getattr(launch, name)
+        monkeypatch.setattr(launch, name, lambda *a, _o=original, _n=name: calls.append(_n) or _o(*a))
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    recfuse.ln_tanh_linear_relu(x, torch.randn(1, 8)).sum().backward()
+    assert calls == ["forward", "backward"]
+
+
+def test_backward_is_bitwise_deterministic():
+    case = Case(3, 40, 24, 8, per_feature_weight=False, ln="shared")
+    tensors = make_inputs(case)
+    first = run_op(recfuse.ln_tanh_linear_relu, tensors, torch.float32, case)
+    second = run_op(recfuse.ln_tanh_linear_relu, tensors, torch.float32, case)
+    for a, b in zip([first[0]] + first[1], [second[0]] + second[1]):
+        assert torch.equal(a, b)
+
+
+def test_nan_exactly_where_pytorch_gives_nan():
+    x = torch.randn(2, 3, 8)
+    x[1, 2] = 2.0
+    w = torch.randn(2, 8)
+    y = recfuse.ln_tanh_linear_relu(x, w, eps=0.0)
+    y_ref = recfuse.reference.ln_tanh_linear_relu(x, w, eps=0.0)
+    assert torch.equal(torch.isnan(y), torch.isnan(y_ref))
+    assert rel_err(y[~torch.isnan(y)], y_ref[~torch.isnan(y_ref)]) < 1e-5
+
+
+def test_empty_batch_and_zero_grad_parameters():
+    x = torch.randn(0, 3, 8, requires_grad=True)
+    w = torch.randn(3, 2, 8, requires_grad=True)
+    b = torch.randn(2, requires_grad=True)
+    y = recfuse.ln_tanh_linear_relu(x, w, b, feature_dim=1)
+    assert y.shape == (0, 3, 2)
+    y.sum().backward()
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+
+
+def test_backward_falls_back_beyond_kernel_tile():
+    # H * D past the backward kernel's register tile: the composite backward takes over.
+    assert launch.backward_config(1024, 64, torch.float32, True) is None
+    check_against_float64(Case(1, 2, 1024, 64, ln="none"), torch.float32)
