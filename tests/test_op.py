@@ -173,3 +173,17 @@ def test_eps_changes_result_as_layer_norm_does():
         assert rel_err(y, ref) < 1e-12, eps
     assert not math.isclose(recfuse.ln_tanh_linear_relu(x, w, eps=0.5).sum().item(),
                             recfuse.ln_tanh_linear_relu(x, w, eps=0.0).sum().item())
+
+
+def test_eager_path_and_custom_op_path_agree():
+    # Plain eager calls skip the custom-op dispatcher; both must compute the same thing.
+    x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 2, 8, dtype=torch.float64, requires_grad=True)
+    lb = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    y1 = recfuse.ln_tanh_linear_relu(x, w, ln_bias=lb)
+    g1 = torch.autograd.grad(y1.sum(), (x, w, lb))
+    y2 = torch.ops.recfuse.ln_tanh_linear_relu(x, w, None, None, lb, 1e-5, 0)
+    g2 = torch.autograd.grad(y2.sum(), (x, w, lb))
+    assert torch.equal(y1, y2)
+    for a, b in zip(g1, g2):
+        assert rel_err(a, b) < 1e-12

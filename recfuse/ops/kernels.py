@@ -6,15 +6,17 @@ Three kernels, as in Triton's layer-norm tutorial:
   once, keeps mean, rstd, the normalised row, tanh, the dot with the weight, the bias and the relu
   in registers, writes y once. Nothing of x's size is written.
 * `ln_tanh_linear_relu_bwd`: one program per (chunk of rows, feature). Recomputes the normalised
-  row and tanh from x (no activation is saved), writes dx, and accumulates per-program partial
+  row, tanh and the relu mask from x (no activation is saved, not even y), writes dx, and accumulates per-program partial
   sums of the weight, bias and LayerNorm-affine gradients in registers.
 * `sum_partials`: the second stage of the weight-gradient reduction, a fixed-order sum over the
   per-program partials. No float atomics anywhere, so the same inputs give the same bits.
 
 Precision: every dtype accumulates in float32. With ``USE_DOT`` the row tile is multiplied with
-``tl.dot``: for float32 inputs ``DOT_PRECISION`` is "ieee" (full fp32 FMA, not TF32, so results
-stay within 1e-5 of float64); for bf16/fp16 the tanh tile is rounded to the input dtype before the
-tensor-core dot (fp32 accumulate), which is the precision PyTorch's own bf16 Linear has.
+``tl.dot``: for float32 inputs ``DOT_PRECISION`` is "tf32x3" on the GPU (three TF32 products that
+recover float32 accuracy, within 1e-5 of float64, where plain TF32 gives ~1e-3) and "ieee" in the
+interpreter; for bf16/fp16 the forward rounds the tanh tile to the input dtype before the
+tensor-core dot (fp32 accumulate), the precision PyTorch's own bf16 Linear has. The backward's dots
+take float32 operands for every input dtype.
 ``DOT_DTYPE`` is the dtype the dot operands are rounded to: the input dtype on the GPU, float32 in
 the Triton interpreter (its numpy dot has no bf16).
 """
@@ -60,6 +62,19 @@ def _normalize_tanh(
 
 
 @triton.jit
+def _row_linear(t, w, USE_DOT: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr):
+    """z[r, h] = sum_d t[r, d] * w[h, d] in fp32: tl.dot, a row reduction (H=1) or a 3D sum."""
+    if USE_DOT:
+        z = tl.dot(t, tl.trans(w), input_precision=PRECISION, out_dtype=tl.float32)
+    elif BLOCK_H == 1:
+        # H=1 as a row reduction: 2D only (size-1 dims of 3D tiles are a poor fit for Triton).
+        z = tl.sum(t * w.to(tl.float32), axis=1)[:, None]
+    else:
+        z = tl.sum(t[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    return z
+
+
+@triton.jit
 def ln_tanh_linear_relu_fwd(
     X, W, BIAS, LNW, LNB, Y,
     B, D, H,
@@ -94,9 +109,9 @@ def ln_tanh_linear_relu_fwd(
             mask=hmask[:, None] & cmask[None, :], other=0.0,
         )
         if USE_DOT:
-            z = tl.dot(t_dot, tl.trans(w.to(DOT_DTYPE)), input_precision=DOT_PRECISION, out_dtype=tl.float32)
+            z = _row_linear(t_dot, w.to(DOT_DTYPE), USE_DOT, BLOCK_H, DOT_PRECISION)
         else:
-            z = tl.sum(t[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            z = _row_linear(t, w, USE_DOT, BLOCK_H, DOT_PRECISION)
         if HAS_BIAS:
             z += tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)[None, :]
         # relu that keeps NaN, as torch.relu does (tl.maximum would turn NaN into 0).
@@ -107,17 +122,17 @@ def ln_tanh_linear_relu_fwd(
 
 @triton.jit
 def ln_tanh_linear_relu_bwd(
-    GY, X, Y, W, LNW, LNB, DX, PARTIAL,
+    GY, X, W, BIAS, LNW, LNB, DX, PARTIAL,
     B, D, H, rows_per_program,
     stride_x_f, stride_x_b, stride_x_d,
-    stride_y_f, stride_y_b,
+    stride_gy_f, stride_gy_b,
     stride_dx_f, stride_dx_b,
     stride_w_f, stride_w_h,
-    stride_lnw_f, stride_lnb_f,
+    stride_bias_f, stride_lnw_f, stride_lnb_f,
     stride_part_prog,
     eps,
-    HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
+    USE_DOT: tl.constexpr, BWD_DOT_PRECISION: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     # PARTIAL row of this program: [H*D weight | H bias | D ln_weight | D ln_bias], fp32.
@@ -129,7 +144,10 @@ def ln_tanh_linear_relu_bwd(
     cmask = cols < D
     hmask = hs < H
     w = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :],
-                mask=hmask[:, None] & cmask[None, :], other=0.0)
+                mask=hmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    bias = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
     acc_w = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc_lnw = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -146,18 +164,23 @@ def ln_tanh_linear_relu_bwd(
             HAS_LNW, HAS_LNB,
         )
         ymask = rmask[:, None] & hmask[None, :]
-        y_off = f * stride_y_f + rows64[:, None] * stride_y_b + hs[None, :]
-        y = tl.load(Y + y_off, mask=ymask, other=0.0)
-        gy = tl.load(GY + y_off, mask=ymask, other=0.0).to(tl.float32)
-        # relu'(z) from y: y > 0 exactly where z > 0.
-        dz = tl.where(y > 0, gy, 0.0)
+        gy = tl.load(GY + f * stride_gy_f + rows64[:, None] * stride_gy_b + hs[None, :],
+                     mask=ymask, other=0.0).to(tl.float32)
+        # relu'(z) from z recomputed in fp32 (one small dot): the mask is that of the exact
+        # function even where a bf16 forward rounded z across zero, and y need not be kept.
+        z = _row_linear(t, w, USE_DOT, BLOCK_H, BWD_DOT_PRECISION) + bias[None, :]
+        dz = tl.where(z > 0, gy, 0.0)
         if USE_DOT:
-            dz_dot = dz.to(DOT_DTYPE)
-            dt = tl.dot(dz_dot, w.to(DOT_DTYPE), input_precision=DOT_PRECISION, out_dtype=tl.float32)
-            acc_w += tl.dot(tl.trans(dz_dot), t.to(DOT_DTYPE),
-                            input_precision=DOT_PRECISION, out_dtype=tl.float32)
+            # fp32 operands for every input dtype: dx = rstd * (projection of dt) cancels, and
+            # rounding dz to bf16 first would cost ~3e-2 relative error in dx.
+            dt = tl.dot(dz, w, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
+            acc_w += tl.dot(tl.trans(dz), t, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
+        elif BLOCK_H == 1:
+            dz1 = tl.sum(dz, axis=1)
+            dt = dz1[:, None] * tl.sum(w, axis=0)[None, :]
+            acc_w += tl.sum(dz1[:, None] * t, axis=0)[None, :]
         else:
-            dt = tl.sum(dz[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+            dt = tl.sum(dz[:, :, None] * w[None, :, :], axis=1)
             acc_w += tl.sum(dz[:, :, None] * t[:, None, :], axis=0)
         acc_b += tl.sum(dz, axis=0)
         da = dt * (1.0 - t * t)

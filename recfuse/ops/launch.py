@@ -41,43 +41,53 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
               torch.float64: tl.float64}
 
 
+def _fp32_dot_precision(x: torch.Tensor) -> str:
+    # Plain TF32 costs ~1e-3 relative error; 3xTF32 keeps float32 accuracy at tensor-core speed.
+    # The interpreter (CPU) computes dots in numpy float32 and knows only "ieee".
+    return "ieee" if x.device.type == "cpu" else "tf32x3"
+
+
 def _dot_args(x: torch.Tensor) -> dict:
-    """DOT_DTYPE / DOT_PRECISION constexprs for x's dtype and device."""
+    """DOT_DTYPE / DOT_PRECISION constexprs of the forward kernel for x's dtype and device."""
     if x.device.type == "cpu":  # Triton interpreter: numpy has no bf16 matmul
         return {"DOT_DTYPE": tl.float32, "DOT_PRECISION": "ieee"}
-    # fp32 stays fp32 (TF32 would cost ~1e-3 relative error); bf16/fp16 are exact inputs anyway.
-    return {"DOT_DTYPE": _TL_DTYPES[x.dtype],
-            "DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32"}
+    return {"DOT_DTYPE": _TL_DTYPES[x.dtype], "DOT_PRECISION": _fp32_dot_precision(x)}
 
 
 @functools.lru_cache(maxsize=None)
 def forward_config(D: int, H: int, dtype: torch.dtype, interpret: bool) -> KernelConfig:
     """Pick block sizes for the forward kernel; cached, so a call costs one dict lookup.
 
+    From the H100 sweep (benchmarks/tune_kernels.py, results/tune_h100_v1.json): the row-reduction
+    path wants small tiles (8 rows of 256, 2 warps: many programs in flight hide HBM latency);
+    the tl.dot path wants 32-row tiles.
+
     Example:
-        >>> forward_config(256, 1, torch.float32, False).block_d
-        256
+        >>> forward_config(256, 1, torch.float32, False).block_b
+        8
     """
     block_d = triton.next_power_of_2(D)
     use_dot = H >= _DOT_MIN_H and 16 * block_d <= _TILE_BUDGET
     if use_dot:
         block_h = min(64, max(16, triton.next_power_of_2(H)))
-        block_b = max(16, min(64, _TILE_BUDGET // block_d))
-        # The [BLOCK_B, BLOCK_H] accumulator and the weight tile share the budget too.
-        while block_b > 16 and block_h * block_d + block_b * block_d > 2 * _TILE_BUDGET:
-            block_b //= 2
+        block_b = 32 if 32 * block_d <= _TILE_BUDGET else 16
+        num_warps = 4 if dtype == torch.float32 and block_h <= 16 else 8
     else:
         block_h = min(triton.next_power_of_2(H), 4)
-        block_b = max(1, min(64, _TILE_BUDGET // (block_d * block_h)))
-    if interpret:
-        # The interpreter runs numpy per program: fewer, larger programs are faster.
-        block_b = max(block_b, 16) if use_dot else block_b
-    num_warps = 4 if block_b * block_d <= 4096 else 8
+        block_b = max(1, 2048 // (block_d * block_h))
+        num_warps = max(2, min(8, block_b * block_d * block_h // 1024))
     return KernelConfig(block_b, block_d, block_h, use_dot, num_warps)
 
 
+@dataclass(frozen=True)
+class BackwardConfig(KernelConfig):
+    """Backward blocks plus how many waves of programs over the SMs share the rows."""
+
+    waves: int = 1
+
+
 @functools.lru_cache(maxsize=None)
-def backward_config(D: int, H: int, dtype: torch.dtype, interpret: bool) -> Optional[KernelConfig]:
+def backward_config(D: int, H: int, dtype: torch.dtype, interpret: bool) -> Optional[BackwardConfig]:
     """Block sizes for the backward kernel, or None when (D, H) is too large for it.
 
     Example:
@@ -90,14 +100,18 @@ def backward_config(D: int, H: int, dtype: torch.dtype, interpret: bool) -> Opti
         block_h = max(16, triton.next_power_of_2(H))
         if block_h * block_d > _BWD_MAX_WEIGHT_TILE or 16 * block_d > _TILE_BUDGET:
             return None
-        block_b = 16 if block_h * block_d > 4096 else 32
+        big = block_h * block_d > 4096
+        block_b = 16 if big or dtype != torch.float32 else 32
+        num_warps = 8 if big or dtype == torch.float32 else 4
+        waves = 1
     else:
         block_h = triton.next_power_of_2(H)
         if block_h * block_d > _BWD_MAX_WEIGHT_TILE:
             return None
-        block_b = max(1, min(32, _TILE_BUDGET // (4 * block_d * block_h)))
-    num_warps = 8 if block_b * block_d >= 8192 or block_h * block_d >= 8192 else 4
-    return KernelConfig(block_b, block_d, block_h, use_dot, num_warps)
+        block_b = max(1, min(32 if dtype != torch.float32 else 16, _TILE_BUDGET // (4 * block_d * block_h)))
+        num_warps = 4 if block_b * block_d <= 8192 else 8
+        waves = 1 if dtype != torch.float32 else 2
+    return BackwardConfig(block_b, block_d, block_h, use_dot, num_warps, waves)
 
 
 @functools.lru_cache(maxsize=8)
@@ -158,17 +172,17 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
     return y
 
 
-def _programs_per_feature(x: torch.Tensor, F: int, B: int, block_b: int) -> int:
+def _programs_per_feature(x: torch.Tensor, F: int, B: int, block_b: int, waves: int = 1) -> int:
     n_tiles = triton.cdiv(B, block_b)
     if x.device.type == "cuda":
-        # A few waves over the SMs; more programs only add partial rows to reduce.
-        target = 4 * _num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        # A wave or two over the SMs; more programs only add partial rows to reduce.
+        target = waves * _num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
     else:
         target = 2
     return max(1, min(n_tiles, triton.cdiv(target, F)))
 
 
-def backward(grad_y, x, y, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
     """Gradients (dx, dweight, dbias, dln_weight, dln_bias); empty tensors for absent parameters.
 
     Two or three launches: the fused backward kernel (dx and per-program partial sums), the
@@ -176,7 +190,7 @@ def backward(grad_y, x, y, weight, bias, ln_weight, ln_bias, eps, feature_dim):
     features a sum over F of the small per-feature sums.
 
     Example:
-        >>> gx, gw, gb, glw, glb = backward(gy, x, y, w, None, None, None, 1e-5, 0)  # doctest: +SKIP
+        >>> gx, gw, gb, glw, glb = backward(gy, x, w, None, None, None, 1e-5, 0)  # doctest: +SKIP
     """
     F, B, D, H = _sizes(x, weight, feature_dim)
     cfg = backward_config(D, H, x.dtype, x.device.type == "cpu")
@@ -184,35 +198,36 @@ def backward(grad_y, x, y, weight, bias, ln_weight, ln_bias, eps, feature_dim):
         from .ln_tanh_linear_relu import _composite_backward
 
         log.warning("recfuse: backward kernel does not cover D=%d, H=%d; using the torch composite", D, H)
-        return _composite_backward(grad_y, x, y, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+        return _composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     K = H * D + H + 2 * D
-    P = _programs_per_feature(x, F, B, cfg.block_b) if B > 0 else 1
+    P = _programs_per_feature(x, F, B, cfg.block_b, cfg.waves) if B > 0 else 1
     rows_per_program = triton.cdiv(triton.cdiv(max(B, 1), P), cfg.block_b) * cfg.block_b
     P = triton.cdiv(max(B, 1), rows_per_program)
     partial = torch.empty((F * P, K), dtype=torch.float32, device=x.device)
     weight_c = weight if weight.stride(-1) == 1 else weight.contiguous()
     lnw = ln_weight if ln_weight is None or ln_weight.stride(-1) == 1 else ln_weight.contiguous()
     lnb = ln_bias if ln_bias is None or ln_bias.stride(-1) == 1 else ln_bias.contiguous()
+    bias_c = bias if bias is None or bias.stride(-1) == 1 else bias.contiguous()
     grad_y = grad_y if grad_y.is_contiguous() else grad_y.contiguous()
     if F > 0:
         sxf, sxb = _feature_major(x, feature_dim)
-        syf, syb = _feature_major(y, feature_dim)
+        sgf, sgb = _feature_major(grad_y, feature_dim)
         sdf, sdb = _feature_major(dx, feature_dim)
         kernels.ln_tanh_linear_relu_bwd[(P, F)](
-            grad_y, x, y, weight_c,
+            grad_y, x, weight_c, bias_c if bias_c is not None else weight_c,
             lnw if lnw is not None else weight_c, lnb if lnb is not None else weight_c,
             dx, partial,
             B, D, H, rows_per_program,
             sxf, sxb, x.stride(2),
-            syf, syb,
+            sgf, sgb,
             sdf, sdb,
             weight_c.stride(0) if weight_c.dim() == 3 else 0, weight_c.stride(-2),
-            _param_stride(lnw, 2), _param_stride(lnb, 2),
+            _param_stride(bias_c, 2), _param_stride(lnw, 2), _param_stride(lnb, 2),
             K,
             float(eps),
-            HAS_LNW=lnw is not None, HAS_LNB=lnb is not None,
-            USE_DOT=cfg.use_dot, **_dot_args(x),
+            HAS_BIAS=bias_c is not None, HAS_LNW=lnw is not None, HAS_LNB=lnb is not None,
+            USE_DOT=cfg.use_dot, BWD_DOT_PRECISION=_fp32_dot_precision(x),
             BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
             num_warps=cfg.num_warps,
         )

@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
 from .._checks import check_op_args
 from ..reference import batched_ln_tanh_linear_relu
 
@@ -53,6 +55,10 @@ def _fwd_op(
     eps: float,
     feature_dim: int,
 ) -> torch.Tensor:
+    return _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+
+
+def _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
     if uses_triton(x.device):
         from . import launch
 
@@ -76,7 +82,6 @@ def _fwd_fake(x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
 def _bwd_op(
     grad_y: torch.Tensor,
     x: torch.Tensor,
-    y: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     ln_weight: Optional[torch.Tensor],
@@ -84,18 +89,22 @@ def _bwd_op(
     eps: float,
     feature_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+
+
+def _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
     if uses_triton(x.device):
         from . import launch
 
-        return launch.backward(grad_y, x, y, weight, bias, ln_weight, ln_bias, eps, feature_dim)
-    return _composite_backward(grad_y, x, y, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+        return launch.backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    return _composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
 
 
-def _composite_backward(grad_y, x, y, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+def _composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
     """Analytic backward of the chain on whole tensors (CPU path), float32 for low precision.
 
-    Recomputes the normalised rows and tanh from x (nothing but x and y is kept from forward) and
-    uses y > 0 as the relu mask, the same algorithm the Triton backward kernel runs per row tile.
+    Recomputes the normalised rows, tanh and the pre-relu z from x (nothing but the inputs is kept
+    from forward), the same algorithm the Triton backward kernel runs per row tile.
     """
     compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
@@ -103,7 +112,7 @@ def _composite_backward(grad_y, x, y, weight, bias, ln_weight, ln_bias, eps, fea
         t = t.to(compute)
         return t if feature_dim == 0 else t.transpose(0, 1)
 
-    xf, yf, gy = fm(x), fm(y), fm(grad_y)
+    xf, gy = fm(x), fm(grad_y)
     mean = xf.mean(-1, keepdim=True)
     xc = xf - mean
     rstd = torch.rsqrt((xc * xc).mean(-1, keepdim=True) + eps)
@@ -115,8 +124,12 @@ def _composite_backward(grad_y, x, y, weight, bias, ln_weight, ln_bias, eps, fea
         lb = ln_bias.to(compute)
         a = a + (lb.unsqueeze(1) if lb.dim() == 2 else lb)
     t = torch.tanh(a)
-    dz = torch.where(yf > 0, gy, torch.zeros((), dtype=compute))
     w = weight.to(compute)
+    z = torch.bmm(t, w.transpose(1, 2)) if w.dim() == 3 else torch.matmul(t, w.t())
+    if bias is not None:
+        b = bias.to(compute)
+        z = z + (b.unsqueeze(1) if b.dim() == 2 else b)
+    dz = torch.where(z > 0, gy, torch.zeros((), dtype=compute))
     if w.dim() == 3:
         dt = torch.bmm(dz, w)
         gw = torch.bmm(dz.transpose(1, 2), t)
@@ -141,7 +154,7 @@ def _composite_backward(grad_y, x, y, weight, bias, ln_weight, ln_bias, eps, fea
 
 
 @_bwd_op.register_fake
-def _bwd_fake(grad_y, x, y, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+def _bwd_fake(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
     def like(t):
         return _empty(x) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
 
@@ -156,15 +169,16 @@ def _bwd_fake(grad_y, x, y, weight, bias, ln_weight, ln_bias, eps, feature_dim):
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, ln_weight, ln_bias, eps, feature_dim = inputs
-    ctx.save_for_backward(x, output, weight, bias, ln_weight, ln_bias)
+    # Only the inputs: the backward recomputes every activation (and the relu mask) from x.
+    ctx.save_for_backward(x, weight, bias, ln_weight, ln_bias)
     ctx.eps = eps
     ctx.feature_dim = feature_dim
 
 
-def _backward(ctx, grad_y):
-    x, y, weight, bias, ln_weight, ln_bias = ctx.saved_tensors
-    gx, gw, gb, glw, glb = _bwd_op(
-        grad_y.contiguous(), x, y, weight, bias, ln_weight, ln_bias, ctx.eps, ctx.feature_dim
+def _backward(ctx, grad_y, backward_fn=_bwd_op):
+    x, weight, bias, ln_weight, ln_bias = ctx.saved_tensors
+    gx, gw, gb, glw, glb = backward_fn(
+        grad_y.contiguous(), x, weight, bias, ln_weight, ln_bias, ctx.eps, ctx.feature_dim
     )
     return (
         gx,
@@ -178,6 +192,34 @@ def _backward(ctx, grad_y):
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerLnTanhLinearRelu(torch.autograd.Function):
+    """The same forward and backward without the custom-op dispatcher, for plain eager calls.
+
+    torch.library's Python dispatch costs ~35 us a call on an H100 host (benchmarks/results/
+    tune_h100_v1.json), as much as the Triton launch itself; eager callers need no schema or fake
+    impl, so they take this path. Tracing, compiling and exporting still see the custom op.
+    """
+
+    @staticmethod
+    def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+        return _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return _backward(ctx, grad_y, backward_fn=_backward_impl)
+
+
+def _is_plain_eager(x) -> bool:
+    """True for a real tensor outside torch.compile/export tracing and dispatch modes."""
+    return (
+        type(x) is torch.Tensor
+        and not torch.compiler.is_compiling()
+        and _get_current_dispatch_mode() is None
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,9 +261,14 @@ def ln_tanh_linear_relu(
         torch.Size([32, 16, 1])
         >>> y.sum().backward()
     """
-    if not isinstance(x, torch.fx.Proxy):
-        # Under symbolic_trace the arguments are proxies; the op's fake impl checks them later.
-        check_op_args(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    if isinstance(x, torch.fx.Proxy):
+        # symbolic_trace: record one custom-op node; its fake impl sees the shapes later.
+        return torch.ops.recfuse.ln_tanh_linear_relu(
+            x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim)
+        )
+    check_op_args(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    if _is_plain_eager(x):
+        return _EagerLnTanhLinearRelu.apply(x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim))
     return torch.ops.recfuse.ln_tanh_linear_relu(
         x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim)
     )
