@@ -41,26 +41,40 @@ def inputs(F, B, D, H, dtype):
     return x, w, b
 
 
+def _timed(fn, ref):
+    try:
+        out = fn()
+        out = out if isinstance(out, tuple) else (out,)
+        refs = ref if isinstance(ref, tuple) else (ref,)
+        err = max(((a.float() - r.float()).norm() / r.float().norm().clamp_min(1e-12)).item()
+                  for a, r in zip(out[:3], refs[:3]))
+        return {"us": bench(fn), "err_vs_default": err}
+    except Exception as e:  # noqa: BLE001 - an invalid config is a row, not a crash
+        return {"us": None, "error": str(e)[:80]}
+
+
 def sweep_forward(F, B, D, H, dtype):
     x, w, b = inputs(F, B, D, H, dtype)
     ref = launch.forward(x, w, b, None, None, 0.0, 1)
     base = launch.forward_config(D, H, dtype, False)
+    variants = []
+    if base.use_dot:
+        variants += [launch.KernelConfig(bb, base.block_d, base.block_h, True, nw)
+                     for bb in (16, 32, 64) for nw in (4, 8)]
+        variants += [launch.KernelConfig(bb, base.block_d, 4, False, nw)
+                     for bb in (1, 2, 4) for nw in (2, 4, 8)]
+    else:
+        variants += [launch.KernelConfig(bb, base.block_d, base.block_h, False, nw)
+                     for bb in (4, 8, 16, 32) for nw in (2, 4)]
     out = []
     orig = launch.forward_config
-    for block_b, warps in itertools.product([2, 4, 8, 16, 32, 64], [2, 4, 8]):
-        if base.use_dot and block_b < 16:
-            continue
-        cfg = launch.KernelConfig(block_b, base.block_d, base.block_h, base.use_dot, warps)
+    for cfg in variants:
         launch.forward_config = lambda *a, _c=cfg: _c
         try:
-            y = launch.forward(x, w, b, None, None, 0.0, 1)
-            err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
-            t = bench(lambda: launch.forward(x, w, b, None, None, 0.0, 1))
-            out.append({"block_b": block_b, "warps": warps, "us": t, "err_vs_default": err})
-        except Exception as e:  # noqa: BLE001 - an invalid config is a row, not a crash
-            out.append({"block_b": block_b, "warps": warps, "us": None, "error": str(e)[:80]})
+            row = _timed(lambda: launch.forward(x, w, b, None, None, 0.0, 1), ref)
         finally:
             launch.forward_config = orig
+        out.append({"config": str(cfg), **row})
     return base, out
 
 
@@ -69,22 +83,24 @@ def sweep_backward(F, B, D, H, dtype):
     gy = torch.randn(B, F, H, device="cuda", dtype=dtype)
     ref = launch.backward(gy, x, w, b, None, None, 0.0, 1)
     base = launch.backward_config(D, H, dtype, False)
+    if base.use_dot:
+        variants = [launch.BackwardConfig(bb, base.block_d, base.block_h, True, nw, wv, 1)
+                    for bb in (16, 32) for nw in (4, 8) for wv in (1, 2)]
+        if dtype == torch.float32 and H <= 16:
+            variants += [launch.BackwardConfig(bb, base.block_d, base.block_h, False, nw, wv, st)
+                         for bb in (1, 2) for nw in (4, 8) for wv in (1, 4) for st in (1, 2)]
+    else:
+        variants = [launch.BackwardConfig(bb, base.block_d, base.block_h, False, nw, wv, st)
+                    for bb in (8, 16, 32) for nw in (4, 8) for wv in (1, 2, 8) for st in (1, 2, 3)]
     out = []
-    orig_cfg = launch.backward_config
-    for block_b, warps, waves in itertools.product([8, 16, 32], [4, 8], [1, 2, 4]):
-        if base.use_dot and block_b < 16:
-            continue
-        cfg = launch.BackwardConfig(block_b, base.block_d, base.block_h, base.use_dot, warps, waves)
+    orig = launch.backward_config
+    for cfg in variants:
         launch.backward_config = lambda *a, _c=cfg: _c
         try:
-            g = launch.backward(gy, x, w, b, None, None, 0.0, 1)
-            err = max(((a.float() - r.float()).norm() / r.float().norm().clamp_min(1e-12)).item() for a, r in zip(g[:3], ref[:3]))
-            t = bench(lambda: launch.backward(gy, x, w, b, None, None, 0.0, 1))
-            out.append({"block_b": block_b, "warps": warps, "waves": waves, "us": t, "err_vs_default": err})
-        except Exception as e:  # noqa: BLE001
-            out.append({"block_b": block_b, "warps": warps, "waves": waves, "us": None, "error": str(e)[:80]})
+            row = _timed(lambda: launch.backward(gy, x, w, b, None, None, 0.0, 1), ref)
         finally:
-            launch.backward_config = orig_cfg
+            launch.backward_config = orig
+        out.append({"config": str(cfg), **row})
     return base, out
 
 
@@ -99,7 +115,7 @@ def host_overhead():
         launch.kernels.ln_tanh_linear_relu_fwd[grid](
             x, w, b, w, w, y, B, D, H, x.stride(1), x.stride(0), 1, 0, w.stride(0), 0, 0, 0,
             y.stride(1), y.stride(0), 0.0, HAS_BIAS=True, HAS_LNW=False, HAS_LNB=False,
-            USE_DOT=cfg.use_dot, **launch._dot_args(x), BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d,
+            USE_DOT=cfg.use_dot, **launch._dot_args(x), FAST_TANH=False, BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d,
             BLOCK_H=cfg.block_h, num_warps=cfg.num_warps)
 
     layers = {
@@ -139,23 +155,19 @@ def main():
     args = ap.parse_args()
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "host_overhead": host_overhead(), "forward": [], "backward": []}
-    for F, B, D, H, dtype in PROBLEMS:
-        base, rows = sweep_forward(F, B, D, H, dtype)
-        ok = [r for r in rows if r.get("us")]
-        best = min(ok, key=lambda r: r["us"])
-        default = next((r for r in ok if r["block_b"] == base.block_b and r["warps"] == base.num_warps), None)
-        print(f"fwd {F},{B},{D},{H} {dtype}: default {base} -> {default and round(default['us'], 1)} us; best {best}", flush=True)
-        result["forward"].append({"problem": [F, B, D, H, str(dtype)], "default": str(base), "rows": rows, "best": best})
-        torch.cuda.empty_cache()
-    if not args.skip_backward:
+    for kind, sweep in (("forward", sweep_forward), ("backward", None if args.skip_backward else sweep_backward)):
+        if sweep is None:
+            continue
         for F, B, D, H, dtype in PROBLEMS:
-            base, rows = sweep_backward(F, B, D, H, dtype)
-            ok = [r for r in rows if r.get("us")]
-            best = min(ok, key=lambda r: r["us"])
-            print(f"bwd {F},{B},{D},{H} {dtype}: default {base}; best {best}", flush=True)
-            top = sorted(ok, key=lambda r: r["us"])[:5]
-            print("   top5:", [(r["block_b"], r["warps"], r["waves"], round(r["us"], 1)) for r in top], flush=True)
-            result["backward"].append({"problem": [F, B, D, H, str(dtype)], "default": str(base), "rows": rows, "best": best})
+            base, rows = sweep(F, B, D, H, dtype)
+            ok = sorted((r for r in rows if r.get("us")), key=lambda r: r["us"])
+            print(f"{kind} {F},{B},{D},{H} {dtype}: default {base}", flush=True)
+            for r in ok[:4]:
+                print(f"    {r['us']:8.1f} us  err {r['err_vs_default']:.1e}  {r['config']}", flush=True)
+            bad = [r for r in rows if not r.get("us")]
+            if bad:
+                print(f"    {len(bad)} configs failed, e.g. {bad[0]}", flush=True)
+            result[kind].append({"problem": [F, B, D, H, str(dtype)], "default": str(base), "rows": rows})
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as fh:

@@ -47,6 +47,15 @@ def _fp32_dot_precision(x: torch.Tensor) -> str:
     return "ieee" if x.device.type == "cpu" else "tf32x3"
 
 
+def _fast_tanh(x: torch.Tensor) -> bool:
+    """MUFU tanh.approx for 16-bit inputs on CUDA; fp32 keeps the exact exp form (1e-5 target)."""
+    return x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16) and FAST_TANH_16BIT
+
+
+# Module switch so benchmarks can measure the exact tanh on 16-bit inputs too.
+FAST_TANH_16BIT = True
+
+
 def _dot_args(x: torch.Tensor) -> dict:
     """DOT_DTYPE / DOT_PRECISION constexprs of the forward kernel for x's dtype and device."""
     if x.device.type == "cpu":  # Triton interpreter: numpy has no bf16 matmul
@@ -81,9 +90,11 @@ def forward_config(D: int, H: int, dtype: torch.dtype, interpret: bool) -> Kerne
 
 @dataclass(frozen=True)
 class BackwardConfig(KernelConfig):
-    """Backward blocks plus how many waves of programs over the SMs share the rows."""
+    """Backward blocks, how many waves of programs over the SMs share the rows, and the
+    software-pipelining depth of the row loop (fp32 dot tiles overflow shared memory at 3)."""
 
     waves: int = 1
+    num_stages: int = 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -165,7 +176,7 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
         syf, syb,
         float(eps),
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
-        USE_DOT=cfg.use_dot, **_dot_args(x),
+        USE_DOT=cfg.use_dot, **_dot_args(x), FAST_TANH=_fast_tanh(x),
         BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
         num_warps=cfg.num_warps,
     )
@@ -227,9 +238,9 @@ def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
             K,
             float(eps),
             HAS_BIAS=bias_c is not None, HAS_LNW=lnw is not None, HAS_LNB=lnb is not None,
-            USE_DOT=cfg.use_dot, BWD_DOT_PRECISION=_fp32_dot_precision(x),
+            USE_DOT=cfg.use_dot, BWD_DOT_PRECISION=_fp32_dot_precision(x), FAST_TANH=_fast_tanh(x),
             BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
-            num_warps=cfg.num_warps,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     per_feature = [weight.dim() == 3,
                    bias is not None and bias.dim() == 2,
