@@ -12,8 +12,9 @@ import logging as _logging
 from . import reference
 from .errors import RecfuseError
 from .ops import ln_tanh_linear_relu
+from .module import FusedFeatureProcessor
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 __version__ = "0.1.0"
-__all__ = ["ln_tanh_linear_relu", "reference", "RecfuseError"]
+__all__ = ["ln_tanh_linear_relu", "reference", "RecfuseError", "FusedFeatureProcessor"]
