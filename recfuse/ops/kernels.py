@@ -162,9 +162,10 @@ def ln_tanh_linear_relu_bwd(
     if HAS_BIAS:
         bias = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
     acc_w = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc_b_rows = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
     # Column sums over rows are kept per row slot ([BLOCK_B, BLOCK_D], elementwise adds) and
-    # reduced once after the loop: a cross-warp reduction per tile would cost more than the tile.
+    # reduced once after the loop: a cross-warp reduction per tile would cost more than the tile,
+    # and BLOCK_B short chains instead of one long one keep fp32 sums over 1e6 rows accurate.
     acc_w_rows = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
     acc_lnw_rows = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
     acc_lnb_rows = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
@@ -198,7 +199,7 @@ def ln_tanh_linear_relu_bwd(
         else:
             dt = tl.sum(dz[:, :, None] * w[None, :, :], axis=1)
             acc_w += tl.sum(dz[:, :, None] * t[:, None, :], axis=0)
-        acc_b += tl.sum(dz, axis=0)
+        acc_b_rows += dz
         da = dt * (1.0 - t * t)
         da = tl.where(mask, da, 0.0)
         if HAS_LNW:
@@ -216,7 +217,7 @@ def ln_tanh_linear_relu_bwd(
         acc_w += tl.sum(acc_w_rows, axis=0)[None, :]
     tl.store(part + hs[:, None] * D + cols[None, :], acc_w, mask=hmask[:, None] & cmask[None, :])
     part += H * D
-    tl.store(part + hs, acc_b, mask=hmask)
+    tl.store(part + hs, tl.sum(acc_b_rows, axis=0), mask=hmask)
     part += H
     # Absent LayerNorm affine: zeros, so the reduction stays one uniform pass.
     tl.store(part + cols, tl.sum(acc_lnw_rows, axis=0), mask=cmask)
@@ -226,13 +227,21 @@ def ln_tanh_linear_relu_bwd(
 @triton.jit
 def sum_partials(
     PARTIAL, OUT, n_groups, n_per_group, K,
-    BLOCK_K: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """OUT[g, k] = sum over j < n_per_group of PARTIAL[g * n_per_group + j, k], in a fixed order."""
+    """OUT[g, k] = sum over j < n_per_group of PARTIAL[g * n_per_group + j, k], in a fixed order.
+
+    BLOCK_J partial rows are added per step into BLOCK_J separate accumulators that are summed
+    once at the end: the rounding chain is n_per_group / BLOCK_J long instead of n_per_group.
+    """
     g = tl.program_id(1).to(tl.int64)
     ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    js = tl.arange(0, BLOCK_J)
     kmask = ks < K
-    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for j in range(0, n_per_group):
-        acc += tl.load(PARTIAL + (g * n_per_group + j) * K + ks, mask=kmask, other=0.0)
-    tl.store(OUT + g * K + ks, acc, mask=kmask)
+    acc = tl.zeros([BLOCK_J, BLOCK_K], dtype=tl.float32)
+    for j0 in range(0, n_per_group, BLOCK_J):
+        jmask = (j0 + js) < n_per_group
+        rows = g * n_per_group + j0 + js
+        acc += tl.load(PARTIAL + rows[:, None] * K + ks[None, :],
+                       mask=jmask[:, None] & kmask[None, :], other=0.0)
+    tl.store(OUT + g * K + ks, tl.sum(acc, axis=0), mask=kmask)

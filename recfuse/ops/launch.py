@@ -14,8 +14,10 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from . import kernels
+from ._compiled_launch import CompiledLaunchCache
 
 log = logging.getLogger("recfuse")
 
@@ -24,6 +26,11 @@ _TILE_BUDGET = 16384
 # The backward keeps all of H in one tile (dx needs the whole dz @ W); beyond this it falls back.
 _BWD_MAX_WEIGHT_TILE = 16384
 _DOT_MIN_H = 5
+
+
+_launch_fwd = CompiledLaunchCache(kernels.ln_tanh_linear_relu_fwd)
+_launch_bwd = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
+_launch_sum_partials = CompiledLaunchCache(kernels.sum_partials)
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,14 @@ def _fp32_dot_precision(x: torch.Tensor) -> str:
     # Plain TF32 costs ~1e-3 relative error; 3xTF32 keeps float32 accuracy at tensor-core speed.
     # The interpreter (CPU) computes dots in numpy float32 and knows only "ieee".
     return "ieee" if x.device.type == "cpu" else "tf32x3"
+
+
+def _bwd_dot_precision(x: torch.Tensor) -> str:
+    """Backward dots take fp32 operands; for 16-bit inputs one TF32 pass (10-bit mantissa) is
+    already finer than the input, for fp32 inputs 3xTF32 keeps the 1e-5 accuracy."""
+    if x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16):
+        return "tf32"
+    return _fp32_dot_precision(x)
 
 
 def _fast_tanh(x: torch.Tensor) -> bool:
@@ -166,7 +181,7 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
     syf, syb = _feature_major(y, feature_dim)
     dummy = weight  # never read: the HAS_* flags are False for absent parameters
     grid = (triton.cdiv(B, cfg.block_b), F)
-    kernels.ln_tanh_linear_relu_fwd[grid](
+    _launch_fwd(grid, (
         x, weight, bias if bias is not None else dummy,
         ln_weight if ln_weight is not None else dummy, ln_bias if ln_bias is not None else dummy, y,
         B, D, H,
@@ -175,11 +190,11 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
         _param_stride(bias, 2), _param_stride(ln_weight, 2), _param_stride(ln_bias, 2),
         syf, syb,
         float(eps),
+    ), dict(
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
         USE_DOT=cfg.use_dot, **_dot_args(x), FAST_TANH=_fast_tanh(x),
         BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
-        num_warps=cfg.num_warps,
-    )
+    ), num_warps=cfg.num_warps)
     return y
 
 
@@ -205,11 +220,34 @@ def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
     """
     F, B, D, H = _sizes(x, weight, feature_dim)
     cfg = backward_config(D, H, x.dtype, x.device.type == "cpu")
-    if cfg is None:
-        from .ln_tanh_linear_relu import _composite_backward
+    unfit_key = (D, H, x.dtype, weight.dim(), x.device.type)
+    if cfg is None or unfit_key in _BWD_UNFIT:
+        return _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
+                                          "the backward kernel does not cover")
+    try:
+        return _backward_kernels(cfg, grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    except OutOfResources as err:
+        # Found at compile time, before anything ran: e.g. fp32 H=64 D=256 3xTF32 tiles need
+        # more shared memory than an H100 has. Remember it and let the composite do this shape.
+        _BWD_UNFIT.add(unfit_key)
+        return _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
+                                          f"the backward kernel ran out of {err}; the composite covers")
 
-        log.warning("recfuse: backward kernel does not cover D=%d, H=%d; using the torch composite", D, H)
-        return _composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+
+# (D, H, dtype, weight rank, device type) whose backward kernel does not fit on this device.
+_BWD_UNFIT: set = set()
+
+
+def _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, why):
+    from .ln_tanh_linear_relu import _composite_backward
+
+    F, B, D, H = _sizes(x, weight, feature_dim)
+    log.warning("recfuse: %s D=%d, H=%d, %s; using the torch composite backward", why, D, H, x.dtype)
+    return _composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+
+
+def _backward_kernels(cfg, grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+    F, B, D, H = _sizes(x, weight, feature_dim)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     K = H * D + H + 2 * D
     P = _programs_per_feature(x, F, B, cfg.block_b, cfg.waves) if B > 0 else 1
@@ -225,7 +263,7 @@ def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
         sxf, sxb = _feature_major(x, feature_dim)
         sgf, sgb = _feature_major(grad_y, feature_dim)
         sdf, sdb = _feature_major(dx, feature_dim)
-        kernels.ln_tanh_linear_relu_bwd[(P, F)](
+        _launch_bwd((P, F), (
             grad_y, x, weight_c, bias_c if bias_c is not None else weight_c,
             lnw if lnw is not None else weight_c, lnb if lnb is not None else weight_c,
             dx, partial,
@@ -237,11 +275,11 @@ def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
             _param_stride(bias_c, 2), _param_stride(lnw, 2), _param_stride(lnb, 2),
             K,
             float(eps),
+        ), dict(
             HAS_BIAS=bias_c is not None, HAS_LNW=lnw is not None, HAS_LNB=lnb is not None,
-            USE_DOT=cfg.use_dot, BWD_DOT_PRECISION=_fp32_dot_precision(x), FAST_TANH=_fast_tanh(x),
+            USE_DOT=cfg.use_dot, BWD_DOT_PRECISION=_bwd_dot_precision(x), FAST_TANH=_fast_tanh(x),
             BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        ), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     per_feature = [weight.dim() == 3,
                    bias is not None and bias.dim() == 2,
                    ln_weight is not None and ln_weight.dim() == 2,
@@ -250,10 +288,9 @@ def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
     groups = 1 if all_shared else F
     sums = torch.empty((groups, K), dtype=torch.float32, device=x.device)
     if F > 0:
-        block_k = 1024
-        kernels.sum_partials[(triton.cdiv(K, block_k), groups)](
-            partial, sums, groups, (F * P) // groups, K, BLOCK_K=block_k,
-        )
+        block_k = 256
+        _launch_sum_partials((triton.cdiv(K, block_k), groups), (partial, sums, groups, (F * P) // groups, K),
+                             dict(BLOCK_J=8, BLOCK_K=block_k))
     else:
         sums.zero_()
 

@@ -1,0 +1,69 @@
+"""Launch compiled Triton kernels without re-binding their arguments on every call.
+
+`JITFunction.run` binds and re-specialises every argument on each call: for our kernels (about
+25 arguments) that is 20-30 us of host time on the H100 machine, several times the GPU time of the
+puzzler's shape (F=16, B=1024, D=256). What Triton specialises on is fixed by the argument
+dtypes, the integer values and the 16-byte alignment of each pointer, so those (plus the
+constexprs and launch options) form a key; the first call of a key goes through
+`JITFunction.run`, and later calls launch the `CompiledKernel` it returned directly.
+
+The key holds every integer exactly (not only Triton's "== 1" / "% 16" classes): a few more
+compilations-cache lookups for new batch sizes, never a kernel specialised for other values.
+If the direct launch ever fails (a Triton version whose launcher takes other arguments), it is
+switched off for the process with a warning and `JITFunction.run` is used from then on.
+Set `RECFUSE_COMPILED_LAUNCH=0` to switch it off.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Sequence
+
+import torch
+
+log = logging.getLogger("recfuse")
+
+
+class CompiledLaunchCache:
+    """Wraps one `@triton.jit` function; call it like `fn[grid](*args, **meta)`.
+
+    Example:
+        >>> launch = CompiledLaunchCache(kernels.sum_partials)  # doctest: +SKIP
+        >>> launch((n_blocks, groups), (partial, sums, groups, n, K), {"BLOCK_J": 8, "BLOCK_K": 256})  # doctest: +SKIP
+    """
+
+    def __init__(self, jit_fn):
+        self.jit_fn = jit_fn
+        self.arg_names = list(jit_fn.arg_names)
+        self.kernels: dict[tuple, Any] = {}
+        self.enabled = os.environ.get("RECFUSE_COMPILED_LAUNCH", "1") != "0"
+
+    def _key(self, args: Sequence, meta: dict, options: dict) -> tuple:
+        # Alignment is what Triton's pointer specialisation looks at; dtype picks the kernel.
+        spec = tuple((a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor) else a for a in args)
+        return spec, tuple(meta.items()), tuple(options.items()), args[0].device.index
+
+    def __call__(self, grid: tuple, args: Sequence, meta: dict, **options) -> None:
+        jit = self.jit_fn
+        if not (self.enabled and args[0].device.type == "cuda"):
+            jit[grid](*args, **meta, **options)
+            return
+        key = self._key(args, meta, options)
+        compiled = self.kernels.get(key)
+        if compiled is None:
+            compiled = jit[grid](*args, **meta, **options)
+            if compiled is not None and len(args) + len(meta) == len(self.arg_names):
+                self.kernels[key] = compiled
+            return
+        # All parameters in signature order: the constexprs follow the runtime arguments.
+        full = list(args)
+        full.extend(meta[name] for name in self.arg_names[len(args):])
+        try:
+            stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
+            compiled[grid](*full, stream=stream)
+        except Exception as err:  # noqa: BLE001 - any launcher mismatch falls back, loudly
+            log.warning("recfuse: direct launch of %s failed (%s: %s); using JITFunction.run from now on",
+                        getattr(jit, "__name__", jit), type(err).__name__, err)
+            self.enabled = False
+            self.kernels.clear()
+            jit[grid](*args, **meta, **options)
