@@ -104,6 +104,14 @@ def sweep_backward(F, B, D, H, dtype):
     return base, out
 
 
+def _without_compiled_launch(fn):
+    launch._launch_fwd.enabled = False
+    try:
+        return fn()
+    finally:
+        launch._launch_fwd.enabled = True
+
+
 def host_overhead():
     F, B, D, H = 16, 1024, 256, 1
     x, w, b = inputs(F, B, D, H, torch.float32)
@@ -122,6 +130,8 @@ def host_overhead():
         "check_op_args": lambda: check_op_args(x, w, b, None, None, 0.0, 1),
         "raw triton launch": raw,
         "launch.forward": lambda: launch.forward(x, w, b, None, None, 0.0, 1),
+        "launch.forward via JITFunction.run": lambda: _without_compiled_launch(
+            lambda: launch.forward(x, w, b, None, None, 0.0, 1)),
         "torch.ops.recfuse (custom op)": lambda: torch.ops.recfuse.ln_tanh_linear_relu(x, w, b, None, None, 0.0, 1),
         "recfuse.ln_tanh_linear_relu": lambda: recfuse.ln_tanh_linear_relu(x, w, b, eps=0.0, feature_dim=1),
         "torch.empty (reference)": lambda: torch.empty(B, F, H, device="cuda"),
@@ -145,6 +155,8 @@ def host_overhead():
         wall = (time.perf_counter() - t0) / 200 * 1e6
         out[name] = {"host_us_per_call": host, "wall_us_with_sync": wall}
         print(f"{name:>32}: host {host:7.1f} us/call, wall with sync {wall:7.1f} us", flush=True)
+    out["compiled_launch_cache_entries"] = len(launch._launch_fwd.kernels)
+    print("compiled launch cache entries (forward):", out["compiled_launch_cache_entries"], flush=True)
     return out
 
 
