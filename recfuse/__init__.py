@@ -13,8 +13,10 @@ from . import reference
 from .errors import RecfuseError
 from .ops import ln_tanh_linear_relu
 from .module import FusedFeatureProcessor
+from .fx import transform, explain, FusionReport
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 __version__ = "0.1.0"
-__all__ = ["ln_tanh_linear_relu", "reference", "RecfuseError", "FusedFeatureProcessor"]
+__all__ = ["ln_tanh_linear_relu", "reference", "RecfuseError", "FusedFeatureProcessor", "transform", "explain",
+           "FusionReport"]

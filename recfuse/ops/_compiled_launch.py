@@ -60,7 +60,7 @@ class CompiledLaunchCache:
         full.extend(meta[name] for name in self.arg_names[len(args):])
         try:
             stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
-            compiled[grid](*full, stream=stream)
+            compiled[tuple(grid) + (1,) * (3 - len(grid))](*full, stream=stream)  # it indexes grid[2]
         except Exception as err:  # noqa: BLE001 - any launcher mismatch falls back, loudly
             log.warning("recfuse: direct launch of %s failed (%s: %s); using JITFunction.run from now on",
                         getattr(jit, "__name__", jit), type(err).__name__, err)

@@ -1,0 +1,406 @@
+"""Capture a model or function as a torch.fx GraphModule whose nodes carry example values.
+
+`torch.fx.symbolic_trace` alone cannot trace the code recfuse exists for: the seed
+`split_stack` iterates over the tuple that `torch.split` returns, and symbolic proxies have no
+length. The tracer here runs every node on the example inputs while it records it, so a proxy
+knows its value: tuples and lists of tensors can be iterated, dicts (a torchrec
+`KeyedTensor.to_dict()`) can be walked with `.items()`, and `len()` works. Control flow on a
+*tensor* value stays an error (it would silently specialise the graph to the example data);
+control flow on Python scalars (shapes) is specialised to the example.
+
+Non-tensor example inputs (ints such as `batch_size`, modules passed as arguments) become
+constants of the graph, as `concrete_args` do in `symbolic_trace`.
+
+Every captured node gets ``node.meta["recfuse_val"]``: a `ValueInfo` (shape and dtype for tensors,
+the same structure for tuples, lists and dicts, the value itself for small Python constants).
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.fx import GraphModule, Proxy, Tracer
+from torch.fx.node import Node, map_aggregate
+
+from ..errors import RecfuseError
+
+__all__ = ["capture", "ValueInfo", "VAL_KEY", "value_of", "annotate_from_meta"]
+
+logger = logging.getLogger("recfuse")
+
+VAL_KEY = "recfuse_val"
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    """Shape and dtype of a tensor value seen while capturing (no data is kept).
+
+    Example:
+        >>> import torch
+        >>> ValueInfo.of(torch.zeros(2, 3)).shape
+        (2, 3)
+    """
+
+    shape: tuple
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "ValueInfo":
+        shape = []
+        for s in t.shape:
+            try:
+                shape.append(int(s))
+            except Exception:  # symbolic size without a hint: unknown
+                shape.append(None)
+        return ValueInfo(tuple(shape), t.dtype)
+
+
+def _summarise(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return ValueInfo.of(v)
+    if isinstance(v, torch.Size):
+        return tuple(int(x) for x in v)
+    if isinstance(v, Mapping):
+        return {k: _summarise(x) for k, x in v.items()}
+    if isinstance(v, (tuple, list)):
+        return type(v)(_summarise(x) for x in v) if type(v) in (tuple, list) else tuple(_summarise(x) for x in v)
+    if v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device)):
+        return v
+    return type(v)  # anything else: only its type is useful to the matcher
+
+
+def value_of(node: Node) -> Any:
+    """The captured value summary of `node`: from capture, or from Dynamo/ShapeProp metadata.
+
+    Example:
+        >>> import torch, torch.fx
+        >>> gm = torch.fx.symbolic_trace(lambda x: x + 1)
+        >>> value_of(next(iter(gm.graph.nodes))) is None
+        True
+    """
+    if VAL_KEY in node.meta:
+        return node.meta[VAL_KEY]
+    for key in ("val", "example_value"):
+        if key in node.meta:
+            return _summarise(node.meta[key])
+    tm = node.meta.get("tensor_meta")
+    if tm is not None and hasattr(tm, "shape"):
+        return ValueInfo(tuple(int(s) for s in tm.shape), tm.dtype)
+    return None
+
+
+def annotate_from_meta(graph: torch.fx.Graph) -> bool:
+    """Copy Dynamo's fake-tensor metadata into ``recfuse_val``; True if every tensor node had some.
+
+    Example:
+        >>> import torch, torch.fx
+        >>> annotate_from_meta(torch.fx.symbolic_trace(lambda x: x + 1).graph)
+        False
+    """
+    complete = True
+    for n in graph.nodes:
+        if n.op == "output":
+            continue
+        v = value_of(n)
+        if v is None:
+            complete = False
+        else:
+            n.meta[VAL_KEY] = v
+    return complete
+
+
+# ---------------------------------------------------------------------------------------------
+# the value-carrying tracer
+
+
+class _DataDependentControlFlow(Exception):
+    pass
+
+
+_LIVE = "_recfuse_live"  # real example value, dropped once capture ends
+
+
+class _ValueProxy(Proxy):
+    def __len__(self):
+        v = self.node.meta.get(_LIVE)
+        if isinstance(v, (tuple, list, Mapping, torch.Tensor)):
+            return len(v)
+        return super().__len__()
+
+
+def _user_frame() -> str:
+    """file:line of the innermost frame outside torch and recfuse.fx: where the user's code is."""
+    here = os.path.dirname(__file__)
+    torch_dir = os.path.dirname(torch.__file__)
+    for fi in inspect.stack()[2:]:
+        if not fi.filename.startswith((here, torch_dir)):
+            line = (fi.code_context or [""])[0].strip()
+            return f"{fi.filename}:{fi.lineno}: {line}"
+    return "<unknown>"
+
+
+class _unpatched_modules:
+    """While tracing, torch.fx patches nn.Module.__call__/__getattr__ to record calls; running a
+    module on real example values must bypass that, or it would be recorded again."""
+
+    def __enter__(self):
+        from torch.fx import _symbolic_trace as st
+
+        self._saved = (nn.Module.__call__, nn.Module.__getattr__)
+        nn.Module.__call__ = st._orig_module_call
+        nn.Module.__getattr__ = st._orig_module_getattr
+
+    def __exit__(self, *exc):
+        nn.Module.__call__, nn.Module.__getattr__ = self._saved
+        return False
+
+
+def _arg_name(target: str, names) -> str:
+    # symbolic_trace names the placeholder of a concrete arg `name_<count>`.
+    name = target.lstrip("*")
+    if name not in names:
+        base, _, count = name.rpartition("_")
+        if count.isdigit() and base in names:
+            return base
+    return name
+
+
+class _ValueTracer(Tracer):
+    def __init__(self, placeholder_values: dict[str, Any]):
+        super().__init__()
+        self._ph_values = placeholder_values
+
+    def proxy(self, node: Node) -> Proxy:
+        return _ValueProxy(node, self)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        if kind == "call_method" and target in ("keys", "values", "items") and args and isinstance(args[0], Proxy):
+            d = args[0].node.meta.get(_LIVE)
+            if isinstance(d, Mapping):
+                # A dict of tensors is walked in Python: keys are constants, values get one getitem
+                # node each, which is what the matcher sees as a dict slice source.
+                keys = list(d.keys())
+                if target == "keys":
+                    return keys
+                if target == "values":
+                    return [args[0][k] for k in keys]
+                return [(k, args[0][k]) for k in keys]
+        p = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        node = p.node
+        if kind != "output":
+            node.meta[_LIVE] = self._execute(node)
+            v = node.meta[_LIVE]
+            # Strings and lists of strings (feature keys) are folded to constants so that user
+            # code can loop over them; ints stay symbolic so batch sizes are not baked in.
+            if isinstance(v, str) or (
+                isinstance(v, (list, tuple)) and v and all(isinstance(k, str) for k in v)
+            ):
+                return v
+        return p
+
+    def _execute(self, node: Node) -> Any:
+        def live(a):
+            return map_aggregate(a, lambda x: x.meta[_LIVE] if isinstance(x, Node) else x)
+
+        args, kwargs = live(node.args), live(node.kwargs)
+        if node.op == "placeholder":
+            return self._ph_values.get(_arg_name(node.target, self._ph_values))
+        if node.op == "get_attr":
+            obj = self.root
+            for part in node.target.split("."):
+                obj = getattr(obj, part)
+            return obj
+        try:
+            with torch.no_grad(), _unpatched_modules():
+                if node.op == "call_function":
+                    return node.target(*args, **kwargs)
+                if node.op == "call_method":
+                    return getattr(args[0], node.target)(*args[1:], **kwargs)
+                if node.op == "call_module":
+                    return self.root.get_submodule(node.target)(*args, **kwargs)
+        except Exception as e:
+            raise RecfuseError(
+                f"running the model on example_inputs failed at `{node.format_node()}`: {e}"
+            ) from e
+        return None
+
+    def iter(self, obj: Proxy):
+        v = obj.node.meta.get(_LIVE)
+        if isinstance(v, (tuple, list)):
+            return iter([obj[i] for i in range(len(v))])
+        if isinstance(v, Mapping):
+            return iter(list(v.keys()))
+        return super().iter(obj)
+
+    def to_bool(self, obj: Proxy) -> bool:
+        v = obj.node.meta.get(_LIVE)
+        if isinstance(v, (bool, int, float)) and not isinstance(v, torch.Tensor):
+            return bool(v)  # shape arithmetic: specialise to the example shapes
+        raise _DataDependentControlFlow(_user_frame())
+
+
+class _FunctionModule(nn.Module):
+    """Wraps a plain function so it can be traced; module arguments become its submodules."""
+
+    def __init__(self, fn, module_args: dict[str, nn.Module]):
+        super().__init__()
+        self._fn = fn
+        self._module_arg_names = tuple(module_args)
+        for name, m in module_args.items():
+            self.add_module(name, m)
+
+
+
+def _wrap_function(fn, params: list[inspect.Parameter], module_args: dict[str, nn.Module]) -> nn.Module:
+    names = [p.name for p in params]
+    # The tracer reads the forward's code object for argument names, so build a real one.
+    call_args = ", ".join(f"self.{n}" if n in module_args else n for n in names)
+    src = f"def forward(self, {', '.join(names)}):\n    return self._fn({call_args})\n"
+    ns: dict[str, Any] = {}
+    exec(compile(src, f"<recfuse wrapper of {getattr(fn, '__name__', 'fn')}>", "exec"), ns)
+    # Tracer.trace reads type(root).forward, so each wrapped function gets its own class.
+    cls = type(getattr(fn, "__name__", "Function"), (_FunctionModule,), {"forward": ns["forward"]})
+    return cls(fn, module_args)
+
+
+def _is_constant(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str, nn.Module, torch.dtype, torch.device))
+
+
+def _clone_inputs(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    if isinstance(v, Mapping):
+        return type(v)((k, _clone_inputs(x)) for k, x in v.items()) if type(v) is dict else {
+            k: _clone_inputs(x) for k, x in v.items()
+        }
+    if type(v) in (list, tuple):
+        return type(v)(_clone_inputs(x) for x in v)
+    return v
+
+
+def _finish_concrete(gm: GraphModule, constants: dict[str, Any]) -> None:
+    """Give constant arguments defaults, and drop guards on module-valued ones.
+
+    symbolic_trace guards a specialised int with an assert (kept: calling with another batch size
+    than the graph was built for must fail loudly) but cannot guard a module argument; ours are
+    submodules of the graph, so the argument is ignored and may be omitted.
+    """
+    for n in list(gm.graph.nodes):
+        if n.op != "placeholder" or _arg_name(n.target, constants) not in constants:
+            continue
+        value = constants[_arg_name(n.target, constants)]
+        if isinstance(value, nn.Module):
+            for u in list(n.users):
+                if not u.users:
+                    gm.graph.erase_node(u)
+            n.args = (None,)
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            n.args = (value,)
+
+
+def capture(model, example_inputs: Optional[tuple] = None) -> tuple[GraphModule, dict]:
+    """Trace `model` (an nn.Module or a function) into a GraphModule annotated with example values.
+
+    Returns the GraphModule and a dict of facts for the report (``"how"``: the capture path,
+    ``"constants"``: arguments baked in, ``"shapes"``: whether shapes are known). The model is
+    deep-copied first, so the result never shares parameters with the original.
+
+    Raises:
+        RecfuseError: the model branches on tensor values (data-dependent control flow), or
+            running it on `example_inputs` fails.
+
+    Example:
+        >>> import torch
+        >>> gm, facts = capture(lambda x, n: x.view(n, -1).tanh(), (torch.randn(6), 2))
+        >>> facts["constants"]
+        {'n': 2}
+    """
+    example_inputs = tuple(example_inputs) if example_inputs is not None else None
+    if isinstance(model, nn.Module):
+        root = copy.deepcopy(model)
+        sig = inspect.signature(root.forward)
+        fn_name = type(model).__name__ + ".forward"
+    elif callable(model):
+        sig = inspect.signature(model)
+        fn_name = getattr(model, "__qualname__", repr(model))
+        root = None
+    else:
+        raise RecfuseError(f"transform expects an nn.Module or a function, got {type(model).__name__}")
+
+    params = [
+        p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if len(params) != len(sig.parameters):
+        raise RecfuseError(f"cannot capture {fn_name}: *args/**kwargs/keyword-only parameters are not supported")
+    values: dict[str, Any] = {}
+    if example_inputs is not None:
+        if len(example_inputs) > len(params):
+            raise RecfuseError(f"{fn_name} takes {len(params)} arguments, example_inputs has {len(example_inputs)}")
+        for p, v in zip(params, example_inputs):
+            values[p.name] = v
+        for p in params[len(example_inputs):]:
+            if p.default is p.empty:
+                raise RecfuseError(f"example_inputs gives no value for argument `{p.name}` of {fn_name}")
+            values[p.name] = p.default
+    constants = {k: v for k, v in values.items() if _is_constant(v)}
+    if root is None:
+        module_args = {k: copy.deepcopy(v) for k, v in constants.items() if isinstance(v, nn.Module)}
+        root = _wrap_function(model, params, module_args)
+
+    tracer = _ValueTracer({k: (None if isinstance(v, nn.Module) else _clone_inputs(v)) for k, v in values.items()})
+    if example_inputs is None:
+        tracer = Tracer()  # no values: plain symbolic tracing, shapes stay unknown
+    concrete = {k: (None if isinstance(v, nn.Module) else v) for k, v in constants.items()}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            graph = tracer.trace(root, concrete_args=concrete or None)
+    except _DataDependentControlFlow as e:
+        raise RecfuseError(
+            f"cannot capture {fn_name}: data-dependent control flow (a Python `if`/`while` on a tensor "
+            f"value) at {e}. The fused graph would be specialised to the example data. Use "
+            f"torch.where or torch.cond instead, or apply recfuse.FusedFeatureProcessor by hand."
+        ) from None
+    except torch.fx.proxy.TraceError as e:
+        if "control flow" in str(e):
+            raise RecfuseError(
+                f"cannot capture {fn_name}: data-dependent control flow ({e}). Pass example_inputs, or "
+                f"use torch.where/torch.cond instead of a Python `if` on a tensor."
+            ) from None
+        return _capture_dynamo(root, values, constants, fn_name, e)
+    gm = GraphModule(root, graph, class_name=getattr(model, "__name__", type(root).__name__))
+    for n in gm.graph.nodes:
+        live = n.meta.pop(_LIVE, None)
+        if example_inputs is not None and n.op != "output":
+            n.meta[VAL_KEY] = _summarise(live)
+    _finish_concrete(gm, constants)
+    gm.recompile()
+    return gm, {"how": "torch.fx", "constants": {k: v for k, v in constants.items() if not isinstance(v, nn.Module)},
+                "shapes": example_inputs is not None, "name": fn_name}
+
+
+def _capture_dynamo(root: nn.Module, values, constants, fn_name, fx_error) -> tuple[GraphModule, dict]:
+    """Fallback for code torch.fx cannot trace: Dynamo's export, which needs example values."""
+    if not values:
+        raise RecfuseError(f"cannot capture {fn_name} with torch.fx ({fx_error}); pass example_inputs") from None
+    logger.info("recfuse: torch.fx could not trace %s (%s); trying torch._dynamo.export", fn_name, fx_error)
+    args = [values[k] for k in values]
+    try:
+        gm, _ = torch._dynamo.export(root, aten_graph=False)(*args)
+    except Exception as e:  # dynamo raises many types; all mean "cannot capture"
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise RecfuseError(
+            f"cannot capture {fn_name}: torch.fx failed ({fx_error}) and torch._dynamo.export failed "
+            f"({type(e).__name__}: {msg})"
+        ) from None
+    annotate_from_meta(gm.graph)
+    return gm, {"how": "torch._dynamo.export", "constants": {}, "shapes": True, "name": fn_name}

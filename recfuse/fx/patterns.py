@@ -1,0 +1,448 @@
+"""Pattern vocabulary of the pass: what a per-slice op, a slice and a sink look like in a graph.
+
+One model can spell the same computation many ways (``nn.LayerNorm`` module or
+``F.layer_norm``; ``x.tanh()``, ``torch.tanh`` or ``nn.Tanh``; ``torch.split`` or ``x[:, a:b]``).
+This module maps each spelling onto one normal form, so the matcher in `fusions.py` compares
+normal forms only:
+
+* `OpInfo`: a per-slice op (kind, data input, hyper-parameters, parameter references).
+* `SliceInfo`: where a slice comes from (source tensor, dim, range or index, or a dict key).
+* `SliceChain`: the ops between one slice and the sink, and its `signature` (two slices can be
+  batched together exactly when their signatures are equal).
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.fx import Node
+
+from .capture import ValueInfo, value_of
+
+__all__ = ["ParamRef", "OpInfo", "SliceInfo", "SliceChain", "classify", "slice_info", "sink_info",
+           "walk_chain", "tensor_shape", "fmt_float"]
+
+
+def fmt_float(v: float) -> str:
+    """Short float text for reports: 1e-05 -> '1e-5', 0.1 -> '0.1'.
+
+    Example:
+        >>> fmt_float(1e-5), fmt_float(0.0)
+        ('1e-5', '0')
+    """
+    s = f"{v:g}"
+    if "e" in s:
+        m, e = s.split("e")
+        s = f"{m}e{int(e)}"
+    return s
+
+
+def tensor_shape(node: Any) -> Optional[tuple]:
+    """The example shape of a tensor-valued node, or None when unknown / not a tensor.
+
+    Example:
+        >>> tensor_shape(3) is None
+        True
+    """
+    if not isinstance(node, Node):
+        return None
+    v = value_of(node)
+    if isinstance(v, ValueInfo) and all(s is not None for s in v.shape):
+        return v.shape
+    return None
+
+
+def tensor_dtype(node: Node) -> Optional[torch.dtype]:
+    v = value_of(node)
+    return v.dtype if isinstance(v, ValueInfo) else None
+
+
+@dataclass(frozen=True)
+class ParamRef:
+    """A parameter of a per-slice op: an attribute of the root module, or an in-graph tensor node
+    (Dynamo lifts parameters to graph inputs)."""
+
+    attr: Optional[str] = None
+    node: Optional[Node] = None
+
+    @property
+    def key(self):
+        return self.attr if self.attr is not None else self.node
+
+
+@dataclass
+class OpInfo:
+    """One per-slice op in normal form.
+
+    kind: 'layer_norm', 'linear', an activation ('tanh', 'relu', 'sigmoid', 'gelu', 'silu') or
+    'view' (view/reshape/squeeze/unsqueeze/flatten/contiguous). attrs: the hyper-parameters that
+    must match across slices. params: name -> ParamRef or None.
+    """
+
+    kind: str
+    node: Node
+    data: Node
+    attrs: tuple = ()
+    params: dict = field(default_factory=dict)
+
+    def attr(self, name, default=None):
+        return dict(self.attrs).get(name, default)
+
+
+ACTIVATIONS = ("tanh", "relu", "sigmoid", "gelu", "silu")
+
+_FN_ACTIVATION = {
+    torch.tanh: "tanh", F.tanh: "tanh", torch.relu: "relu", F.relu: "relu", torch.sigmoid: "sigmoid",
+    F.sigmoid: "sigmoid", F.gelu: "gelu", F.silu: "silu",
+}
+_MODULE_ACTIVATION = {nn.Tanh: "tanh", nn.ReLU: "relu", nn.Sigmoid: "sigmoid", nn.GELU: "gelu", nn.SiLU: "silu"}
+_METHOD_ACTIVATION = {"tanh": "tanh", "relu": "relu", "sigmoid": "sigmoid"}
+_VIEW_METHODS = {"view", "reshape", "squeeze", "unsqueeze", "flatten", "contiguous", "view_as", "reshape_as"}
+_VIEW_FNS = {torch.reshape, torch.squeeze, torch.unsqueeze, torch.flatten}
+_LAYER_NORM_FNS = {F.layer_norm, torch.layer_norm}
+_LINEAR_FNS = {F.linear, torch._C._nn.linear}
+
+
+def _arg(node: Node, i: int, name: str, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _param_ref(a) -> Optional[ParamRef]:
+    if a is None:
+        return None
+    if isinstance(a, Node):
+        return ParamRef(attr=a.target) if a.op == "get_attr" else ParamRef(node=a)
+    return ParamRef()  # a constant tensor baked into the code: cannot be referenced, never batched
+
+
+def classify(node: Node, root: Optional[nn.Module]) -> Optional[OpInfo]:
+    """Normal form of `node` if it is a per-slice op recfuse can batch, else None.
+
+    Example:
+        >>> import torch, torch.fx
+        >>> gm = torch.fx.symbolic_trace(lambda x: x.tanh())
+        >>> [classify(n, gm).kind for n in gm.graph.nodes if n.op == "call_method"]
+        ['tanh']
+    """
+    op, t = node.op, node.target
+    if op == "call_module" and root is not None:
+        try:
+            mod = root.get_submodule(t)
+        except AttributeError:
+            return None
+        if not node.args or not isinstance(node.args[0], Node) or node.kwargs or len(node.args) != 1:
+            return None
+        x = node.args[0]
+        if type(mod) is nn.LayerNorm:
+            return OpInfo("layer_norm", node, x, (("eps", float(mod.eps)), ("shape", tuple(mod.normalized_shape))),
+                          {"weight": ParamRef(f"{t}.weight") if mod.weight is not None else None,
+                           "bias": ParamRef(f"{t}.bias") if getattr(mod, "bias", None) is not None else None})
+        if type(mod) is nn.Linear:
+            return OpInfo("linear", node, x, (), {"weight": ParamRef(f"{t}.weight"),
+                                                  "bias": ParamRef(f"{t}.bias") if mod.bias is not None else None})
+        kind = _MODULE_ACTIVATION.get(type(mod))
+        if kind is not None:
+            attrs = (("approximate", mod.approximate),) if kind == "gelu" else ()
+            return OpInfo(kind, node, x, attrs)
+        if type(mod) is nn.Identity:
+            return OpInfo("view", node, x)
+        return None
+    if op == "call_function":
+        if not node.args or not isinstance(node.args[0], Node):
+            return None
+        x = node.args[0]
+        if t in _LAYER_NORM_FNS:
+            shape = _arg(node, 1, "normalized_shape")
+            if isinstance(shape, Node):  # e.g. s.shape[-1:], known from the example
+                shape = value_of(shape)
+            shape = (shape,) if isinstance(shape, int) else tuple(shape) if isinstance(shape, (list, tuple)) else None
+            eps = _arg(node, 4, "eps", 1e-5)
+            if shape is None or not all(isinstance(s, int) for s in shape) or not isinstance(eps, (int, float)):
+                return None
+            return OpInfo("layer_norm", node, x, (("eps", float(eps)), ("shape", shape)),
+                          {"weight": _param_ref(_arg(node, 2, "weight")), "bias": _param_ref(_arg(node, 3, "bias"))})
+        if t in _LINEAR_FNS:
+            w = _arg(node, 1, "weight")
+            if not isinstance(w, Node):
+                return None
+            return OpInfo("linear", node, x, (), {"weight": _param_ref(w), "bias": _param_ref(_arg(node, 2, "bias"))})
+        if t in _FN_ACTIVATION:
+            kind = _FN_ACTIVATION[t]
+            attrs = (("approximate", _arg(node, 1, "approximate", "none")),) if kind == "gelu" else ()
+            return OpInfo(kind, node, x, attrs)
+        if t in _VIEW_FNS:
+            return OpInfo("view", node, x)
+        return None
+    if op == "call_method":
+        if not node.args or not isinstance(node.args[0], Node):
+            return None
+        x = node.args[0]
+        if t in _METHOD_ACTIVATION and len(node.args) == 1 and not node.kwargs:
+            return OpInfo(_METHOD_ACTIVATION[t], node, x)
+        if t in _VIEW_METHODS:
+            return OpInfo("view", node, x)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# slices
+
+
+@dataclass(frozen=True)
+class SliceInfo:
+    """Where one slice comes from: `source` sliced along `dim`, either a `range` [start,
+    start+length) (split, chunk, tensor_split, narrow, x[:, a:b]) keeping the dim, an `index`
+    (unbind, select, x[:, i]) removing it, or a `key` of a dict of tensors."""
+
+    source: Node
+    kind: str  # 'range' | 'index' | 'dict'
+    dim: int = 0
+    start: int = 0
+    length: int = 1
+    key: Any = None
+
+    def label(self) -> str:
+        if self.kind == "dict":
+            return f"{self.source.name}[{self.key!r}]"
+        if self.kind == "index":
+            return f"{self.source.name}.select({self.dim}, {self.start})"
+        return f"{self.source.name}.narrow({self.dim}, {self.start}, {self.length})"
+
+
+_SPLIT_FNS = {torch.split: "split", torch.chunk: "chunk", torch.tensor_split: "tensor_split", torch.unbind: "unbind"}
+_SPLIT_METHODS = {"split", "chunk", "tensor_split", "unbind", "split_with_sizes"}
+
+
+def _norm_dim(d, ndim) -> Optional[int]:
+    if not isinstance(d, int) or not -ndim <= d < ndim:
+        return None
+    return d % ndim
+
+
+def _parse_index(idx, shape) -> Optional[tuple]:
+    """x[idx] selecting along exactly one dim -> ('range'|'index', dim, start, length)."""
+    if not isinstance(idx, tuple):
+        idx = (idx,)
+    if any(i is Ellipsis for i in idx):
+        k = idx.index(Ellipsis)
+        fill = len(shape) - (len(idx) - 1)
+        idx = idx[:k] + (slice(None),) * fill + idx[k + 1:]
+    if len(idx) > len(shape):
+        return None
+    found = None
+    for d, i in enumerate(idx):
+        if isinstance(i, slice):
+            if i == slice(None) or (i.step in (None, 1) and i.start in (None, 0) and i.stop is None):
+                continue
+            if i.step not in (None, 1) or isinstance(i.start, Node) or isinstance(i.stop, Node):
+                return None
+            start, stop, _ = i.indices(shape[d])
+            cand = ("range", d, start, max(stop - start, 0))
+        elif isinstance(i, int) and not isinstance(i, bool):
+            cand = ("index", d, i % shape[d], 1)
+        else:
+            return None
+        if found is not None:
+            return None
+        found = cand
+    return found
+
+
+def slice_info(node: Node) -> Optional[SliceInfo]:
+    """How `node` slices a tensor (or a dict of tensors), or None.
+
+    Example:
+        >>> import torch, recfuse.fx.capture as c
+        >>> gm, _ = c.capture(lambda x: x[:, 2:4], (torch.randn(3, 8),))
+        >>> n = [n for n in gm.graph.nodes if n.op == "call_function"][0]
+        >>> slice_info(n).kind, slice_info(n).start, slice_info(n).length
+        ('range', 2, 2)
+    """
+    if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2:
+        parent, idx = node.args
+        if not isinstance(parent, Node):
+            return None
+        pv = value_of(parent)
+        if isinstance(pv, Mapping):
+            return SliceInfo(parent, "dict", key=idx) if not isinstance(idx, Node) else None
+        if isinstance(pv, (tuple, list)) and isinstance(idx, int):
+            split = _split_kind(parent)
+            if split is None:
+                return None
+            kind, src, dim = split
+            shape = tensor_shape(src)
+            if shape is None:
+                return None
+            d = _norm_dim(dim, len(shape))
+            if d is None or not all(isinstance(x, ValueInfo) for x in pv):
+                return None
+            if kind == "unbind":
+                return SliceInfo(src, "index", d, idx % len(pv), 1)
+            lengths = [x.shape[d] for x in pv]
+            i = idx % len(pv)
+            return SliceInfo(src, "range", d, sum(lengths[:i]), lengths[i])
+        shape = tensor_shape(parent)
+        if shape is None:
+            return None
+        parsed = _parse_index(idx, shape)
+        if parsed is None:
+            return None
+        kind, d, start, length = parsed
+        return SliceInfo(parent, kind, d, start, length)
+    if node.op in ("call_method", "call_function") and node.args and isinstance(node.args[0], Node):
+        name = node.target if node.op == "call_method" else {torch.narrow: "narrow", torch.select: "select"}.get(node.target)
+        src = node.args[0]
+        shape = tensor_shape(src)
+        if name not in ("narrow", "select") or shape is None:
+            return None
+        d = _norm_dim(_arg(node, 1, "dim"), len(shape))
+        if d is None:
+            return None
+        if name == "narrow":
+            start, length = _arg(node, 2, "start"), _arg(node, 3, "length")
+            if isinstance(start, int) and isinstance(length, int):
+                return SliceInfo(src, "range", d, start % shape[d] if start < 0 else start, length)
+        else:
+            i = _arg(node, 2, "index")
+            if isinstance(i, int):
+                return SliceInfo(src, "index", d, i % shape[d], 1)
+    return None
+
+
+def _split_kind(parent: Node) -> Optional[tuple]:
+    if parent.op == "call_function" and parent.target in _SPLIT_FNS:
+        kind = _SPLIT_FNS[parent.target]
+    elif parent.op == "call_method" and parent.target in _SPLIT_METHODS:
+        kind = "split" if parent.target == "split_with_sizes" else parent.target
+    else:
+        return None
+    if not parent.args or not isinstance(parent.args[0], Node):
+        return None
+    dim = _arg(parent, 1, "dim", 0) if kind == "unbind" else _arg(parent, 2, "dim", 0)
+    return kind, parent.args[0], dim
+
+
+# ---------------------------------------------------------------------------------------------
+# sinks and chains
+
+
+_STACK_FNS = {torch.stack: "stack", torch.cat: "cat", torch.concat: "cat", torch.concatenate: "cat"}
+
+
+def sink_info(node: Node) -> Optional[tuple[str, list, int]]:
+    """('stack'|'cat', inputs, dim) for a torch.stack/torch.cat node over a list of tensors.
+
+    Example:
+        >>> import torch, torch.fx
+        >>> gm = torch.fx.symbolic_trace(lambda a, b: torch.stack([a, b], 1))
+        >>> [sink_info(n)[::2] for n in gm.graph.nodes if n.op == "call_function"]
+        [('stack', 1)]
+    """
+    if node.op != "call_function" or node.target not in _STACK_FNS:
+        return None
+    xs = _arg(node, 0, "tensors")
+    if not isinstance(xs, (list, tuple)) or not all(isinstance(x, Node) for x in xs):
+        return None
+    dim = _arg(node, 1, "dim", 0)
+    if not isinstance(dim, int):
+        return None
+    return _STACK_FNS[node.target], list(xs), dim
+
+
+@dataclass
+class SliceChain:
+    """The per-slice ops between one slice `start` and the sink input `end`.
+
+    pre: leading view ops, ops: compute ops (views that keep the shape are dropped), post:
+    trailing view ops. `start` is whatever feeds the chain (a slice node, a dict entry, or any
+    tensor: slices of unknown origin are batched by stacking).
+    """
+
+    start: Node
+    pre: list
+    ops: list
+    post: list
+    end: Node
+    slice: Optional[SliceInfo] = None
+    seq: list = field(default_factory=list)  # every op node walked, views included
+
+    @property
+    def core_in(self) -> Optional[tuple]:
+        return tensor_shape(self.ops[0].data) if self.ops else None
+
+    @property
+    def core_out(self) -> Optional[tuple]:
+        return tensor_shape(self.ops[-1].node) if self.ops else None
+
+    def nodes(self) -> list:
+        return [o.node for o in self.pre + self.ops + self.post]
+
+    def signature(self) -> tuple:
+        """Everything two slices must share to be batched (not parameter identities)."""
+        ops = []
+        for o in self.ops:
+            pshapes = tuple((k, None if r is None else _ref_shape(r, o)) for k, r in sorted(o.params.items()))
+            ops.append((o.kind, o.attrs, pshapes))
+        return (tensor_shape(self.start), tensor_dtype(self.start), self.core_in, tuple(ops),
+                tensor_shape(self.end))
+
+    def describe(self) -> str:
+        return " -> ".join(o.kind for o in self.ops)
+
+
+def _ref_shape(r: ParamRef, op: OpInfo):
+    if r.node is not None:
+        return tensor_shape(r.node)
+    if r.attr is not None:
+        return "attr"  # attribute shapes are checked when parameters are gathered
+    return "const"
+
+
+def walk_chain(end: Node, root) -> SliceChain:
+    """Walk back from a sink input through per-slice ops to where the slice starts.
+
+    Example:
+        >>> import torch, torch.fx
+        >>> gm = torch.fx.symbolic_trace(lambda x: torch.stack([x.tanh().relu()]))
+        >>> out = [n for n in gm.graph.nodes if n.op == "call_function"][0]
+        >>> walk_chain(out.args[0][0], gm).describe()
+        'tanh -> relu'
+    """
+    seq = []
+    cur = end
+    while True:
+        o = classify(cur, root)
+        if o is None:
+            break
+        seq.append(o)
+        cur = o.data
+    seq.reverse()
+    # Leading and trailing views are reshapes around the batched chain; a shape-changing view in
+    # the middle ends the chain (what is before it is left per slice).
+    last_view = -1
+    for i, o in enumerate(seq):
+        if o.kind == "view":
+            inner = any(p.kind != "view" for p in seq[:i]) and any(p.kind != "view" for p in seq[i + 1:])
+            if inner and tensor_shape(o.node) != tensor_shape(o.data):
+                last_view = i
+    if last_view >= 0:
+        seq = seq[last_view + 1:]
+        cur = seq[0].data if seq else end
+    n_pre = 0
+    while n_pre < len(seq) and seq[n_pre].kind == "view":
+        n_pre += 1
+    n_post = 0
+    while n_post < len(seq) - n_pre and seq[len(seq) - 1 - n_post].kind == "view":
+        n_post += 1
+    pre = seq[:n_pre]
+    post = seq[len(seq) - n_post:] if n_post else []
+    ops = [o for o in seq[n_pre:len(seq) - n_post] if o.kind != "view"]
+    start = seq[0].data if seq else end
+    return SliceChain(start, pre, ops, post, end, slice_info(start), [o.node for o in seq])

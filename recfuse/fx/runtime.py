@@ -1,0 +1,113 @@
+"""Small tensor helpers that rewritten graphs call (one `call_function` node each).
+
+They read sizes from their inputs at run time, so a rewritten graph keeps working for batch sizes
+other than the example's, exactly as the original per-slice code did.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["slices_view", "gather_slices", "rows_view", "feature_affine", "feature_linear", "from_batched"]
+
+
+def slices_view(src: torch.Tensor, dim: int, start: int, count: int, length: Optional[int]) -> torch.Tensor:
+    """`count` equal slices of `src` along `dim` from `start`, as one tensor with a new feature dim.
+
+    length=None: index slices (unbind/select), the result is ``src.narrow(dim, start, count)``.
+    Otherwise range slices of `length` each: ``[..., count*length, ...] -> [..., count, length, ...]``,
+    a view when the strides allow it (the usual [B, F*D] -> [B, F, D]), else a copy.
+
+    Example:
+        >>> import torch
+        >>> slices_view(torch.arange(12.).view(2, 6), 1, 0, 3, 2).shape
+        torch.Size([2, 3, 2])
+    """
+    if length is None:
+        return src if (start == 0 and count == src.shape[dim]) else src.narrow(dim, start, count)
+    if length == -1:  # the slices tile the whole dim
+        return src.reshape(src.shape[:dim] + (count, -1) + src.shape[dim + 1:])
+    x = src if (start == 0 and count * length == src.shape[dim]) else src.narrow(dim, start, count * length)
+    return x.reshape(x.shape[:dim] + (count, length) + x.shape[dim + 1:])
+
+
+def gather_slices(src: torch.Tensor, dim: int, start: int, count: int, length: Optional[int], index: tuple) -> torch.Tensor:
+    """Like `slices_view` over `count` aligned slots, then picks the slots in `index` order (a copy).
+
+    Example:
+        >>> import torch
+        >>> gather_slices(torch.arange(6.).view(1, 6), 1, 0, 3, 2, (2, 0))[0, :, 0].tolist()
+        [4.0, 0.0]
+    """
+    x = slices_view(src, dim, start, count, length)
+    return x.index_select(dim, torch.tensor(index, device=x.device))
+
+
+def rows_view(x: torch.Tensor, fd: int, d: int) -> torch.Tensor:
+    """Batched slices with the feature dim at `fd` -> [F, rows, d] (each slice's rows of width d).
+
+    Example:
+        >>> import torch
+        >>> rows_view(torch.zeros(2, 3, 1, 4), 1, 4).shape
+        torch.Size([3, 2, 4])
+    """
+    return x.movedim(fd, 0).reshape(x.shape[fd], -1, d)
+
+
+def _feature_shaped(p: torch.Tensor, fd: int, ndim: int) -> torch.Tensor:
+    # [F, *ns] -> F at fd, ns as the trailing dims, 1 elsewhere, so it broadcasts per feature.
+    ns = p.shape[1:]
+    shape = [1] * ndim
+    shape[fd] = p.shape[0]
+    shape[ndim - len(ns):] = ns
+    return p.reshape(shape)
+
+
+def feature_affine(h: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                   fd: int, per_feature: tuple) -> torch.Tensor:
+    """LayerNorm's affine step on a batched tensor: parameters shared ([*ns]) or per feature ([F, *ns]).
+
+    per_feature: (weight is per feature, bias is per feature).
+
+    Example:
+        >>> import torch
+        >>> feature_affine(torch.ones(2, 3, 4), torch.full((3, 4), 2.), None, 1, (True, False))[0, 0, 0].item()
+        2.0
+    """
+    if weight is not None:
+        h = h * (_feature_shaped(weight, fd, h.dim()) if per_feature[0] else weight)
+    if bias is not None:
+        h = h + (_feature_shaped(bias, fd, h.dim()) if per_feature[1] else bias)
+    return h
+
+
+def feature_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fd: int) -> torch.Tensor:
+    """One Linear per feature: x with F at `fd` and D last, weight [F, H, D], bias None or [F, H].
+
+    Example:
+        >>> import torch
+        >>> feature_linear(torch.randn(5, 3, 4), torch.randn(3, 2, 4), None, 1).shape
+        torch.Size([5, 3, 2])
+    """
+    xf = x.movedim(fd, 0)
+    mid = xf.shape[1:-1]
+    y = torch.bmm(xf.reshape(xf.shape[0], -1, xf.shape[-1]), weight.transpose(1, 2))
+    if bias is not None:
+        y = y + bias.unsqueeze(1)
+    return y.reshape((xf.shape[0],) + tuple(mid) + (weight.shape[1],)).movedim(0, fd)
+
+
+def from_batched(y: torch.Tensor, fd: int, sd: int, cat: bool) -> torch.Tensor:
+    """What ``torch.stack(slices, sd)`` (or ``torch.cat(slices, sd)``) returned, from the batched
+    result with its feature dim at `fd`: contiguous like the stack/cat it replaces.
+
+    Example:
+        >>> import torch
+        >>> from_batched(torch.zeros(3, 2, 4), 0, 1, cat=True).shape
+        torch.Size([2, 12])
+    """
+    y = y.movedim(fd, sd)
+    if cat:
+        y = y.flatten(sd, sd + 1)
+    return y.contiguous()

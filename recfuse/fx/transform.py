@@ -1,0 +1,405 @@
+"""`transform`, `explain`, verification, and the torch.compile entry points of the graph pass."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.fx import Graph, GraphModule
+from torch.utils._pytree import tree_flatten
+
+from ..errors import RecfuseError
+from .capture import VAL_KEY, annotate_from_meta, capture
+from .fusions import FUSIONS, NearMiss, analyze
+from .report import FusionReport, GroupReport
+
+__all__ = ["transform", "explain", "verify", "fuse_graph", "RecfusePreGradPass", "pre_grad_pass",
+           "make_backend", "backend"]
+
+logger = logging.getLogger("recfuse")
+
+_MAX_ROUNDS = 256
+
+
+def fuse_graph(graph: Graph, root: Optional[nn.Module] = None, *, stack_params_once: bool = True,
+               report: Optional[FusionReport] = None) -> FusionReport:
+    """Run the registered fusions on `graph` until none applies; returns the report.
+
+    Nodes must carry example values (``capture`` or Dynamo's ``example_value``). With
+    ``stack_params_once`` per-slice parameters that are attributes of `root` are stacked into new
+    parameters of `root`; otherwise they are stacked in the graph (Dynamo graphs, whose
+    parameters are inputs). Dead nodes are removed; `root` is not recompiled.
+
+    Example:
+        >>> import torch
+        >>> from recfuse.fx.capture import capture
+        >>> from recfuse.puzzler import split_stack
+        >>> gm, _ = capture(split_stack, (torch.randn(24), 4, 2, torch.nn.Linear(2, 1)))
+        >>> len(fuse_graph(gm.graph, gm).groups)
+        1
+    """
+    report = report or FusionReport()
+    seen_misses: set = set()
+    fused_sinks: set = set()
+    ctx = None
+    for rnd in range(_MAX_ROUNDS):
+        ctx = analyze(graph, root, stack_params_once)
+        for m in ctx.near_misses:
+            key = (m.where, m.reason)
+            if key not in seen_misses:
+                seen_misses.add(key)
+                report.near_misses.append(m)
+        chosen = None
+        for fusion in FUSIONS:
+            groups = fusion.match(ctx)
+            if groups:
+                chosen = (fusion, groups[0])
+                break
+        if chosen is None:
+            break
+        fusion, g = chosen
+        gid = len(report.groups)
+        fusion.rewrite(ctx, g, gid)
+        graph.eliminate_dead_code()
+        fused_sinks.add(g.sink.name)
+        report.groups.append(GroupReport(gid, f"{g.sink_kind} `{g.sink.name}`", g.size, g.slices_text(), g.ops_text(),
+                                         g.mode, g.replaced_by, dict(g.stacked_params), list(g.notes)))
+    if not report.groups:
+        if ctx is not None and ctx.sinks_seen == 0:
+            report.reason = ("no torch.stack/torch.cat over two or more per-slice chains of layer_norm/tanh/"
+                             "linear/relu was found")
+        elif report.near_misses:
+            report.reason = "every candidate was a near miss (see below)"
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# parameters and state dicts
+
+
+def _load_original_keys(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    """Map a state_dict of the original model (``lns.3.weight``) onto the stacked parameters."""
+    for new, olds in getattr(module, "_recfuse_stacked", {}).items():
+        keys = [prefix + k for k in olds]
+        if not any(k in state_dict for k in keys):
+            continue
+        cur = getattr(module, new).detach().clone()
+        for i, k in enumerate(keys):
+            if k in state_dict:
+                cur[i] = state_dict.pop(k)
+            else:
+                missing_keys.append(k)
+        state_dict[prefix + new] = cur
+
+
+def _prune(gm: GraphModule, old_attrs: list) -> None:
+    """Drop the per-slice parameters (and their modules) that the graph no longer uses."""
+    gm.delete_all_unused_submodules()
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for qual in old_attrs:
+        if qual in used:
+            continue
+        owner_path, _, name = qual.rpartition(".")
+        try:
+            owner = gm.get_submodule(owner_path) if owner_path else gm
+        except AttributeError:
+            continue
+        if hasattr(owner, name) and not any(u.startswith(qual + ".") for u in used):
+            delattr(owner, name)
+
+
+def _finish_module(gm: GraphModule, report: FusionReport) -> GraphModule:
+    stacked = {}
+    for g in report.groups:
+        stacked.update(g.stacked_params)
+    _prune(gm, [k for olds in stacked.values() for k in olds])
+    if stacked:
+        gm._recfuse_stacked = stacked
+        gm._register_load_state_dict_pre_hook(_load_original_keys, with_module=True)
+    for n in gm.graph.nodes:
+        n.meta.pop(VAL_KEY, None)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _run(model, example_inputs) -> tuple[GraphModule, FusionReport]:
+    t0 = time.perf_counter()
+    gm, facts = capture(model, example_inputs)
+    report = FusionReport(model=facts["name"], capture=facts["how"])
+    if not facts["shapes"]:
+        report.reason = "no example_inputs: shapes are unknown, so slices cannot be matched"
+        report.near_misses.append(NearMiss("model", report.reason))
+    else:
+        fuse_graph(gm.graph, gm, stack_params_once=True, report=report)
+        if facts["constants"]:
+            report.capture += " (constants: " + ", ".join(f"{k}={v!r}" for k, v in facts["constants"].items()) + ")"
+    gm = _finish_module(gm, report)
+    report.seconds = time.perf_counter() - t0
+    return gm, report
+
+
+def transform(model, example_inputs: Optional[tuple] = None, *, verify: bool = False) -> nn.Module:
+    """Rewrite a per-feature model into batched (horizontal) and fused (vertical) form.
+
+    Per-slice chains ``split -> LayerNorm -> tanh [-> Linear -> relu] -> stack`` become one batched
+    chain over a zero-copy 3D view of the source, and LayerNorm -> tanh -> Linear -> relu becomes
+    one ``recfuse.ln_tanh_linear_relu`` node. Per-feature parameters are stacked once into
+    parameters of the result; a state_dict of the original model still loads into it. Build the
+    optimizer from the *transformed* model's parameters.
+
+    Args:
+        model: an nn.Module or a plain function.
+        example_inputs: a tuple of the model's arguments. Tensors (and dicts of tensors) are used to
+            learn shapes; other entries (ints such as ``batch_size``, modules) become constants of
+            the graph, and the result may be called with or without them.
+        verify: run the original and the result on `example_inputs`, forward and backward, and
+            raise `RecfuseError` with the largest difference if they disagree.
+
+    Returns:
+        A torch.fx GraphModule (the unchanged graph when nothing could be fused; see `explain`).
+
+    Raises:
+        RecfuseError: the model cannot be captured (e.g. data-dependent control flow), or
+            ``verify=True`` found a difference.
+
+    Example:
+        >>> import torch, recfuse
+        >>> from recfuse.puzzler import split_stack
+        >>> lin = torch.nn.Linear(8, 1)
+        >>> x = torch.randn(4 * 3 * 8)
+        >>> fused = recfuse.transform(split_stack, (x, 4, 8, lin))
+        >>> torch.allclose(fused(x), split_stack(x, 4, 8, lin), atol=1e-5)
+        True
+    """
+    gm, report = _run(model, example_inputs)
+    logger.info(report.summary())
+    gm.recfuse_report = report
+    if verify:
+        if example_inputs is None:
+            raise RecfuseError("verify=True needs example_inputs")
+        globals()["verify"](model, gm, example_inputs)
+    return gm
+
+
+def explain(model, example_inputs: Optional[tuple] = None) -> FusionReport:
+    """What `transform` would fuse, and why other candidates were left alone.
+
+    Example:
+        >>> import torch, recfuse
+        >>> from recfuse.puzzler import split_stack
+        >>> r = recfuse.explain(split_stack, (torch.randn(24), 4, 2, torch.nn.Linear(2, 1)))
+        >>> r.groups[0].ops
+        'layer_norm -> tanh -> linear -> relu'
+    """
+    return _run(model, example_inputs)[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# verification
+
+
+def _grad_leaves(v):
+    if isinstance(v, torch.Tensor):
+        t = v.detach().clone()
+        if t.is_floating_point():
+            t.requires_grad_(True)
+        return t
+    if isinstance(v, dict):
+        return {k: _grad_leaves(x) for k, x in v.items()}
+    if type(v) in (list, tuple):
+        return type(v)(_grad_leaves(x) for x in v)
+    return v
+
+
+def _named_params(model, example_inputs) -> dict:
+    if isinstance(model, nn.Module):
+        return dict(model.named_parameters())
+    import inspect
+
+    names = list(inspect.signature(model).parameters)
+    out = {}
+    for name, v in zip(names, example_inputs):
+        if isinstance(v, nn.Module):
+            out.update({f"{name}.{k}": p for k, p in v.named_parameters()})
+    return out
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[float, bool]:
+    a, b = a.detach().double(), b.detach().double()
+    if a.shape != b.shape:
+        return float("inf"), False
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    if not torch.equal(nan_a, nan_b):
+        return float("nan"), False
+    a, b = a[~nan_a], b[~nan_b]
+    if a.numel() == 0:
+        return 0.0, True
+    d = (a - b).abs()
+    ok = bool((d <= atol + rtol * b.abs()).all()) or float((a - b).norm() / b.norm().clamp_min(1e-30)) < rtol
+    return float(d.max()), ok
+
+
+def verify(model, transformed: nn.Module, example_inputs: tuple, *, rtol: float = 1e-4, atol: float = 1e-5) -> float:
+    """Run `model` and `transformed` on `example_inputs`, forward and backward; raise on mismatch.
+
+    Compares outputs, gradients of floating inputs, and parameter gradients (stacked parameters
+    row by row against the per-slice originals). Uses `torch.autograd.grad`, so no ``.grad``
+    field is touched. Returns the largest absolute difference seen.
+
+    Raises:
+        RecfuseError: naming the tensor with the largest difference beyond tolerance.
+
+    Example:
+        >>> import torch, recfuse
+        >>> from recfuse.puzzler import split_stack
+        >>> args = (torch.randn(24), 4, 2, torch.nn.Linear(2, 1))
+        >>> recfuse.fx.verify(split_stack, recfuse.transform(split_stack, args), args) < 1e-4
+        True
+    """
+    example_inputs = tuple(example_inputs)
+    in_a = tuple(_grad_leaves(v) for v in example_inputs)
+    in_b = tuple(_grad_leaves(v) for v in example_inputs)
+    out_a = model(*in_a)
+    out_b = transformed(*in_b)
+    fa, _ = tree_flatten(out_a)
+    fb, _ = tree_flatten(out_b)
+    if len(fa) != len(fb):
+        raise RecfuseError(f"verify: the transformed model returns {len(fb)} values, the original {len(fa)}")
+    worst = (0.0, "")
+    failures = []
+
+    def check(name, a, b):
+        nonlocal worst
+        d, ok = _max_diff(a, b, rtol, atol)
+        if not ok:
+            failures.append((d, name))
+        if d == d and d > worst[0]:
+            worst = (d, name)
+
+    gen = torch.Generator().manual_seed(0)
+    pairs = [(a, b) for a, b in zip(fa, fb) if isinstance(a, torch.Tensor)]
+    for k, (a, b) in enumerate(pairs):
+        check(f"output {k}", a, b)
+    diff_pairs = [(a, b) for a, b in pairs if a.requires_grad and b.requires_grad]
+    if diff_pairs:
+        cot = [torch.randn(a.shape, generator=gen, dtype=torch.float64).to(a.dtype) for a, _ in diff_pairs]
+        leaves_a = [t for t in tree_flatten(in_a)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        leaves_b = [t for t in tree_flatten(in_b)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        pa = _named_params(model, example_inputs)
+        pb = dict(transformed.named_parameters())
+        stacked = getattr(transformed, "_recfuse_stacked", {})
+        names_b = [n for n in pb if n in stacked or n in pa]
+        ga = torch.autograd.grad([a for a, _ in diff_pairs], leaves_a + list(pa.values()), cot, allow_unused=True)
+        gb = torch.autograd.grad([b for _, b in diff_pairs], leaves_b + [pb[n] for n in names_b], cot, allow_unused=True)
+        n_in = len(leaves_a)
+        for k in range(n_in):
+            if ga[k] is not None and gb[k] is not None:
+                check(f"gradient of input {k}", ga[k], gb[k])
+        grads_a = dict(zip(pa, ga[n_in:]))
+        for n, g in zip(names_b, gb[n_in:]):
+            if n in stacked:
+                rows = [grads_a.get(o) for o in stacked[n]]
+                if g is None or any(r is None for r in rows):
+                    continue
+                check(f"gradient of {n} (stacked from {stacked[n][0]}, ...)", torch.stack(rows), g)
+            elif grads_a.get(n) is not None and g is not None:
+                check(f"gradient of {n}", grads_a[n], g)
+    if failures:
+        d, name = max(failures, key=lambda x: (x[0] != x[0], x[0]))
+        raise RecfuseError(
+            f"verify failed: the transformed model differs from the original; largest difference {d:.3g} "
+            f"in {name} (rtol={rtol}, atol={atol}); {len(failures)} tensor(s) out of tolerance")
+    logger.info("recfuse: verify passed (largest difference %.3g in %s)", worst[0], worst[1] or "-")
+    return worst[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+
+
+try:
+    from torch._inductor.custom_graph_pass import CustomGraphPass as _CustomGraphPass
+except Exception:  # older torch: a plain callable is accepted too
+    _CustomGraphPass = object
+
+
+class RecfusePreGradPass(_CustomGraphPass):
+    """The pass as an Inductor pre-grad custom pass: ``config.pre_grad_custom_pass`` calls it with
+    the Dynamo graph (parameters are graph inputs there, so per-slice ones are stacked in the graph,
+    once per call; Inductor fuses that copy into its kernels).
+
+    Example:
+        >>> import torch, recfuse.fx
+        >>> from torch._inductor import config
+        >>> config.pre_grad_custom_pass = recfuse.fx.pre_grad_pass   # doctest: +SKIP
+        >>> fast = torch.compile(model)                                # doctest: +SKIP
+    """
+
+    def __init__(self):
+        self.last_report: Optional[FusionReport] = None
+
+    def __call__(self, graph: Graph) -> None:
+        annotate_from_meta(graph)
+        report = fuse_graph(graph, graph.owning_module, stack_params_once=False,
+                            report=FusionReport(model="torch.compile graph", capture="dynamo"))
+        for n in graph.nodes:
+            n.meta.pop(VAL_KEY, None)
+        self.last_report = report
+        logger.info(report.summary())
+
+    def uuid(self) -> Any:
+        from ..import __version__
+
+        return f"recfuse-pre-grad-{__version__}-" + "-".join(f.name for f in FUSIONS)
+
+
+pre_grad_pass = RecfusePreGradPass()
+
+
+def make_backend(inner: Any = "inductor"):
+    """A torch.compile backend that runs the recfuse pass, then `inner` ('inductor', 'eager' or a
+    backend callable).
+
+    Example:
+        >>> import torch, recfuse.fx
+        >>> from recfuse.puzzler import SplitStack
+        >>> m = torch.compile(SplitStack(8), backend=recfuse.fx.make_backend("eager"))
+        >>> m(torch.randn(4 * 3 * 8), 4, 8).shape
+        torch.Size([3, 4, 1])
+    """
+
+    def recfuse_backend(gm: GraphModule, example_inputs, **kwargs):
+        if not annotate_from_meta(gm.graph):
+            from torch.fx.passes.shape_prop import ShapeProp
+
+            ShapeProp(gm).propagate(*example_inputs)
+            annotate_from_meta(gm.graph)
+        report = fuse_graph(gm.graph, gm, stack_params_once=False,
+                            report=FusionReport(model="torch.compile graph", capture="dynamo"))
+        logger.info(report.summary())
+        for n in gm.graph.nodes:
+            n.meta.pop(VAL_KEY, None)
+        gm.recompile()
+        recfuse_backend.last_report = report
+        if inner == "eager":
+            return gm.forward
+        if inner == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs)
+        return inner(gm, example_inputs, **kwargs)
+
+    recfuse_backend.last_report = None
+    return recfuse_backend
+
+
+backend = make_backend("inductor")
+backend.__doc__ = """torch.compile backend: the recfuse pass, then Inductor.
+
+Example:
+    >>> import torch, recfuse.fx
+    >>> fast = torch.compile(model, backend=recfuse.fx.backend)   # doctest: +SKIP
+"""
