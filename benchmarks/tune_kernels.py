@@ -68,13 +68,17 @@ def sweep_forward(F, B, D, H, dtype):
                      for bb in (4, 8, 16, 32) for nw in (2, 4)]
     out = []
     orig = launch.forward_config
+    precisions = ("tf32x3", "ieee") if dtype == torch.float32 and base.use_dot else ("tf32x3",)
     for cfg in variants:
-        launch.forward_config = lambda *a, _c=cfg: _c
-        try:
-            row = _timed(lambda: launch.forward(x, w, b, None, None, 0.0, 1), ref)
-        finally:
-            launch.forward_config = orig
-        out.append({"config": str(cfg), **row})
+        for precision in precisions if cfg.use_dot else ("tf32x3",):
+            launch.forward_config = lambda *a, _c=cfg: _c
+            launch.FP32_DOT_PRECISION = precision
+            try:
+                row = _timed(lambda: launch.forward(x, w, b, None, None, 0.0, 1), ref)
+            finally:
+                launch.forward_config = orig
+                launch.FP32_DOT_PRECISION = "tf32x3"
+            out.append({"config": f"{cfg} fp32 dots {precision}" if dtype == torch.float32 else str(cfg), **row})
     return base, out
 
 

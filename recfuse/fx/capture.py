@@ -17,6 +17,7 @@ the same structure for tuples, lists and dicts, the value itself for small Pytho
 from __future__ import annotations
 
 import copy
+import itertools
 import inspect
 import logging
 import os
@@ -147,22 +148,6 @@ def _user_frame() -> str:
     return "<unknown>"
 
 
-class _unpatched_modules:
-    """While tracing, torch.fx patches nn.Module.__call__/__getattr__ to record calls; running a
-    module on real example values must bypass that, or it would be recorded again."""
-
-    def __enter__(self):
-        from torch.fx import _symbolic_trace as st
-
-        self._saved = (nn.Module.__call__, nn.Module.__getattr__)
-        nn.Module.__call__ = st._orig_module_call
-        nn.Module.__getattr__ = st._orig_module_getattr
-
-    def __exit__(self, *exc):
-        nn.Module.__call__, nn.Module.__getattr__ = self._saved
-        return False
-
-
 def _arg_name(target: str, names) -> str:
     # symbolic_trace names the placeholder of a concrete arg `name_<count>`.
     name = target.lstrip("*")
@@ -177,6 +162,20 @@ class _ValueTracer(Tracer):
     def __init__(self, placeholder_values: dict[str, Any]):
         super().__init__()
         self._ph_values = placeholder_values
+
+    # While tracing, torch.fx routes nn.Module calls and attribute reads through these two hooks to
+    # record them; running a module on real example values must bypass them.
+    _executing = False
+
+    def call_module(self, m, forward, args, kwargs):
+        if self._executing:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if self._executing:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def proxy(self, node: Node) -> Proxy:
         return _ValueProxy(node, self)
@@ -218,8 +217,9 @@ class _ValueTracer(Tracer):
             for part in node.target.split("."):
                 obj = getattr(obj, part)
             return obj
+        self._executing = True
         try:
-            with torch.no_grad(), _unpatched_modules():
+            with torch.no_grad():
                 if node.op == "call_function":
                     return node.target(*args, **kwargs)
                 if node.op == "call_method":
@@ -230,6 +230,8 @@ class _ValueTracer(Tracer):
             raise RecfuseError(
                 f"running the model on example_inputs failed at `{node.format_node()}`: {e}"
             ) from e
+        finally:
+            self._executing = False
         return None
 
     def iter(self, obj: Proxy):
@@ -370,8 +372,10 @@ def capture(model, example_inputs: Optional[tuple] = None) -> tuple[GraphModule,
             f"value) at {e}. The fused graph would be specialised to the example data. Use "
             f"torch.where or torch.cond instead, or apply recfuse.FusedFeatureProcessor by hand."
         ) from None
-    except torch.fx.proxy.TraceError as e:
-        if "control flow" in str(e):
+    except RecfuseError:
+        raise
+    except (torch.fx.proxy.TraceError, TypeError, RuntimeError, NotImplementedError) as e:
+        if isinstance(e, torch.fx.proxy.TraceError) and "control flow" in str(e):
             raise RecfuseError(
                 f"cannot capture {fn_name}: data-dependent control flow ({e}). Pass example_inputs, or "
                 f"use torch.where/torch.cond instead of a Python `if` on a tensor."
@@ -382,10 +386,30 @@ def capture(model, example_inputs: Optional[tuple] = None) -> tuple[GraphModule,
         live = n.meta.pop(_LIVE, None)
         if example_inputs is not None and n.op != "output":
             n.meta[VAL_KEY] = _summarise(live)
-    _finish_concrete(gm, constants)
-    gm.recompile()
+    if constants:
+        _finish_concrete(gm, constants)
+        gm.recompile()
     return gm, {"how": "torch.fx", "constants": {k: v for k, v in constants.items() if not isinstance(v, nn.Module)},
                 "shapes": example_inputs is not None, "name": fn_name}
+
+
+def _restore_attr_names(gm: GraphModule, root: nn.Module) -> None:
+    """Dynamo flattens `lns.0.weight` to `L__self___lns_0_weight`; put the original names back
+    (found by identity) so that state_dict keys of the original model keep meaning."""
+    from torch.fx.graph_module import _assign_attr
+
+    by_id = {id(t): name for name, t in itertools.chain(root.named_parameters(), root.named_buffers())}
+    for n in gm.graph.nodes:
+        if n.op != "get_attr" or "." in n.target:
+            continue
+        t = getattr(gm, n.target, None)
+        name = by_id.get(id(t))
+        if name is None or name == n.target:
+            continue
+        _assign_attr(t, gm, name)
+        if hasattr(gm, n.target):
+            delattr(gm, n.target)
+        n.target = name
 
 
 def _capture_dynamo(root: nn.Module, values, constants, fn_name, fx_error) -> tuple[GraphModule, dict]:
@@ -403,4 +427,5 @@ def _capture_dynamo(root: nn.Module, values, constants, fn_name, fx_error) -> tu
             f"({type(e).__name__}: {msg})"
         ) from None
     annotate_from_meta(gm.graph)
+    _restore_attr_names(gm, root)
     return gm, {"how": "torch._dynamo.export", "constants": {}, "shapes": True, "name": fn_name}

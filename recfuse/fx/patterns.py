@@ -281,13 +281,24 @@ def slice_info(node: Node) -> Optional[SliceInfo]:
             if shape is None:
                 return None
             d = _norm_dim(dim, len(shape))
-            if d is None or not all(isinstance(x, ValueInfo) for x in pv):
+            if d is None:
                 return None
             if kind == "unbind":
                 return SliceInfo(src, "index", d, idx % len(pv), 1)
-            lengths = [x.shape[d] for x in pv]
+            # Offsets of all pieces, computed once per split node (1000-way splits are common).
+            starts = parent.meta.get("recfuse_starts")
+            if starts is None or starts[0] != d:
+                if not all(isinstance(x, ValueInfo) for x in pv):
+                    return None
+                lengths = [x.shape[d] for x in pv]
+                offs = [0]
+                for n in lengths:
+                    offs.append(offs[-1] + n)
+                starts = (d, offs)
+                parent.meta["recfuse_starts"] = starts
+            offs = starts[1]
             i = idx % len(pv)
-            return SliceInfo(src, "range", d, sum(lengths[:i]), lengths[i])
+            return SliceInfo(src, "range", d, offs[i], offs[i + 1] - offs[i])
         shape = tensor_shape(parent)
         if shape is None:
             return None

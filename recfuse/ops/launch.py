@@ -51,7 +51,11 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 def _fp32_dot_precision(x: torch.Tensor) -> str:
     # Plain TF32 costs ~1e-3 relative error; 3xTF32 keeps float32 accuracy at tensor-core speed.
     # The interpreter (CPU) computes dots in numpy float32 and knows only "ieee".
-    return "ieee" if x.device.type == "cpu" else "tf32x3"
+    return "ieee" if x.device.type == "cpu" else FP32_DOT_PRECISION
+
+
+# Precision of fp32 tl.dot on CUDA ("tf32x3" or "ieee" = FMA); a module switch for the tuner.
+FP32_DOT_PRECISION = "tf32x3"
 
 
 def _bwd_dot_precision(x: torch.Tensor) -> str:
@@ -316,6 +320,10 @@ def _backward_kernels(cfg, precision, grad_y, x, weight, bias, ln_weight, ln_bia
         # A copy: a custom op's outputs may not alias each other.
         return g.to(p.dtype, copy=True)
 
+    if D == 1:
+        # LayerNorm over one element is constant in x: dx is exactly zero. Computed, it is an
+        # ulp of rounding (the kernel's two uses of dxhat may round apart) times eps**-0.5.
+        dx.zero_()
     gw = grad_of(weight, 0, H * D, (H, D))
     gb = grad_of(bias, H * D, H, (H,))
     glw = grad_of(ln_weight, H * D + H, D, (D,))
