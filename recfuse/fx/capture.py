@@ -32,6 +32,7 @@ from torch.fx import GraphModule, Proxy, Tracer
 from torch.fx.node import Node, map_aggregate
 
 from ..errors import RecfuseError
+from . import runtime
 
 __all__ = ["capture", "ValueInfo", "VAL_KEY", "value_of", "annotate_from_meta"]
 
@@ -294,7 +295,8 @@ def _finish_concrete(gm: GraphModule, constants: dict[str, Any]) -> None:
 
     symbolic_trace guards a specialised int with an assert (kept: calling with another batch size
     than the graph was built for must fail loudly) but cannot guard a module argument; ours are
-    submodules of the graph, so the argument is ignored and may be omitted.
+    submodules of the graph, so the argument may be omitted, and passing any module other than
+    the one given at transform time raises (it would be ignored otherwise).
     """
     for n in list(gm.graph.nodes):
         if n.op != "placeholder" or _arg_name(n.target, constants) not in constants:
@@ -305,6 +307,9 @@ def _finish_concrete(gm: GraphModule, constants: dict[str, Any]) -> None:
                 if not u.users:
                     gm.graph.erase_node(u)
             n.args = (None,)
+            with gm.graph.inserting_after(n):
+                gm.graph.call_function(runtime.check_module_argument,
+                                       (n, runtime.remember_module_argument(value), _arg_name(n.target, constants)))
         elif value is None or isinstance(value, (bool, int, float, str)):
             n.args = (value,)
 

@@ -28,8 +28,7 @@ from torch import nn
 from torch.fx import Graph, Node
 
 from . import runtime
-from .capture import VAL_KEY
-from .patterns import (OpInfo, ParamRef, SliceChain, classify, fmt_float, sink_info, tensor_dtype,
+from .patterns import (ParamRef, SliceChain, classify, fmt_float, sink_info, tensor_dtype,
                        tensor_shape, walk_chain)
 
 __all__ = ["SliceGroup", "NearMiss", "Fusion", "VerticalLnTanhLinearRelu", "HorizontalChain", "FUSIONS",

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .fusions import NearMiss
-
 __all__ = ["FusionReport", "GroupReport"]
 
 

@@ -5,11 +5,49 @@ other than the example's, exactly as the original per-slice code did.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
+from torch.fx.node import has_side_effect
 
-__all__ = ["slices_view", "gather_slices", "rows_view", "feature_affine", "feature_linear", "from_batched"]
+from ..errors import RecfuseError
+
+# token -> weak reference to a module passed as an argument at transform time.
+_CAPTURED_MODULES: dict = {}
+
+
+def remember_module_argument(module) -> int:
+    """Register a module argument baked into a transformed graph; returns the token its guard uses."""
+    token = len(_CAPTURED_MODULES)
+    _CAPTURED_MODULES[token] = weakref.ref(module)
+    return token
+
+
+@has_side_effect  # a guard: dead-code elimination must keep it
+def check_module_argument(value, token: int, name: str) -> None:
+    """Guard of a module argument the transformed graph owns a copy of.
+
+    The graph computes with the copy taken at transform time (its parameters are the ones to
+    train), so a call passing another module would silently use the old weights: refuse it.
+    Passing nothing, or the very module given to `transform`, is accepted.
+
+    Example:
+        >>> import torch
+        >>> lin = torch.nn.Linear(2, 1)
+        >>> check_module_argument(lin, remember_module_argument(lin), "linear")
+    """
+    if value is None:
+        return
+    ref = _CAPTURED_MODULES.get(token)
+    if ref is None or ref() is not value:
+        raise RecfuseError(
+            f"argument `{name}` was captured by recfuse.transform: the transformed module computes with "
+            f"its own copy of the module given at transform time (train that copy's parameters). Call it "
+            f"without `{name}`, or transform again with the new {type(value).__name__}."
+        )
+
+__all__ = ["check_module_argument", "slices_view", "gather_slices", "rows_view", "feature_affine", "feature_linear", "from_batched"]
 
 
 def slices_view(src: torch.Tensor, dim: int, start: int, count: int, length: Optional[int]) -> torch.Tensor:

@@ -36,7 +36,7 @@ def fuse_graph(graph: Graph, root: Optional[nn.Module] = None, *, stack_params_o
         >>> import torch
         >>> from recfuse.fx.capture import capture
         >>> from recfuse.puzzler import split_stack
-        >>> gm, _ = capture(split_stack, (torch.randn(24), 4, 2, torch.nn.Linear(2, 1)))
+        >>> gm, _ = capture(split_stack, (torch.randn(96), 4, 8, torch.nn.Linear(8, 1)))
         >>> len(fuse_graph(gm.graph, gm).groups)
         1
     """
@@ -190,7 +190,7 @@ def explain(model, example_inputs: Optional[tuple] = None) -> FusionReport:
     Example:
         >>> import torch, recfuse
         >>> from recfuse.puzzler import split_stack
-        >>> r = recfuse.explain(split_stack, (torch.randn(24), 4, 2, torch.nn.Linear(2, 1)))
+        >>> r = recfuse.explain(split_stack, (torch.randn(96), 4, 8, torch.nn.Linear(8, 1)))
         >>> r.groups[0].ops
         'layer_norm -> tanh -> linear -> relu'
     """
@@ -255,7 +255,7 @@ def verify(model, transformed: nn.Module, example_inputs: tuple, *, rtol: float 
     Example:
         >>> import torch, recfuse
         >>> from recfuse.puzzler import split_stack
-        >>> args = (torch.randn(24), 4, 2, torch.nn.Linear(2, 1))
+        >>> args = (torch.randn(96), 4, 8, torch.nn.Linear(8, 1))
         >>> recfuse.fx.verify(split_stack, recfuse.transform(split_stack, args), args) < 1e-4
         True
     """
