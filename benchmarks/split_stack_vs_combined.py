@@ -15,6 +15,8 @@ rows (select with --rows, shell-style patterns on the keys):
     cudagraph_combined      `combined` captured once in a CUDA graph, then replayed (GPU only)
     recfuse_transform       recfuse.transform(SplitStack) (the fx pass)
     fused_feature_processor recfuse.FusedFeatureProcessor on the [B, F*D] buffer
+    ffp_cuda_graph          the same module with cuda_graph=True (opt-in replay of a captured
+                            launch for fixed shapes; inference only, GPU only)
     recfuse_op              the bare op recfuse.ln_tanh_linear_relu on a [B, F, D] view
 
 columns:
@@ -91,6 +93,7 @@ ROW_LABELS = {
     "cudagraph_combined": "CUDA graph (combined)",
     "recfuse_transform": "recfuse.transform",
     "fused_feature_processor": "FusedFeatureProcessor",
+    "ffp_cuda_graph": "FFP cuda_graph=True",
     "recfuse_op": "recfuse op",
 }
 BASELINE_ROW = "split_stack"
@@ -296,15 +299,20 @@ def build_recfuse_transform(inputs: Inputs, case: Case, device) -> Row:
     return Row(lambda: fused(x, case.B, case.D), _fbh, inputs.grad_y, x, weight, bias, module=fused)
 
 
-def build_fused_feature_processor(inputs: Inputs, case: Case, device) -> Row:
+def build_fused_feature_processor(inputs: Inputs, case: Case, device, cuda_graph: bool = False) -> Row:
     cls = getattr(recfuse, "FusedFeatureProcessor", None)
     if cls is None:
         raise RowUnavailable("recfuse.FusedFeatureProcessor is not in this recfuse build yet")
+    if cuda_graph and device.type != "cuda":
+        raise RowUnavailable("CUDA graphs need a GPU")
+    if cuda_graph and case.backward:
+        raise RowUnavailable("cuda_graph=True replays inference calls only")
     x, _ = _row_leaves(inputs, case)
     F, B, D, H = case.F, case.B, case.D, case.H
     # The puzzler's configuration: LayerNorm without affine, eps=0.0, one shared Linear(D, H).
     fp = cls([f"f{i}" for i in range(F)], [D] * F, out_features=H, shared_linear=True,
-             shared_layer_norm=False, ln_affine=False, eps=0.0, device=device, dtype=case.dtype)
+             shared_layer_norm=False, ln_affine=False, eps=0.0, device=device, dtype=case.dtype,
+             cuda_graph=cuda_graph)
     weight, bias = find_linear_params(fp, H, D)
     if weight is None:
         raise RuntimeError("cannot find FusedFeatureProcessor's Linear weight to load the shared one")
@@ -339,6 +347,7 @@ ROW_BUILDERS: dict[str, Callable[[Inputs, Case, torch.device], Row]] = {
     "cudagraph_combined": build_cudagraph_combined,
     "recfuse_transform": build_recfuse_transform,
     "fused_feature_processor": build_fused_feature_processor,
+    "ffp_cuda_graph": lambda inputs, case, device: build_fused_feature_processor(inputs, case, device, cuda_graph=True),
     "recfuse_op": build_recfuse_op,
 }
 COMPILED_ROWS = {"compile_split_stack", "compile_combined", "inductor_batch_fusion"}
