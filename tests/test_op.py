@@ -187,3 +187,19 @@ def test_eager_path_and_custom_op_path_agree():
     assert torch.equal(y1, y2)
     for a, b in zip(g1, g2):
         assert rel_err(a, b) < 1e-12
+
+
+def test_grad_of_a_permuted_view_keeps_its_strides():
+    # [B, F*D] -> [F, B, D] view: dx in the view's strides lets autograd hand the base's gradient
+    # over without a copy of x's size (the graph pass feeds the op exactly this view).
+    B, F, D = 5, 3, 8
+    base = torch.randn(B, F * D, requires_grad=True)
+    xv = base.view(B, F, D).transpose(0, 1)
+    w = torch.randn(2, D)
+    y = recfuse.ln_tanh_linear_relu(xv, w, feature_dim=0)
+    (gx,) = torch.autograd.grad(y, xv, torch.ones_like(y))
+    assert gx.stride() == xv.stride()
+    xr = base.detach().double().view(B, F, D).transpose(0, 1).requires_grad_(True)
+    yr = recfuse.reference.ln_tanh_linear_relu(xr, w.double(), feature_dim=0)
+    (gr,) = torch.autograd.grad(yr, xr, torch.ones_like(yr))
+    torch.testing.assert_close(gx.double(), gr, rtol=1e-5, atol=1e-6)

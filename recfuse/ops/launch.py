@@ -251,6 +251,12 @@ _BWD_PRECISION: dict = {}
 _WARNED: set = set()
 
 
+def _grad_like(x: torch.Tensor) -> torch.Tensor:
+    """dx in x's own strides: when x is a view (a [B, F*D] buffer seen as [F, B, D]), autograd's
+    view backward then hands the base's gradient over without a copy of x's size."""
+    return torch.empty_like(x)
+
+
 def _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, why):
     from .ln_tanh_linear_relu import _composite_backward
 
@@ -264,7 +270,7 @@ def _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps,
 
 def _backward_kernels(cfg, precision, grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
     F, B, D, H = _sizes(x, weight, feature_dim)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = _grad_like(x)
     K = H * D + H + 2 * D
     P = _programs_per_feature(x, F, B, cfg.block_b, cfg.waves) if B > 0 else 1
     rows_per_program = triton.cdiv(triton.cdiv(max(B, 1), P), cfg.block_b) * cfg.block_b

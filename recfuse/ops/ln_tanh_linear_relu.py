@@ -150,7 +150,8 @@ def _composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featur
     dxhat = da if lw_b is None else da * lw_b
     gx = rstd * (dxhat - dxhat.mean(-1, keepdim=True) - xhat * (dxhat * xhat).mean(-1, keepdim=True))
     gx = gx if feature_dim == 0 else gx.transpose(0, 1)
-    return gx.to(x.dtype).contiguous(), gw.to(weight.dtype), gb, glw, glb
+    # In x's strides, like the kernel's dx (and the fake impl).
+    return torch.empty_like(x).copy_(gx), gw.to(weight.dtype), gb, glw, glb
 
 
 @_bwd_op.register_fake
@@ -159,7 +160,7 @@ def _bwd_fake(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
         return _empty(x) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
 
     return (
-        torch.empty_like(x, memory_format=torch.contiguous_format),
+        torch.empty_like(x),  # x's strides (preserve_format), as both real impls return
         like(weight),
         like(bias),
         like(ln_weight),
