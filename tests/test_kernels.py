@@ -39,10 +39,26 @@ def test_kernels_are_what_runs(monkeypatch):
     calls = []
     for name in ("forward", "backward"):
         original = getattr(launch, name)
-        monkeypatch.setattr(launch, name, lambda *a, _o=original, _n=name: calls.append(_n) or _o(*a))
+        monkeypatch.setattr(launch, name, lambda *a, _o=original, _n=name, **k: calls.append(_n) or _o(*a, **k))
     x = torch.randn(2, 3, 8, requires_grad=True)
     recfuse.ln_tanh_linear_relu(x, torch.randn(1, 8)).sum().backward()
     assert calls == ["forward", "backward"]
+
+
+def test_saved_row_stats_give_the_recomputed_gradients():
+    # Eager autograd keeps the forward's mean/rstd for the backward; the custom op (compile,
+    # export) recomputes them. Both must give the same gradients.
+    case = Case(3, 40, 24, 8, per_feature_weight=True, ln="per_feature", bias="per_feature")
+    tensors = make_inputs(case)
+    x, w, b, lw, lb, gy = tensors
+    stats_saved = launch.forward(x, w, b, lw, lb, case.eps, case.feature_dim, save_stats=True)[1]
+    via_stats = launch.backward(gy, x, w, b, lw, lb, case.eps, case.feature_dim, stats_saved)
+    recomputed = launch.backward(gy, x, w, b, lw, lb, case.eps, case.feature_dim)
+    for a, r in zip(via_stats, recomputed):
+        torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-7)
+    mean = x.mean(-1)
+    rstd = torch.rsqrt(x.var(-1, unbiased=False) + case.eps)
+    torch.testing.assert_close(stats_saved, torch.stack([mean, rstd]).float(), rtol=1e-5, atol=1e-6)
 
 
 def test_backward_is_bitwise_deterministic():

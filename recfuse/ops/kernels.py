@@ -45,16 +45,25 @@ def _tanh_approx(a):
 def _normalize_tanh(
     x_ptrs, mask, cmask, f, cols, D, eps,
     LNW, LNB, stride_lnw_f, stride_lnb_f,
-    HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr, FAST_TANH: tl.constexpr,
+    mean_ptrs, rstd_ptrs, rmask,
+    HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr, FAST_TANH: tl.constexpr, LOAD_STATS: tl.constexpr,
 ):
-    """Load a [rows, BLOCK_D] tile, return (xhat, t = tanh(affine(xhat)), rstd, ln weight)."""
+    """Load a [rows, BLOCK_D] tile, return (xhat, t = tanh(affine(xhat)), mean, rstd, ln weight).
+
+    LOAD_STATS: read the rows' mean and rstd (saved by the forward) instead of two reductions.
+    """
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-    # `/ D`, not `* inv_d`: measured on the H100 (F=128 B=8192 D=256 fp32, 8-row tiles) the
-    # multiply form compiled to a 466 us forward, the divide to 400 us.
-    mean = tl.sum(x, axis=1) / D
-    xc = tl.where(cmask[None, :], x - mean[:, None], 0.0)
-    var = tl.sum(xc * xc, axis=1) / D
-    rstd = 1.0 / tl.sqrt(var + eps)
+    if LOAD_STATS:
+        mean = tl.load(mean_ptrs, mask=rmask, other=0.0)
+        rstd = tl.load(rstd_ptrs, mask=rmask, other=0.0)
+        xc = tl.where(cmask[None, :], x - mean[:, None], 0.0)
+    else:
+        # `/ D`, not `* inv_d`: measured on the H100 (F=128 B=8192 D=256 fp32, 8-row tiles)
+        # the multiply form compiled to a 466 us forward, the divide to 400 us.
+        mean = tl.sum(x, axis=1) / D
+        xc = tl.where(cmask[None, :], x - mean[:, None], 0.0)
+        var = tl.sum(xc * xc, axis=1) / D
+        rstd = 1.0 / tl.sqrt(var + eps)
     # Padded rows have zero variance: with eps=0 their rstd is inf, so mask them to exact zeros
     # (a NaN there would poison the weight-gradient sums of the whole tile).
     xhat = tl.where(mask, xc * rstd[:, None], 0.0)
@@ -71,7 +80,7 @@ def _normalize_tanh(
         t = tl.where(mask, _tanh_approx(a), 0.0)
     else:
         t = tl.where(mask, _tanh(a), 0.0)
-    return xhat, t, rstd, g
+    return xhat, t, mean, rstd, g
 
 
 @triton.jit
@@ -89,8 +98,8 @@ def _row_linear(t, w, USE_DOT: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: t
 
 @triton.jit
 def ln_tanh_linear_relu_fwd(
-    X, W, BIAS, LNW, LNB, Y,
-    B, D, H,
+    X, W, BIAS, LNW, LNB, Y, STATS,
+    B, D, H, stats_half,
     stride_x_f, stride_x_b, stride_x_d,
     stride_w_f, stride_w_h,
     stride_bias_f, stride_lnw_f, stride_lnb_f,
@@ -98,9 +107,10 @@ def ln_tanh_linear_relu_fwd(
     eps,
     HAS_BIAS: tl.constexpr, HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FAST_TANH: tl.constexpr,
+    FAST_TANH: tl.constexpr, SAVE_STATS: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    # STATS (SAVE_STATS, for a backward that follows): [2, F, B] fp32, mean then rstd.
     pid_b = tl.program_id(0)
     f = tl.program_id(1).to(tl.int64)
     rows = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -109,10 +119,14 @@ def ln_tanh_linear_relu_fwd(
     cmask = cols < D
     mask = rmask[:, None] & cmask[None, :]
     x_ptrs = X + f * stride_x_f + rows[:, None].to(tl.int64) * stride_x_b + cols[None, :] * stride_x_d
-    _, t, _, _ = _normalize_tanh(
-        x_ptrs, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB,
-        FAST_TANH,
+    stat_ptrs = STATS + f * B + rows
+    _, t, mean, rstd, _ = _normalize_tanh(
+        x_ptrs, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
+        stat_ptrs, stat_ptrs + stats_half, rmask, HAS_LNW, HAS_LNB, FAST_TANH, False,
     )
+    if SAVE_STATS:
+        tl.store(stat_ptrs, mean, mask=rmask)
+        tl.store(stat_ptrs + stats_half, rstd, mask=rmask)
     if USE_DOT:
         t_dot = t.to(DOT_DTYPE)
     y_row = Y + f * stride_y_f + rows.to(tl.int64) * stride_y_b
@@ -137,8 +151,8 @@ def ln_tanh_linear_relu_fwd(
 
 @triton.jit
 def ln_tanh_linear_relu_bwd(
-    GY, X, W, BIAS, LNW, LNB, DX, PARTIAL,
-    B, D, H, rows_per_program,
+    GY, X, W, BIAS, LNW, LNB, DX, PARTIAL, STATS,
+    B, D, H, rows_per_program, stats_half,
     stride_x_f, stride_x_b, stride_x_d,
     stride_gy_f, stride_gy_b,
     stride_dx_f, stride_dx_b,
@@ -148,8 +162,10 @@ def ln_tanh_linear_relu_bwd(
     eps, inv_d,
     HAS_BIAS: tl.constexpr, HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
     USE_DOT: tl.constexpr, BWD_DOT_PRECISION: tl.constexpr, FAST_TANH: tl.constexpr,
+    LOAD_STATS: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    # LOAD_STATS: STATS holds the forward's per-row mean and rstd ([2, F, B] fp32).
     # PARTIAL row of this program: [H*D weight | H bias | D ln_weight | D ln_bias], fp32.
     pid_p = tl.program_id(0)
     f = tl.program_id(1).to(tl.int64)
@@ -178,9 +194,10 @@ def ln_tanh_linear_relu_bwd(
         rows64 = rows.to(tl.int64)
         mask = rmask[:, None] & cmask[None, :]
         x_ptrs = X + f * stride_x_f + rows64[:, None] * stride_x_b + cols[None, :] * stride_x_d
-        xhat, t, rstd, g = _normalize_tanh(
+        stat_ptrs = STATS + f * B + rows64
+        xhat, t, _, rstd, g = _normalize_tanh(
             x_ptrs, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
-            HAS_LNW, HAS_LNB, FAST_TANH,
+            stat_ptrs, stat_ptrs + stats_half, rmask, HAS_LNW, HAS_LNB, FAST_TANH, LOAD_STATS,
         )
         ymask = rmask[:, None] & hmask[None, :]
         gy = tl.load(GY + f * stride_gy_f + rows64[:, None] * stride_gy_b + hs[None, :],

@@ -171,16 +171,20 @@ def _sizes(x: torch.Tensor, weight: torch.Tensor, feature_dim: int) -> tuple[int
     return F, B, x.shape[2], weight.shape[-2]
 
 
-def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=False):
     """Run the fused forward kernel; returns y in x's layout with D replaced by H.
+
+    With ``save_stats`` returns ``(y, stats)``: stats is [2, F, B] fp32, every row's LayerNorm
+    mean and rstd, for `backward` to read instead of recomputing (8 bytes a row: O(F*B)).
 
     Example:
         >>> y = forward(x, w, None, None, None, 1e-5, 0)  # doctest: +SKIP
     """
     F, B, D, H = _sizes(x, weight, feature_dim)
     y = x.new_empty((F, B, H) if feature_dim == 0 else (B, F, H))
+    stats = x.new_empty((2, F, B), dtype=torch.float32) if save_stats else None
     if y.numel() == 0:
-        return y
+        return (y, stats) if save_stats else y
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     params = [p if p is None or p.stride(-1) == 1 else p.contiguous() for p in (bias, ln_weight, ln_bias)]
     bias, ln_weight, ln_bias = params
@@ -192,7 +196,8 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
     _launch_fwd(grid, (
         x, weight, bias if bias is not None else dummy,
         ln_weight if ln_weight is not None else dummy, ln_bias if ln_bias is not None else dummy, y,
-        B, D, H,
+        stats if save_stats else dummy,
+        B, D, H, F * B,
         sxf, sxb, x.stride(2),
         weight.stride(0) if weight.dim() == 3 else 0, weight.stride(-2),
         _param_stride(bias, 2), _param_stride(ln_weight, 2), _param_stride(ln_bias, 2),
@@ -200,10 +205,10 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
         float(eps),
     ), dict(
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
-        USE_DOT=cfg.use_dot, **_dot_args(x), FAST_TANH=_fast_tanh(x),
+        USE_DOT=cfg.use_dot, **_dot_args(x), FAST_TANH=_fast_tanh(x), SAVE_STATS=save_stats,
         BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
     ), num_warps=cfg.num_warps)
-    return y
+    return (y, stats) if save_stats else y
 
 
 def _programs_per_feature(x: torch.Tensor, F: int, B: int, block_b: int, waves: int = 1) -> int:
@@ -216,8 +221,11 @@ def _programs_per_feature(x: torch.Tensor, F: int, B: int, block_b: int, waves: 
     return max(1, min(n_tiles, triton.cdiv(target, F)))
 
 
-def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats=None):
     """Gradients (dx, dweight, dbias, dln_weight, dln_bias); empty tensors for absent parameters.
+
+    ``stats``: the [2, F, B] mean/rstd a ``forward(..., save_stats=True)`` returned, read
+    instead of recomputed; None recomputes them from x.
 
     Two or three launches: the fused backward kernel (dx and per-program partial sums), the
     fixed-order reduction of the partials over programs, and for parameters shared across
@@ -234,7 +242,8 @@ def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
                                           "the backward kernel does not cover")
     precision = _BWD_PRECISION.get(unfit_key, _bwd_dot_precision(x))
     try:
-        return _backward_kernels(cfg, precision, grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+        return _backward_kernels(cfg, precision, grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
+                                 stats)
     except OutOfResources as err:
         # Found at compile time, before anything ran: fp32 H=64 D=256 3xTF32 tiles need more
         # shared memory than an H100 has (hi/lo copies of the weight in two layouts). Plain fp32
@@ -242,7 +251,7 @@ def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
         if precision != "ieee":
             log.warning("recfuse: backward D=%d H=%d %s: %s; retrying with fp32 FMA dots", D, H, x.dtype, err)
             _BWD_PRECISION[unfit_key] = "ieee"
-            return backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+            return backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats)
         _BWD_UNFIT.add(unfit_key)
         return _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
                                           f"the backward kernel ran out of resources ({err}) for")
@@ -272,7 +281,7 @@ def _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps,
     return _composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
 
 
-def _backward_kernels(cfg, precision, grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+def _backward_kernels(cfg, precision, grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats):
     F, B, D, H = _sizes(x, weight, feature_dim)
     dx = _grad_like(x)
     K = H * D + H + 2 * D
@@ -292,8 +301,8 @@ def _backward_kernels(cfg, precision, grad_y, x, weight, bias, ln_weight, ln_bia
         _launch_bwd((P, F), (
             grad_y, x, weight_c, bias_c if bias_c is not None else weight_c,
             lnw if lnw is not None else weight_c, lnb if lnb is not None else weight_c,
-            dx, partial,
-            B, D, H, rows_per_program,
+            dx, partial, stats if stats is not None else partial,
+            B, D, H, rows_per_program, F * B,
             sxf, sxb, x.stride(2),
             sgf, sgb,
             sdf, sdb,
@@ -304,6 +313,7 @@ def _backward_kernels(cfg, precision, grad_y, x, weight, bias, ln_weight, ln_bia
         ), dict(
             HAS_BIAS=bias_c is not None, HAS_LNW=lnw is not None, HAS_LNB=lnb is not None,
             USE_DOT=cfg.use_dot, BWD_DOT_PRECISION=precision, FAST_TANH=_fast_tanh(x),
+            LOAD_STATS=stats is not None,
             BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
         ), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     per_feature = [weight.dim() == 3,
