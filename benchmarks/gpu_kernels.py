@@ -25,6 +25,7 @@ import triton.testing
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import recfuse  # noqa: E402
 from op_cases import Case, check_against_float64  # noqa: E402
+from _timing import wall_us_with_sync  # noqa: E402
 from recfuse.reference import batched_ln_tanh_linear_relu  # noqa: E402
 
 log = logging.getLogger("recfuse.bench")
@@ -120,16 +121,7 @@ def time_shape(F, B, D, H, dtype):
         out[f"{name}_train_extra_peak_MB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
         out[f"{name}_train_us"] = bench(fn, rep=100)
     # Small shape: also the wall time per call with host sync, which is launch-bound.
-    import time
-    for _ in range(20):
-        fused()
-    torch.cuda.synchronize()
-    n = 200
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fused()
-        torch.cuda.synchronize()
-    out["fused_fwd_wall_us"] = (time.perf_counter() - t0) / n * 1e6
+    out["fused_fwd_wall_us"] = wall_us_with_sync(fused)
     return out
 
 

@@ -21,6 +21,8 @@ import recfuse
 from recfuse._checks import check_op_args
 from recfuse.ops import launch
 
+from _timing import wall_us_with_sync
+
 PROBLEMS = [  # F, B, D, H, dtype
     (128, 8192, 256, 1, torch.float32),
     (128, 8192, 256, 1, torch.bfloat16),
@@ -152,11 +154,7 @@ def host_overhead():
             fn()
         torch.cuda.synchronize()
         host = (time.perf_counter() - t0) / n * 1e6
-        t0 = time.perf_counter()
-        for _ in range(200):
-            fn()
-            torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / 200 * 1e6
+        wall = wall_us_with_sync(fn, warmup=0)
         out[name] = {"host_us_per_call": host, "wall_us_with_sync": wall}
         print(f"{name:>32}: host {host:7.1f} us/call, wall with sync {wall:7.1f} us", flush=True)
     out["compiled_launch_cache_entries"] = len(launch._launch_fwd.kernels)

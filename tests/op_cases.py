@@ -105,3 +105,18 @@ def check_against_float64(case: Case, dtype, device="cpu", fn=None):
         assert out.shape == ref.shape, f"{case} {name}: shape {tuple(out.shape)} vs {tuple(ref.shape)}"
         err = rel_err(out, ref)
         assert err < tol, f"{case} {dtype} {name}: relative error {err:.2e} >= {tol:.0e}"
+
+
+def check_nan_parity(shape=(3, 4, 8), const_row=(1, 2)):
+    """A constant row with eps=0 has zero variance: PyTorch gives NaN there, and so must the op.
+
+    Asserts NaN exactly where the per-slice reference has it and agreement elsewhere; returns y.
+    """
+    x = torch.randn(shape)
+    x[const_row] = 2.0
+    w = torch.randn(2, shape[-1])
+    y = recfuse.ln_tanh_linear_relu(x, w, eps=0.0)
+    y_ref = recfuse.reference.ln_tanh_linear_relu(x, w, eps=0.0)
+    assert torch.equal(torch.isnan(y), torch.isnan(y_ref))
+    assert rel_err(y[~torch.isnan(y)], y_ref[~torch.isnan(y_ref)]) < 1e-5
+    return y

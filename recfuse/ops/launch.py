@@ -239,7 +239,7 @@ def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stat
     unfit_key = (D, H, x.dtype, weight.dim(), x.device.type)
     if cfg is None or unfit_key in _BWD_UNFIT:
         return _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
-                                          "the backward kernel does not cover")
+                                          "the backward kernel does not cover", unfit_key)
     if cfg.use_dot:
         # Not yet for the tl.dot backward: on the H100 it gave dx 3e-3 off at H=16 fp32 with the
         # saved stats (11/11 checks pass recomputing them), which the interpreter does not show.
@@ -247,8 +247,8 @@ def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stat
         stats = None
     precision = _BWD_PRECISION.get(unfit_key, _bwd_dot_precision(x))
     try:
-        return _backward_kernels(cfg, precision, grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
-                                 stats)
+        return _backward_kernels(cfg, precision, (F, B, D, H), grad_y, x, weight, bias, ln_weight, ln_bias,
+                                 eps, feature_dim, stats)
     except OutOfResources as err:
         # Found at compile time, before anything ran: fp32 H=64 D=256 3xTF32 tiles need more
         # shared memory than an H100 has (hi/lo copies of the weight in two layouts). Plain fp32
@@ -259,7 +259,7 @@ def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stat
             return backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats)
         _BWD_UNFIT.add(unfit_key)
         return _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
-                                          f"the backward kernel ran out of resources ({err}) for")
+                                          f"the backward kernel ran out of resources ({err}) for", unfit_key)
 
 
 # Keyed by (D, H, dtype, weight rank, device type): shapes whose backward kernel does not fit
@@ -275,19 +275,18 @@ def _grad_like(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, why):
+def _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, why, key):
     from .ln_tanh_linear_relu import _composite_backward
 
-    F, B, D, H = _sizes(x, weight, feature_dim)
-    key = (D, H, x.dtype, weight.dim(), x.device.type)
+    D, H = key[0], key[1]
     level = logging.DEBUG if key in _WARNED else logging.WARNING  # once per shape, not per step
     _WARNED.add(key)
     log.log(level, "recfuse: %s D=%d, H=%d, %s; using the torch composite backward", why, D, H, x.dtype)
     return _composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
 
 
-def _backward_kernels(cfg, precision, grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats):
-    F, B, D, H = _sizes(x, weight, feature_dim)
+def _backward_kernels(cfg, precision, sizes, grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats):
+    F, B, D, H = sizes
     dx = _grad_like(x)
     K = H * D + H + 2 * D
     P = _programs_per_feature(x, F, B, cfg.block_b, cfg.waves) if B > 0 else 1

@@ -63,12 +63,14 @@ def _fwd_op(
     return _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
 
 
-def _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+def _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=False):
+    """y, or with ``save_stats`` (y, per-row mean/rstd for the backward; None on the composite)."""
     if uses_triton(x.device):
         from . import launch
 
-        return launch.forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
-    return batched_ln_tanh_linear_relu(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+        return launch.forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=save_stats)
+    y = batched_ln_tanh_linear_relu(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    return (y, None) if save_stats else y
 
 
 @_fwd_op.register_fake
@@ -213,15 +215,9 @@ class _EagerLnTanhLinearRelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
         args = (x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
-        ctx.stats = None
-        if uses_triton(x.device):
-            from . import launch
-
-            # The kernel keeps each row's mean and rstd (8 bytes a row) so that the backward
-            # skips two of its five row reductions.
-            y, ctx.stats = launch.forward(*args, save_stats=True)
-        else:
-            y = _forward_impl(*args)
+        # The kernel keeps each row's mean and rstd (8 bytes a row) so that the backward skips
+        # two of its five row reductions.
+        y, ctx.stats = _forward_impl(*args, save_stats=True)
         _setup_context(ctx, args, y)
         return y
 
