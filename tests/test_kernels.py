@@ -22,6 +22,9 @@ CASES = [
     Case(4, 3, 33, 1, feature_dim=1, strided_view=True, eps=0.0, ln="none"),
     Case(1, 2, 300, 20, bias="per_feature"),
     Case(2, 2, 1000, 1, ln="per_feature"),
+    # Full tiles (D == BLOCK_D, B a multiple of the row tile): the maskless EVEN_D/EVEN_B kernels.
+    EVEN_ROW_CASE := Case(2, 128, 16, 1, ln="per_feature", bias="per_feature"),
+    EVEN_DOT_CASE := Case(2, 64, 16, 16, ln="shared", eps=0.0),
 ]
 
 
@@ -29,6 +32,18 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_kernels_match_float64_reference(case, dtype):
     check_against_float64(case, dtype)
+
+
+@pytest.mark.parametrize("case, even", [(EVEN_ROW_CASE, True), (EVEN_DOT_CASE, True), (CASES[0], False)], ids=str)
+def test_full_tiles_take_the_maskless_kernels(monkeypatch, case, even):
+    # The cases above check the numbers; this checks that they cover both specialisations.
+    seen = []
+    for name in ("_launch_fwd", "_launch_bwd"):
+        original = getattr(launch, name)
+        monkeypatch.setattr(launch, name, lambda grid, args, meta, _o=original, **kw: (
+            seen.append((meta["EVEN_D"], meta["EVEN_B"])), _o(grid, args, meta, **kw))[1])
+    run_op(recfuse.ln_tanh_linear_relu, make_inputs(case), torch.float32, case)
+    assert len(seen) == 2 and all(flags == (even, even) for flags in seen), seen
 
 
 def test_float16_dot_path():

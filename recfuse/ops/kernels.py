@@ -47,39 +47,64 @@ def _normalize_tanh(
     LNW, LNB, stride_lnw_f, stride_lnb_f,
     mean_ptrs, rstd_ptrs, rmask,
     HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr, FAST_TANH: tl.constexpr, LOAD_STATS: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
 ):
     """Load a [rows, BLOCK_D] tile, return (xhat, t = tanh(affine(xhat)), mean, rstd, ln weight).
 
     LOAD_STATS: read the rows' mean and rstd (saved by the forward) instead of two reductions.
+    EVEN_D (D == BLOCK_D) / EVEN_B (no padded rows in the tile): the masks and the selects that
+    zero padded lanes are compiled out. They are several of the ~15 instructions per element,
+    which is what bounds the 16-bit kernels (half the bytes per element of fp32).
     """
-    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if EVEN_D and EVEN_B:
+        x = tl.load(x_ptrs, eviction_policy=X_EVICT).to(tl.float32)
+    else:
+        x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy=X_EVICT).to(tl.float32)
     if LOAD_STATS:
-        mean = tl.load(mean_ptrs, mask=rmask, other=0.0)
-        rstd = tl.load(rstd_ptrs, mask=rmask, other=0.0)
-        xc = tl.where(cmask[None, :], x - mean[:, None], 0.0)
+        if EVEN_B:
+            mean = tl.load(mean_ptrs)
+            rstd = tl.load(rstd_ptrs)
+        else:
+            mean = tl.load(mean_ptrs, mask=rmask, other=0.0)
+            rstd = tl.load(rstd_ptrs, mask=rmask, other=0.0)
+        xc = x - mean[:, None]
+        if not EVEN_D:
+            xc = tl.where(cmask[None, :], xc, 0.0)
     else:
         # `/ D`, not `* inv_d`: measured on the H100 (F=128 B=8192 D=256 fp32, 8-row tiles)
         # the multiply form compiled to a 466 us forward, the divide to 400 us.
         mean = tl.sum(x, axis=1) / D
-        xc = tl.where(cmask[None, :], x - mean[:, None], 0.0)
+        xc = x - mean[:, None]
+        if not EVEN_D:
+            xc = tl.where(cmask[None, :], xc, 0.0)
         var = tl.sum(xc * xc, axis=1) / D
         rstd = 1.0 / tl.sqrt(var + eps)
-    # Padded rows have zero variance: with eps=0 their rstd is inf, so mask them to exact zeros
-    # (a NaN there would poison the weight-gradient sums of the whole tile).
-    xhat = tl.where(mask, xc * rstd[:, None], 0.0)
+    xhat = xc * rstd[:, None]
+    if not (EVEN_D and EVEN_B):
+        # Padded rows have zero variance: with eps=0 their rstd is inf, so mask them to exact
+        # zeros (a NaN there would poison the weight-gradient sums of the whole tile).
+        xhat = tl.where(mask, xhat, 0.0)
     a = xhat
     g = tl.full([x.shape[1]], 1.0, tl.float32)
     if HAS_LNW:
-        g = tl.load(LNW + f * stride_lnw_f + cols, mask=cmask, other=0.0).to(tl.float32)
+        if EVEN_D:
+            g = tl.load(LNW + f * stride_lnw_f + cols).to(tl.float32)
+        else:
+            g = tl.load(LNW + f * stride_lnw_f + cols, mask=cmask, other=0.0).to(tl.float32)
         a = a * g[None, :]
     if HAS_LNB:
-        beta = tl.load(LNB + f * stride_lnb_f + cols, mask=cmask, other=0.0).to(tl.float32)
+        if EVEN_D:
+            beta = tl.load(LNB + f * stride_lnb_f + cols).to(tl.float32)
+        else:
+            beta = tl.load(LNB + f * stride_lnb_f + cols, mask=cmask, other=0.0).to(tl.float32)
         a = a + beta[None, :]
-    # Zero the padded columns and rows so that they add nothing to the dots with the weight.
     if FAST_TANH:
-        t = tl.where(mask, _tanh_approx(a), 0.0)
+        t = _tanh_approx(a)
     else:
-        t = tl.where(mask, _tanh(a), 0.0)
+        t = _tanh(a)
+    if not (EVEN_D and EVEN_B):
+        # Zero the padded columns and rows so that they add nothing to the dots with the weight.
+        t = tl.where(mask, t, 0.0)
     return xhat, t, mean, rstd, g
 
 
@@ -108,6 +133,7 @@ def ln_tanh_linear_relu_fwd(
     HAS_BIAS: tl.constexpr, HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FAST_TANH: tl.constexpr, SAVE_STATS: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     # STATS (SAVE_STATS, for a backward that follows): [2, F, B] fp32, mean then rstd.
@@ -123,20 +149,26 @@ def ln_tanh_linear_relu_fwd(
     _, t, mean, rstd, _ = _normalize_tanh(
         x_ptrs, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
         stat_ptrs, stat_ptrs + stats_half, rmask, HAS_LNW, HAS_LNB, FAST_TANH, False,
+        EVEN_D, EVEN_B, X_EVICT,
     )
     if SAVE_STATS:
-        tl.store(stat_ptrs, mean, mask=rmask)
-        tl.store(stat_ptrs + stats_half, rstd, mask=rmask)
+        if EVEN_B:
+            tl.store(stat_ptrs, mean)
+            tl.store(stat_ptrs + stats_half, rstd)
+        else:
+            tl.store(stat_ptrs, mean, mask=rmask)
+            tl.store(stat_ptrs + stats_half, rstd, mask=rmask)
     if USE_DOT:
         t_dot = t.to(DOT_DTYPE)
     y_row = Y + f * stride_y_f + rows.to(tl.int64) * stride_y_b
     for h0 in range(0, H, BLOCK_H):
         hs = h0 + tl.arange(0, BLOCK_H)
         hmask = hs < H
-        w = tl.load(
-            W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :],
-            mask=hmask[:, None] & cmask[None, :], other=0.0,
-        )
+        w_ptrs = W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :]
+        if EVEN_D and BLOCK_H == 1:
+            w = tl.load(w_ptrs)  # H=1 row path: hs is 0 < H
+        else:
+            w = tl.load(w_ptrs, mask=hmask[:, None] & cmask[None, :], other=0.0)
         if USE_DOT:
             z = _row_linear(t_dot, w.to(DOT_DTYPE), USE_DOT, BLOCK_H, DOT_PRECISION)
         else:
@@ -145,8 +177,11 @@ def ln_tanh_linear_relu_fwd(
             z += tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)[None, :]
         # relu that keeps NaN, as torch.relu does (tl.maximum would turn NaN into 0).
         y = tl.where(z < 0.0, 0.0, z)
-        tl.store(y_row[:, None] + hs[None, :], y.to(Y.dtype.element_ty),
-                 mask=rmask[:, None] & hmask[None, :])
+        if EVEN_B and BLOCK_H == 1:
+            tl.store(y_row[:, None] + hs[None, :], y.to(Y.dtype.element_ty))
+        else:
+            tl.store(y_row[:, None] + hs[None, :], y.to(Y.dtype.element_ty),
+                     mask=rmask[:, None] & hmask[None, :])
 
 
 @triton.jit
@@ -162,9 +197,10 @@ def ln_tanh_linear_relu_bwd(
     eps, inv_d,
     HAS_BIAS: tl.constexpr, HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
     USE_DOT: tl.constexpr, BWD_DOT_PRECISION: tl.constexpr, FAST_TANH: tl.constexpr,
-    LOAD_STATS: tl.constexpr,
+    LOAD_STATS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    # EVEN_B: every program's rows are all < B (B is a multiple of rows_per_program).
     # LOAD_STATS: STATS holds the forward's per-row mean and rstd ([2, F, B] fp32).
     # PARTIAL row of this program: [H*D weight | H bias | D ln_weight | D ln_bias], fp32.
     pid_p = tl.program_id(0)
@@ -198,10 +234,13 @@ def ln_tanh_linear_relu_bwd(
         xhat, t, _, rstd, g = _normalize_tanh(
             x_ptrs, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
             stat_ptrs, stat_ptrs + stats_half, rmask, HAS_LNW, HAS_LNB, FAST_TANH, LOAD_STATS,
+            EVEN_D, EVEN_B, X_EVICT,
         )
-        ymask = rmask[:, None] & hmask[None, :]
-        gy = tl.load(GY + f * stride_gy_f + rows64[:, None] * stride_gy_b + hs[None, :],
-                     mask=ymask, other=0.0).to(tl.float32)
+        gy_ptrs = GY + f * stride_gy_f + rows64[:, None] * stride_gy_b + hs[None, :]
+        if EVEN_B and BLOCK_H == 1:
+            gy = tl.load(gy_ptrs).to(tl.float32)
+        else:
+            gy = tl.load(gy_ptrs, mask=rmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
         # relu'(z) from z recomputed in fp32 (one small dot): the mask is that of the exact
         # function even where a bf16 forward rounded z across zero, and y need not be kept.
         z = _row_linear(t, w, USE_DOT, BLOCK_H, BWD_DOT_PRECISION) + bias[None, :]
@@ -220,7 +259,8 @@ def ln_tanh_linear_relu_bwd(
             acc_w += tl.sum(dz[:, :, None] * t[:, None, :], axis=0)
         acc_b_rows += dz
         da = dt * (1.0 - t * t)
-        da = tl.where(mask, da, 0.0)
+        if not (EVEN_D and EVEN_B):
+            da = tl.where(mask, da, 0.0)
         if HAS_LNW:
             acc_lnw_rows += da * xhat
         if HAS_LNB:
@@ -230,8 +270,11 @@ def ln_tanh_linear_relu_bwd(
         c1 = tl.sum(dxhat * xhat, axis=1) * inv_d
         c2 = tl.sum(dxhat, axis=1) * inv_d
         dx = (dxhat - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-        tl.store(DX + f * stride_dx_f + rows64[:, None] * stride_dx_b + cols[None, :],
-                 dx.to(DX.dtype.element_ty), mask=mask)
+        dx_ptrs = DX + f * stride_dx_f + rows64[:, None] * stride_dx_b + cols[None, :]
+        if EVEN_D and EVEN_B:
+            tl.store(dx_ptrs, dx.to(DX.dtype.element_ty))
+        else:
+            tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=mask)
     part = PARTIAL + (f * n_prog + pid_p) * stride_part_prog
     if BLOCK_H == 1 and not USE_DOT:
         acc_w += tl.sum(acc_w_rows, axis=0)[None, :]

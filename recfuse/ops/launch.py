@@ -42,6 +42,8 @@ class KernelConfig:
     block_h: int
     use_dot: bool
     num_warps: int
+    # Cache policy of the loads of x: "" (default) or "evict_first" (x is streamed once).
+    x_evict: str = ""
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
@@ -145,7 +147,7 @@ def backward_config(D: int, H: int, dtype: torch.dtype, interpret: bool) -> Opti
         block_b = max(1, min(rows, _TILE_BUDGET // (4 * block_d * block_h)))
         num_warps = 8 if block_b * block_d >= 2048 else 4
         waves = 1 if dtype == torch.float32 else 2
-    return BackwardConfig(block_b, block_d, block_h, use_dot, num_warps, waves)
+    return BackwardConfig(block_b, block_d, block_h, use_dot, num_warps, waves=waves)
 
 
 @functools.lru_cache(maxsize=8)
@@ -193,6 +195,7 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=Fa
     syf, syb = _feature_major(y, feature_dim)
     dummy = weight  # never read: the HAS_* flags are False for absent parameters
     grid = (triton.cdiv(B, cfg.block_b), F)
+    even_b = B > 0 and B % cfg.block_b == 0
     _launch_fwd(grid, (
         x, weight, bias if bias is not None else dummy,
         ln_weight if ln_weight is not None else dummy, ln_bias if ln_bias is not None else dummy, y,
@@ -206,6 +209,7 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=Fa
     ), dict(
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
         USE_DOT=cfg.use_dot, **_dot_args(x), FAST_TANH=_fast_tanh(x), SAVE_STATS=save_stats,
+        EVEN_D=D == cfg.block_d, EVEN_B=even_b, X_EVICT=cfg.x_evict,
         BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
     ), num_warps=cfg.num_warps)
     return (y, stats) if save_stats else y
@@ -318,6 +322,7 @@ def _backward_kernels(cfg, precision, sizes, grad_y, x, weight, bias, ln_weight,
             HAS_BIAS=bias_c is not None, HAS_LNW=lnw is not None, HAS_LNB=lnb is not None,
             USE_DOT=cfg.use_dot, BWD_DOT_PRECISION=precision, FAST_TANH=_fast_tanh(x),
             LOAD_STATS=stats is not None,
+            EVEN_D=D == cfg.block_d, EVEN_B=B > 0 and B % rows_per_program == 0, X_EVICT=cfg.x_evict,
             BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
         ), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     per_feature = [weight.dim() == 3,
