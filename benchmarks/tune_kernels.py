@@ -9,6 +9,7 @@ Usage (GPU): python benchmarks/tune_kernels.py --json benchmarks/results/tune_h1
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import time
@@ -26,10 +27,14 @@ from _timing import wall_us_with_sync
 PROBLEMS = [  # F, B, D, H, dtype
     (128, 8192, 256, 1, torch.float32),
     (128, 8192, 256, 1, torch.bfloat16),
+    (16, 1024, 256, 1, torch.float32),
     (128, 8192, 256, 16, torch.float32),
     (128, 8192, 256, 16, torch.bfloat16),
+    (128, 8192, 256, 64, torch.float32),
     (128, 8192, 256, 64, torch.bfloat16),
 ]
+# The backward sweep covers the training-step shapes of the benchmark.
+BACKWARD_PROBLEMS = [p for p in PROBLEMS if p[0] == 128 and (p[3] == 1 or p[4] == torch.bfloat16)]
 
 
 def bench(fn, rep=100):
@@ -41,6 +46,13 @@ def inputs(F, B, D, H, dtype):
     w = torch.randn(H, D, device="cuda", dtype=dtype) / D ** 0.5
     b = torch.randn(H, device="cuda", dtype=dtype) * 0.1
     return x, w, b
+
+
+def copy_us(F, B, D, H, dtype):
+    """A device-to-device copy of as many bytes as the forward moves (x + y): the bandwidth bar."""
+    src = torch.randn(F * B * (D + H), device="cuda", dtype=dtype)
+    dst = torch.empty_like(src)
+    return bench(lambda: dst.copy_(src))
 
 
 def _timed(fn, ref):
@@ -55,55 +67,55 @@ def _timed(fn, ref):
         return {"us": None, "error": str(e)[:80]}
 
 
+def forward_variants(base, dtype, B):
+    if base.use_dot:
+        rows = (16, 32, 64) if dtype == torch.float32 else (32, 64, 128)
+        return [launch.KernelConfig(bb, base.block_d, base.block_h, True, nw)
+                for bb in rows for nw in (4, 8)]
+    rows = (4, 8, 16) if dtype == torch.float32 else (8, 16, 32)
+    evicts = ("", "evict_first") if B >= 8192 else ("",)  # a small x stays in L2 anyway
+    return [launch.KernelConfig(bb, base.block_d, base.block_h, False, nw, x_evict=ev)
+            for bb in rows for nw in (1, 2, 4) for ev in evicts]
+
+
 def sweep_forward(F, B, D, H, dtype):
     x, w, b = inputs(F, B, D, H, dtype)
     ref = launch.forward(x, w, b, None, None, 0.0, 1)
     base = launch.forward_config(D, H, dtype, False)
-    variants = []
-    if base.use_dot:
-        variants += [launch.KernelConfig(bb, base.block_d, base.block_h, True, nw)
-                     for bb in (16, 32, 64) for nw in (4, 8)]
-        variants += [launch.KernelConfig(bb, base.block_d, 4, False, nw)
-                     for bb in (1, 2, 4) for nw in (2, 4, 8)]
-    else:
-        variants += [launch.KernelConfig(bb, base.block_d, base.block_h, False, nw)
-                     for bb in (4, 8, 16, 32) for nw in (2, 4)]
     out = []
     orig = launch.forward_config
-    precisions = ("tf32x3", "ieee") if dtype == torch.float32 and base.use_dot else ("tf32x3",)
-    for cfg in variants:
-        for precision in precisions if cfg.use_dot else ("tf32x3",):
-            launch.forward_config = lambda *a, _c=cfg: _c
-            launch.FP32_DOT_PRECISION = precision
-            try:
-                row = _timed(lambda: launch.forward(x, w, b, None, None, 0.0, 1), ref)
-            finally:
-                launch.forward_config = orig
-                launch.FP32_DOT_PRECISION = "tf32x3"
-            out.append({"config": f"{cfg} fp32 dots {precision}" if dtype == torch.float32 else str(cfg), **row})
+    for cfg in forward_variants(base, dtype, B):
+        launch.forward_config = lambda *a, _c=cfg: _c
+        try:
+            row = _timed(lambda: launch.forward(x, w, b, None, None, 0.0, 1), ref)
+        finally:
+            launch.forward_config = orig
+        out.append({"config": str(cfg), **row})
     return base, out
+
+
+def backward_variants(base):
+    if base.use_dot:
+        return [launch.BackwardConfig(bb, base.block_d, base.block_h, True, nw, waves=wv)
+                for bb in (16, 32) for nw in (4, 8) for wv in (1, 2)]
+    grid = [launch.BackwardConfig(bb, base.block_d, base.block_h, False, nw, waves=wv)
+            for bb in (8, 16, 32) for nw in (4, 8) for wv in (1, 2, 4)]
+    return grid + [dataclasses.replace(c, x_evict="evict_first") for c in grid if c.waves == 1 and c.num_warps == 8]
 
 
 def sweep_backward(F, B, D, H, dtype):
     x, w, b = inputs(F, B, D, H, dtype)
     gy = torch.randn(B, F, H, device="cuda", dtype=dtype)
-    ref = launch.backward(gy, x, w, b, None, None, 0.0, 1)
+    _, stats = launch.forward(x, w, b, None, None, 0.0, 1, save_stats=True)
+    ref = launch.backward(gy, x, w, b, None, None, 0.0, 1, stats)
     base = launch.backward_config(D, H, dtype, False)
-    if base.use_dot:
-        variants = [launch.BackwardConfig(bb, base.block_d, base.block_h, True, nw, wv, 1)
-                    for bb in (16, 32) for nw in (4, 8) for wv in (1, 2)]
-        if dtype == torch.float32 and H <= 16:
-            variants += [launch.BackwardConfig(bb, base.block_d, base.block_h, False, nw, wv, st)
-                         for bb in (1, 2) for nw in (4, 8) for wv in (1, 4) for st in (1, 2)]
-    else:
-        variants = [launch.BackwardConfig(bb, base.block_d, base.block_h, False, nw, wv, st)
-                    for bb in (8, 16, 32) for nw in (4, 8) for wv in (1, 2, 8) for st in (1, 2, 3)]
     out = []
     orig = launch.backward_config
-    for cfg in variants:
+    for cfg in backward_variants(base):
         launch.backward_config = lambda *a, _c=cfg: _c
         try:
-            row = _timed(lambda: launch.backward(gy, x, w, b, None, None, 0.0, 1), ref)
+            # With the forward's saved row stats, as the eager training step runs it.
+            row = _timed(lambda: launch.backward(gy, x, w, b, None, None, 0.0, 1, stats), ref)
         finally:
             launch.backward_config = orig
         out.append({"config": str(cfg), **row})
@@ -121,20 +133,9 @@ def _without_compiled_launch(fn):
 def host_overhead():
     F, B, D, H = 16, 1024, 256, 1
     x, w, b = inputs(F, B, D, H, torch.float32)
-    cfg = launch.forward_config(D, H, torch.float32, False)
-    y = torch.empty(B, F, H, device="cuda")
-    grid = (triton.cdiv(B, cfg.block_b), F)
-
-    def raw():
-        launch.kernels.ln_tanh_linear_relu_fwd[grid](
-            x, w, b, w, w, y, B, D, H, x.stride(1), x.stride(0), 1, 0, w.stride(0), 0, 0, 0,
-            y.stride(1), y.stride(0), 0.0, HAS_BIAS=True, HAS_LNW=False, HAS_LNB=False,
-            USE_DOT=cfg.use_dot, **launch._dot_args(x), FAST_TANH=False, BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d,
-            BLOCK_H=cfg.block_h, num_warps=cfg.num_warps)
 
     layers = {
         "check_op_args": lambda: check_op_args(x, w, b, None, None, 0.0, 1),
-        "raw triton launch": raw,
         "launch.forward": lambda: launch.forward(x, w, b, None, None, 0.0, 1),
         "launch.forward via JITFunction.run": lambda: _without_compiled_launch(
             lambda: launch.forward(x, w, b, None, None, 0.0, 1)),
@@ -169,19 +170,24 @@ def main():
     args = ap.parse_args()
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "host_overhead": host_overhead(), "forward": [], "backward": []}
-    for kind, sweep in (("forward", sweep_forward), ("backward", None if args.skip_backward else sweep_backward)):
+    for kind, sweep, problems in (("forward", sweep_forward, PROBLEMS),
+                                  ("backward", None if args.skip_backward else sweep_backward, BACKWARD_PROBLEMS)):
         if sweep is None:
             continue
-        for F, B, D, H, dtype in PROBLEMS:
+        for F, B, D, H, dtype in problems:
             base, rows = sweep(F, B, D, H, dtype)
             ok = sorted((r for r in rows if r.get("us")), key=lambda r: r["us"])
-            print(f"{kind} {F},{B},{D},{H} {dtype}: default {base}", flush=True)
+            copy = copy_us(F, B, D, H, dtype)
+            default_us = next((r["us"] for r in rows if r["config"] == str(base)), None)
+            print(f"{kind} {F},{B},{D},{H} {dtype}: copy of x+y {copy:.1f} us; default {base}"
+                  f" {default_us if default_us is None else round(default_us, 1)} us", flush=True)
             for r in ok[:4]:
                 print(f"    {r['us']:8.1f} us  err {r['err_vs_default']:.1e}  {r['config']}", flush=True)
             bad = [r for r in rows if not r.get("us")]
             if bad:
                 print(f"    {len(bad)} configs failed, e.g. {bad[0]}", flush=True)
-            result[kind].append({"problem": [F, B, D, H, str(dtype)], "default": str(base), "rows": rows})
+            result[kind].append({"problem": [F, B, D, H, str(dtype)], "default": str(base), "copy_us": copy,
+                                 "rows": rows})
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as fh:
