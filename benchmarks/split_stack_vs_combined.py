@@ -14,6 +14,8 @@ rows (select with --rows, shell-style patterns on the keys):
                             passes on (its own horizontal fusion)
     cudagraph_combined      `combined` captured once in a CUDA graph, then replayed (GPU only)
     recfuse_transform       recfuse.transform(SplitStack) (the fx pass)
+    transform_cuda_graph    recfuse.transform(SplitStack, cuda_graph=True): opt-in replay of captured
+                            graphs for fixed shapes (inference only, GPU only)
     fused_feature_processor recfuse.FusedFeatureProcessor on the [B, F*D] buffer
     ffp_cuda_graph          the same module with cuda_graph=True (opt-in replay of a captured
                             launch for fixed shapes; inference only, GPU only)
@@ -92,6 +94,7 @@ ROW_LABELS = {
     "inductor_batch_fusion": "Inductor batch fusion",
     "cudagraph_combined": "CUDA graph (combined)",
     "recfuse_transform": "recfuse.transform",
+    "transform_cuda_graph": "transform cuda_graph=True",
     "fused_feature_processor": "FusedFeatureProcessor",
     "ffp_cuda_graph": "FFP cuda_graph=True",
     "recfuse_op": "recfuse op",
@@ -287,14 +290,18 @@ def build_cudagraph_combined(inputs: Inputs, case: Case, device) -> Row:
                static_extra_bytes=max(pool, 0))
 
 
-def build_recfuse_transform(inputs: Inputs, case: Case, device) -> Row:
+def build_recfuse_transform(inputs: Inputs, case: Case, device, cuda_graph: bool = False) -> Row:
     transform = getattr(recfuse, "transform", None)
     if transform is None:
         raise RowUnavailable("recfuse.transform is not in this recfuse build yet")
+    if cuda_graph and device.type != "cuda":
+        raise RowUnavailable("CUDA graphs need a GPU")
+    if cuda_graph and case.backward:
+        raise RowUnavailable("cuda_graph=True replays inference calls only")
     x, lin = _row_leaves(inputs, case)
     model = SplitStack(case.D, case.H).to(device=device, dtype=case.dtype)
     model.linear = lin
-    fused = transform(model, (x, case.B, case.D))
+    fused = transform(model, (x, case.B, case.D), **({"cuda_graph": True} if cuda_graph else {}))
     weight, bias = find_linear_params(fused, case.H, case.D)
     return Row(lambda: fused(x, case.B, case.D), _fbh, inputs.grad_y, x, weight, bias, module=fused)
 
@@ -346,6 +353,7 @@ ROW_BUILDERS: dict[str, Callable[[Inputs, Case, torch.device], Row]] = {
     "inductor_batch_fusion": _compiled_row(split_stack, INDUCTOR_BATCH_FUSION),
     "cudagraph_combined": build_cudagraph_combined,
     "recfuse_transform": build_recfuse_transform,
+    "transform_cuda_graph": lambda inputs, case, device: build_recfuse_transform(inputs, case, device, cuda_graph=True),
     "fused_feature_processor": build_fused_feature_processor,
     "ffp_cuda_graph": lambda inputs, case, device: build_fused_feature_processor(inputs, case, device, cuda_graph=True),
     "recfuse_op": build_recfuse_op,

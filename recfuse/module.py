@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from . import reference
+from .cuda_graph import CudaGraphCache, replay_applies
 from .ops import ln_tanh_linear_relu
 from .torchrec import is_keyed_tensor, keyed_tensor_parts, make_keyed_tensor, wait_if_lazy_awaitable
 
@@ -86,58 +87,6 @@ def _as_dtype(p: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.T
     return p if p is None or p.dtype == dtype else p.to(dtype)
 
 
-class _CudaGraphCache:
-    """Captured CUDA graphs of the module's forward on a tensor input, one per fixed call.
-
-    Re-capture rule: a graph is keyed by the input's shape, strides, dtype, device and
-    ``feature_dim``, and by the address and dtype of every parameter. A call with a key seen
-    before copies its input into the graph's static input, replays, and returns a copy of the
-    static output; a new key (another batch size, the module moved or its parameters replaced, not
-    updated in place) warms up on a side stream and captures a new graph. At most `max_graphs`
-    are kept (each holds its own memory pool); the least recently used is dropped.
-    """
-
-    def __init__(self, max_graphs: int = 8):
-        self.max_graphs = max_graphs
-        self._graphs: dict[tuple, tuple] = {}  # key -> (graph, static input, static output)
-
-    def __len__(self) -> int:
-        return len(self._graphs)
-
-    def run(self, forward, params: Sequence[torch.Tensor], x: torch.Tensor, feature_dim: int):
-        key = (
-            tuple(x.shape), x.stride(), x.dtype, x.device, feature_dim,
-            tuple((p.data_ptr(), p.dtype) for p in params),
-        )
-        entry = self._graphs.pop(key, None)
-        if entry is None:
-            entry = self._capture(forward, x, feature_dim)
-            logger.debug("FusedFeatureProcessor: captured a CUDA graph for input %s", list(x.shape))
-            if len(self._graphs) >= self.max_graphs:
-                self._graphs.pop(next(iter(self._graphs)))
-        self._graphs[key] = entry  # most recently used last
-        graph, static_x, static_y = entry
-        static_x.copy_(x)
-        graph.replay()
-        return static_y.clone()  # the next replay overwrites static_y
-
-    @staticmethod
-    def _capture(forward, x: torch.Tensor, feature_dim: int):
-        static_x = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
-        static_x.copy_(x)
-        # Warm up off the capturing stream: Triton compiles and the allocator settles first.
-        side = torch.cuda.Stream(device=x.device)
-        side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                forward(static_x, feature_dim)
-        torch.cuda.current_stream(x.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_y = forward(static_x, feature_dim)
-        return graph, static_x, static_y
-
-
 class FusedFeatureProcessor(nn.Module):
     """relu(Linear(tanh(LayerNorm_f(x_f)))) for every feature f, fused; looked up by feature name.
 
@@ -158,11 +107,11 @@ class FusedFeatureProcessor(nn.Module):
         eps: LayerNorm epsilon (>= 0).
         cuda_graph: opt-in, for inference on fixed shapes: a CUDA tensor input ([B, sum(D)] or
             3D) run without autograd (``torch.no_grad()``/``inference_mode()``, or nothing
-            requiring grad) replays a captured CUDA graph, cutting per-call launch overhead. One
-            graph per input shape/strides/dtype/feature_dim and parameter addresses (re-captured
-            when any changes; at most 8 kept); each call pays a copy of x into the graph's static
-            input and returns a copy of its output. KeyedTensor and dict inputs, CPU tensors,
-            training and ``torch.compile`` take the normal path.
+            requiring grad) replays a captured CUDA graph, cutting per-call launch overhead.
+            Graphs are per input shape/strides/dtype/feature_dim and parameter addresses; x is
+            read in place while its address repeats (copied in once it moves), and a result you
+            still hold is never overwritten: the rule is in `recfuse.cuda_graph`. KeyedTensor and
+            dict inputs, CPU tensors, training and ``torch.compile`` take the normal path.
         device, dtype: of the parameters.
 
     Parameters are owned directly, stacked over features: ``weight`` [H, D] or [F, H, D],
@@ -221,7 +170,7 @@ class FusedFeatureProcessor(nn.Module):
         if not isinstance(cuda_graph, bool):
             raise TypeError(f"cuda_graph must be a bool, got {cuda_graph!r}")
         self.cuda_graph = cuda_graph
-        self._cuda_graphs = _CudaGraphCache()
+        self._cuda_graphs = CudaGraphCache()
 
         distinct_dims = list(dict.fromkeys(dims))  # first-appearance order
         self._groups: tuple[_DimGroup, ...] = tuple(
@@ -425,8 +374,10 @@ class FusedFeatureProcessor(nn.Module):
                 self._check_buffer(x, self.feature_names, self.embedding_dims, "input")
             else:
                 raise self._rank_error(x)
-            if self._replays_cuda_graph(x):
-                return self._cuda_graphs.run(self._fused_tensor, list(self.parameters()), x, feature_dim)
+            if self.cuda_graph:
+                params = list(self.parameters())
+                if replay_applies((x,), params):
+                    return self._cuda_graphs.run(self._fused_tensor, (x, feature_dim), params)
             return self._fused_tensor(x, feature_dim)
         if isinstance(x, Mapping):
             return self._fused_dict(x)
@@ -481,13 +432,6 @@ class FusedFeatureProcessor(nn.Module):
         if x.dim() == 2:
             return self._fused_buffer(x, self.feature_names, self.embedding_dims, "input")
         return self._run_group(x, 0, None, feature_dim)
-
-    def _replays_cuda_graph(self, x: torch.Tensor) -> bool:
-        """cuda_graph=True, a CUDA input, no autograd graph to record, not under a compiler."""
-        if not self.cuda_graph or x.device.type != "cuda" or torch.compiler.is_compiling():
-            return False
-        needs_grad = x.requires_grad or any(p.requires_grad for p in self.parameters())
-        return not (torch.is_grad_enabled() and needs_grad)
 
     def _run_group(
         self, x3: torch.Tensor, g: int, param_index: Optional[tuple[int, ...]], feature_dim: int

@@ -488,8 +488,8 @@ def test_torch_export_keeps_one_fused_op_node():
 
 
 # ---------------------------------------------------------------------------------------------
-# cuda_graph=True (issue 7): no GPU here, so the argument handling, the fallback, and the
-# re-capture rule with a stand-in for torch.cuda.CUDAGraph that re-runs the forward on replay.
+# cuda_graph=True (issue 7): no GPU here, so the argument handling and the CPU fallback; the
+# replay rule with the module is in tests/test_cuda_graph.py.
 
 
 def test_cuda_graph_flag_handling_and_cpu_fallback():
@@ -502,61 +502,3 @@ def test_cuda_graph_flag_handling_and_cpu_fallback():
         y = fp(x)
     assert len(fp._cuda_graphs) == 0  # CPU input: the normal path
     assert rel_err(y, copy.deepcopy(fp).double().forward_reference(x.double())) < FP32_TOL
-
-
-class _ReplayByRerunning:
-    """Stands in for a captured graph: replay recomputes into the static output in place."""
-
-    captures = 0
-
-    def __init__(self, forward, static_x, feature_dim):
-        self.forward, self.static_x, self.feature_dim = forward, static_x, feature_dim
-
-    def replay(self):
-        self.static_y.copy_(self.forward(self.static_x, self.feature_dim))
-
-
-def _fake_capture(forward, x, feature_dim):
-    _ReplayByRerunning.captures += 1
-    static_x = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
-    static_x.copy_(x)
-    graph = _ReplayByRerunning(forward, static_x, feature_dim)
-    graph.static_y = forward(static_x, feature_dim)
-    return graph, static_x, graph.static_y
-
-
-def test_cuda_graph_recapture_rule(monkeypatch):
-    from recfuse.module import _CudaGraphCache
-
-    monkeypatch.setattr(_CudaGraphCache, "_capture", staticmethod(_fake_capture))
-    _ReplayByRerunning.captures = 0
-    fp = randomize(FusedFeatureProcessor(NAMES, 8, out_features=2, cuda_graph=True))
-    cache = _CudaGraphCache(max_graphs=2)
-
-    def run(x, feature_dim=1):
-        with torch.no_grad():
-            return cache.run(fp._fused_tensor, list(fp.parameters()), x, feature_dim)
-
-    def check(x, y, feature_dim=1):
-        ref = copy.deepcopy(fp).double().forward_reference(x.double(), feature_dim=feature_dim)
-        assert rel_err(y, ref) < FP32_TOL
-
-    x1, x2 = torch.randn(4, 40), torch.randn(4, 40)
-    y1 = run(x1)
-    y2 = run(x2)  # same key: replay on the new data, no capture
-    assert _ReplayByRerunning.captures == 1
-    check(x1, y1), check(x2, y2)  # y1 was returned as a copy: not overwritten by the replay
-    with torch.no_grad():
-        fp.weight.add_(0.5)  # an optimizer-style in-place update: same graph, new values
-    check(x1, run(x1))
-    assert _ReplayByRerunning.captures == 1
-    check(x1[:3], run(x1[:3]))  # another batch size: capture
-    assert _ReplayByRerunning.captures == 2
-    x3 = torch.randn(5, 4, 8)
-    check(x3, run(x3, feature_dim=0), feature_dim=0)  # third key: the oldest graph is dropped
-    assert _ReplayByRerunning.captures == 3 and len(cache) == 2
-    run(x1)  # the dropped key captures again
-    assert _ReplayByRerunning.captures == 4
-    fp.weight = nn.Parameter(fp.weight.detach().clone())  # replaced parameter: new address
-    check(x1, run(x1))
-    assert _ReplayByRerunning.captures == 5

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import RecfuseError
 from .capture import VAL_KEY, annotate_from_meta, capture
 from .fusions import FUSIONS, NearMiss, analyze
+from .replay import CudaGraphReplayModule
 from .report import FusionReport, GroupReport
 
 __all__ = ["transform", "explain", "verify", "fuse_graph", "RecfusePreGradPass", "pre_grad_pass",
@@ -141,7 +142,8 @@ def _run(model, example_inputs) -> tuple[GraphModule, FusionReport]:
     return gm, report
 
 
-def transform(model, example_inputs: Optional[tuple] = None, *, verify: bool = False) -> nn.Module:
+def transform(model, example_inputs: Optional[tuple] = None, *, verify: bool = False,
+              cuda_graph: bool = False) -> nn.Module:
     """Rewrite a per-feature model into batched (horizontal) and fused (vertical) form.
 
     Per-slice chains ``split -> LayerNorm -> tanh [-> Linear -> relu] -> stack`` become one batched
@@ -157,6 +159,11 @@ def transform(model, example_inputs: Optional[tuple] = None, *, verify: bool = F
             the graph, and the result may be called with or without them.
         verify: run the original and the result on `example_inputs`, forward and backward, and
             raise `RecfuseError` with the largest difference if they disagree.
+        cuda_graph: opt-in, for inference on fixed shapes: calls with CUDA tensors that need no
+            autograd record replay captured CUDA graphs (one launch per call instead of the
+            graph's Python and the op's host work). Inputs are read in place while their
+            addresses repeat, results you still hold are never overwritten; the capture and
+            re-capture rule is in `recfuse.cuda_graph`. Training calls run as usual.
 
     Returns:
         A torch.fx GraphModule (the unchanged graph when nothing could be fused; see `explain`).
@@ -174,7 +181,11 @@ def transform(model, example_inputs: Optional[tuple] = None, *, verify: bool = F
         >>> torch.allclose(fused(x), split_stack(x, 4, 8, lin), atol=1e-5)
         True
     """
+    if not isinstance(cuda_graph, bool):
+        raise TypeError(f"cuda_graph must be a bool, got {cuda_graph!r}")
     gm, report = _run(model, example_inputs)
+    if cuda_graph:
+        gm = _replaying(gm)
     logger.info(report.summary())
     gm.recfuse_report = report
     if verify:
@@ -182,6 +193,16 @@ def transform(model, example_inputs: Optional[tuple] = None, *, verify: bool = F
             raise RecfuseError("verify=True needs example_inputs")
         globals()["verify"](model, gm, example_inputs)
     return gm
+
+
+def _replaying(gm: GraphModule) -> GraphModule:
+    """The same graph and parameters as a `CudaGraphReplayModule` (state_dict hooks carried over)."""
+    replay = CudaGraphReplayModule(gm, gm.graph, class_name=type(gm).__name__)
+    stacked = getattr(gm, "_recfuse_stacked", None)
+    if stacked:
+        replay._recfuse_stacked = stacked
+        replay._register_load_state_dict_pre_hook(_load_original_keys, with_module=True)
+    return replay
 
 
 def explain(model, example_inputs: Optional[tuple] = None) -> FusionReport:

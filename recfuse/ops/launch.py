@@ -75,6 +75,9 @@ def _fast_tanh(x: torch.Tensor) -> bool:
 # Module switch so benchmarks can measure the exact tanh on 16-bit inputs too.
 FAST_TANH_16BIT = True
 
+# Module switch so benchmarks can compare the masked kernels on full tiles (A/B of EVEN_D/EVEN_B).
+SPECIALIZE_FULL_TILES = True
+
 
 def _dot_args(x: torch.Tensor) -> dict:
     """DOT_DTYPE / DOT_PRECISION constexprs of the forward kernel for x's dtype and device."""
@@ -87,24 +90,28 @@ def _dot_args(x: torch.Tensor) -> dict:
 def forward_config(D: int, H: int, dtype: torch.dtype, interpret: bool) -> KernelConfig:
     """Pick block sizes for the forward kernel; cached, so a call costs one dict lookup.
 
-    From the H100 sweep (benchmarks/tune_kernels.py, results/tune_h100_v1.json): the row-reduction
-    path wants small tiles (8 rows of 256, 2 warps: many programs in flight hide HBM latency);
-    the tl.dot path wants 32-row tiles.
+    From the H100 sweeps (benchmarks/tune_kernels.py, results/tune_h100_v1.json, v4): the
+    row-reduction path wants small tiles, one warp per 2048 elements (8 rows of 256: fp32 366 us,
+    bf16 193 us at F=128 B=8192 D=256, against 370 / 246 us with two warps); the tl.dot path
+    wants 32-row tiles in fp32 (3xTF32 splits cost registers) and 128-row tiles in 16-bit
+    (bf16 H=64 445 us against 478 us with 32 rows).
 
     Example:
-        >>> forward_config(256, 1, torch.float32, False).block_b
-        8
+        >>> forward_config(256, 1, torch.float32, False).num_warps
+        1
     """
     block_d = triton.next_power_of_2(D)
     use_dot = H >= _DOT_MIN_H and 16 * block_d <= _TILE_BUDGET
     if use_dot:
         block_h = min(64, max(16, triton.next_power_of_2(H)))
         block_b = 32 if 32 * block_d <= _TILE_BUDGET else 16
+        if dtype != torch.float32 and 128 * block_d <= 2 * _TILE_BUDGET:
+            block_b = 128  # 16-bit tiles: half the registers per element
         num_warps = 4 if dtype == torch.float32 and block_h <= 16 else 8
     else:
         block_h = min(triton.next_power_of_2(H), 4)
         block_b = max(1, 2048 // (block_d * block_h))
-        num_warps = max(2, min(8, block_b * block_d * block_h // 1024))
+        num_warps = max(1, min(8, block_b * block_d * block_h // 2048))
     return KernelConfig(block_b, block_d, block_h, use_dot, num_warps)
 
 
@@ -140,13 +147,15 @@ def backward_config(D: int, H: int, dtype: torch.dtype, interpret: bool) -> Opti
         block_h = triton.next_power_of_2(H)
         if block_h * block_d > _BWD_MAX_WEIGHT_TILE:
             return None
-        # H100 sweep (results/tune_h100_v2.json, D=256 H=1): fp32 16-row tiles, 8 warps, one
-        # wave: 1105 us (the earlier 4 warps, two waves: 1581 us); 16-bit 8-row tiles, 8 warps,
-        # two waves: 582 us (16 rows, 4 warps, one wave: 874 us).
+        # H100 sweeps (results/tune_h100_v2.json, v4, D=256 H=1 with full tiles): fp32 16-row
+        # tiles, 8 warps, one wave, x loaded evict_first: 990 us (1023 us without the hint;
+        # 4 warps, two waves: 1581 us before); 16-bit 8-row tiles, 8 warps, two waves: 515 us.
         rows = 16 if dtype == torch.float32 else 8
         block_b = max(1, min(rows, _TILE_BUDGET // (4 * block_d * block_h)))
         num_warps = 8 if block_b * block_d >= 2048 else 4
         waves = 1 if dtype == torch.float32 else 2
+        x_evict = "evict_first" if dtype == torch.float32 else ""
+        return BackwardConfig(block_b, block_d, block_h, use_dot, num_warps, x_evict, waves=waves)
     return BackwardConfig(block_b, block_d, block_h, use_dot, num_warps, waves=waves)
 
 
@@ -195,7 +204,7 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=Fa
     syf, syb = _feature_major(y, feature_dim)
     dummy = weight  # never read: the HAS_* flags are False for absent parameters
     grid = (triton.cdiv(B, cfg.block_b), F)
-    even_b = B > 0 and B % cfg.block_b == 0
+    even_b = SPECIALIZE_FULL_TILES and B > 0 and B % cfg.block_b == 0
     _launch_fwd(grid, (
         x, weight, bias if bias is not None else dummy,
         ln_weight if ln_weight is not None else dummy, ln_bias if ln_bias is not None else dummy, y,
@@ -209,7 +218,7 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=Fa
     ), dict(
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
         USE_DOT=cfg.use_dot, **_dot_args(x), FAST_TANH=_fast_tanh(x), SAVE_STATS=save_stats,
-        EVEN_D=D == cfg.block_d, EVEN_B=even_b, X_EVICT=cfg.x_evict,
+        EVEN_D=SPECIALIZE_FULL_TILES and D == cfg.block_d, EVEN_B=even_b, X_EVICT=cfg.x_evict,
         BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
     ), num_warps=cfg.num_warps)
     return (y, stats) if save_stats else y
@@ -322,7 +331,8 @@ def _backward_kernels(cfg, precision, sizes, grad_y, x, weight, bias, ln_weight,
             HAS_BIAS=bias_c is not None, HAS_LNW=lnw is not None, HAS_LNB=lnb is not None,
             USE_DOT=cfg.use_dot, BWD_DOT_PRECISION=precision, FAST_TANH=_fast_tanh(x),
             LOAD_STATS=stats is not None,
-            EVEN_D=D == cfg.block_d, EVEN_B=B > 0 and B % rows_per_program == 0, X_EVICT=cfg.x_evict,
+            EVEN_D=SPECIALIZE_FULL_TILES and D == cfg.block_d,
+            EVEN_B=SPECIALIZE_FULL_TILES and B > 0 and B % rows_per_program == 0, X_EVICT=cfg.x_evict,
             BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
         ), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     per_feature = [weight.dim() == 3,
