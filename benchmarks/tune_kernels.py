@@ -163,11 +163,54 @@ def host_overhead():
     return out
 
 
+AB_PROBLEMS = [  # (kind, F, B, D, H, dtype): the default config with and without full-tile kernels
+    ("forward", 128, 8192, 256, 1, torch.float32),
+    ("forward", 128, 8192, 256, 1, torch.bfloat16),
+    ("forward", 128, 8192, 256, 64, torch.bfloat16),
+    ("backward", 128, 8192, 256, 1, torch.float32),
+    ("backward", 128, 8192, 256, 16, torch.bfloat16),
+]
+
+
+def ab_full_tiles():
+    """GPU time of the default configs with EVEN_D/EVEN_B on and off, in one process."""
+    out = []
+    for kind, F, B, D, H, dtype in AB_PROBLEMS:
+        x, w, b = inputs(F, B, D, H, dtype)
+        if kind == "forward":
+            fn = lambda: launch.forward(x, w, b, None, None, 0.0, 1)  # noqa: E731
+        else:
+            gy = torch.randn(B, F, H, device="cuda", dtype=dtype)
+            _, stats = launch.forward(x, w, b, None, None, 0.0, 1, save_stats=True)
+            fn = lambda: launch.backward(gy, x, w, b, None, None, 0.0, 1, stats)  # noqa: E731
+        row = {"kind": kind, "problem": [F, B, D, H, str(dtype)]}
+        for flag in (True, False, True):  # on, off, on again: the spread of two identical runs
+            launch.SPECIALIZE_FULL_TILES = flag
+            key = "full_tiles_us" if flag else "masked_us"
+            row.setdefault(key, []).append(bench(fn))
+        launch.SPECIALIZE_FULL_TILES = True
+        out.append(row)
+        print(f"A/B {kind} {F},{B},{D},{H} {dtype}: full tiles "
+              + " / ".join(f"{t:.1f}" for t in row["full_tiles_us"]) + f" us, masked {row['masked_us'][0]:.1f} us",
+              flush=True)
+        torch.cuda.empty_cache()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
     ap.add_argument("--skip-backward", action="store_true")
+    ap.add_argument("--ab-full-tiles", action="store_true",
+                    help="only compare the default configs with and without the full-tile kernels")
     args = ap.parse_args()
+    if args.ab_full_tiles:
+        result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                  "ab_full_tiles": ab_full_tiles()}
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=1)
+        return
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "host_overhead": host_overhead(), "forward": [], "backward": []}
     for kind, sweep, problems in (("forward", sweep_forward, PROBLEMS),
