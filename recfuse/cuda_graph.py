@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 log = logging.getLogger("recfuse")
 
-__all__ = ["CudaGraphCache", "replay_applies"]
+__all__ = ["CudaGraphCache", "ModuleTensors", "replay_applies"]
 
 # Argument kinds that may be baked into a graph by value. Containers are left out on purpose: a
 # list holding tensors would key by identity and replay stale addresses.
@@ -71,6 +71,49 @@ def replay_applies(tensors: Sequence[torch.Tensor], params: Sequence[torch.Tenso
     if torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *params)):
         return False
     return True
+
+
+class ModuleTensors:
+    """A module's parameters and buffers, looked up by name on every call (the graph's key).
+
+    `nn.Module.parameters()` walks every submodule through generators (the largest host cost of a
+    replayed call); this walks precomputed names instead and reads the owning dicts each time,
+    so a parameter or buffer replaced by a new tensor (``load_state_dict(assign=True)``,
+    ``module.to()``) gives a new key and a new graph. A name that no longer resolves (a submodule
+    removed) re-reads the names.
+
+    Example:
+        >>> import torch
+        >>> lin = torch.nn.Linear(2, 3)
+        >>> [t.shape for t in ModuleTensors(lin)()]
+        [torch.Size([3, 2]), torch.Size([3])]
+    """
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.paths = None  # read on the first call: a module registers its parameters after this
+
+    def _refresh(self) -> None:
+        names = [(n, "_parameters") for n, _ in self.module.named_parameters()]
+        names += [(n, "_buffers") for n, _ in self.module.named_buffers()]
+        self.paths = [(tuple(n.split(".")[:-1]), n.rsplit(".", 1)[-1], kind) for n, kind in names]
+
+    def __call__(self) -> list[torch.Tensor]:
+        if self.paths is None:
+            self._refresh()
+        try:
+            out = []
+            for path, leaf, kind in self.paths:
+                m = self.module
+                for p in path:
+                    m = m._modules[p]
+                t = getattr(m, kind)[leaf]
+                if t is not None:
+                    out.append(t)
+            return out
+        except KeyError:
+            self._refresh()
+            return self()
 
 
 def _signature(args: tuple, params: Sequence[torch.Tensor]) -> Optional[tuple]:
@@ -109,7 +152,7 @@ def record_cuda_graph(fn: Callable, args: tuple):
 class _CapturedCall:
     """One captured graph: its input tensors, its outputs, and who still holds them."""
 
-    __slots__ = ("replay", "inputs", "owns_inputs", "outputs", "spec", "storages", "counts")
+    __slots__ = ("replay", "inputs", "owns_inputs", "outputs", "spec", "storages", "counts", "single")
 
     def __init__(self, recorder, fn: Callable, args: tuple, own_inputs: bool):
         if own_inputs:
@@ -120,6 +163,7 @@ class _CapturedCall:
         self.inputs = [a for a in args if isinstance(a, torch.Tensor)]
         self.owns_inputs = own_inputs
         self.replay, out = recorder(fn, args)
+        self.single = isinstance(out, torch.Tensor)
         self.outputs, self.spec = tree_flatten(out)
         self.storages = [o.untyped_storage() for o in self.outputs if isinstance(o, torch.Tensor)]
         # What we hold ourselves; any reference beyond it is a caller's tensor or view.
@@ -139,6 +183,8 @@ class _CapturedCall:
                 dst.copy_(src)
         self.replay()
         # Fresh tensor objects on the graph's memory: holding one (or a view) marks it in use.
+        if self.single:
+            return self.outputs[0].detach()
         return tree_unflatten([o.detach() if isinstance(o, torch.Tensor) else o for o in self.outputs], self.spec)
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import reference
-from .cuda_graph import CudaGraphCache, replay_applies
+from .cuda_graph import CudaGraphCache, ModuleTensors, replay_applies
 from .ops import ln_tanh_linear_relu
 from .torchrec import is_keyed_tensor, keyed_tensor_parts, make_keyed_tensor, wait_if_lazy_awaitable
 
@@ -171,6 +171,7 @@ class FusedFeatureProcessor(nn.Module):
             raise TypeError(f"cuda_graph must be a bool, got {cuda_graph!r}")
         self.cuda_graph = cuda_graph
         self._cuda_graphs = CudaGraphCache()
+        self._module_tensors = ModuleTensors(self)
 
         distinct_dims = list(dict.fromkeys(dims))  # first-appearance order
         self._groups: tuple[_DimGroup, ...] = tuple(
@@ -375,7 +376,7 @@ class FusedFeatureProcessor(nn.Module):
             else:
                 raise self._rank_error(x)
             if self.cuda_graph:
-                params = list(self.parameters())
+                params = self._module_tensors()
                 if replay_applies((x,), params):
                     return self._cuda_graphs.run(self._fused_tensor, (x, feature_dim), params)
             return self._fused_tensor(x, feature_dim)

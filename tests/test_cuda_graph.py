@@ -189,3 +189,34 @@ def test_fused_feature_processor_cuda_graph_rule(monkeypatch):
     assert fp._cuda_graphs.captures == 3
     y = fp(buf)  # parameters require grad and grad mode is on: the normal path
     assert y.requires_grad and fp._cuda_graphs.captures == 3
+
+
+def test_module_tensors_follow_replaced_parameters_buffers_and_removed_modules():
+    from recfuse.cuda_graph import ModuleTensors
+
+    m = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    m.register_buffer("scale", torch.ones(3))
+    tensors = ModuleTensors(m)
+    assert [t.shape for t in tensors()] == [(3, 2), (3,), (1, 3), (1,), (3,)]
+    m[0].weight = torch.nn.Parameter(torch.zeros(3, 2))  # replaced, not updated in place
+    m.scale = torch.full((3,), 2.0)
+    now = tensors()
+    assert now[0] is m[0].weight and now[-1] is m.scale
+    del m[1]  # a name that no longer resolves: the names are read again
+    assert [t.shape for t in tensors()] == [(3, 2), (3,), (3,)]
+
+
+def test_transform_replay_sees_a_replaced_parameter(monkeypatch):
+    monkeypatch.setattr(recfuse.fx.replay, "replay_applies", _cpu_replay_applies)
+    B, F, D = 4, 2, 8
+    model = SplitStack(D, 1)
+    x = torch.randn(B * F * D)
+    fused = recfuse.transform(model, (x, B, D), cuda_graph=True)
+    fused.cuda_graphs.recorder = rerun_recorder
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x, B, D), model(x, B, D), rtol=1e-5, atol=1e-6)
+        new_weight = torch.nn.Parameter(torch.randn(1, D))
+        fused.linear.weight = new_weight
+        model.linear.weight = new_weight
+        torch.testing.assert_close(fused(x, B, D), model(x, B, D), rtol=1e-5, atol=1e-6)
+    assert fused.cuda_graphs.captures == 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, GraphModule
 
-from ..cuda_graph import CudaGraphCache, replay_applies
+from ..cuda_graph import CudaGraphCache, ModuleTensors, replay_applies
 
 __all__ = ["CudaGraphReplayModule"]
 
@@ -41,7 +41,10 @@ class CudaGraphReplayModule(GraphModule):
 
     def __call__(self, *args, **kwargs):
         if not kwargs:
-            params = list(self.parameters())
+            tensors_of = self.__dict__.get("_module_tensors")
+            if tensors_of is None:
+                tensors_of = self.__dict__["_module_tensors"] = ModuleTensors(self)
+            params = tensors_of()
             if replay_applies([a for a in args if isinstance(a, torch.Tensor)], params):
                 return self.cuda_graphs.run(self._eager_call, args, params)
         return self._eager_call(*args, **kwargs)
