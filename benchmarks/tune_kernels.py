@@ -85,7 +85,7 @@ def sweep_forward(F, B, D, H, dtype):
     out = []
     orig = launch.forward_config
     for cfg in forward_variants(base, dtype, B):
-        launch.forward_config = lambda *a, _c=cfg: _c
+        launch.forward_config = lambda *a, _c=cfg, **k: _c
         try:
             row = _timed(lambda: launch.forward(x, w, b, None, None, 0.0, 1), ref)
         finally:
@@ -112,7 +112,7 @@ def sweep_backward(F, B, D, H, dtype):
     out = []
     orig = launch.backward_config
     for cfg in backward_variants(base):
-        launch.backward_config = lambda *a, _c=cfg: _c
+        launch.backward_config = lambda *a, _c=cfg, **k: _c
         try:
             # With the forward's saved row stats, as the eager training step runs it.
             row = _timed(lambda: launch.backward(gy, x, w, b, None, None, 0.0, 1, stats), ref)

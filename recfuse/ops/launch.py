@@ -87,7 +87,7 @@ def _dot_args(x: torch.Tensor) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def forward_config(D: int, H: int, dtype: torch.dtype, interpret: bool) -> KernelConfig:
+def forward_config(D: int, H: int, dtype: torch.dtype, interpret: bool, full_tiles: bool = True) -> KernelConfig:
     """Pick block sizes for the forward kernel; cached, so a call costs one dict lookup.
 
     From the H100 sweeps (benchmarks/tune_kernels.py, results/tune_h100_v1.json, v4): the
@@ -111,7 +111,12 @@ def forward_config(D: int, H: int, dtype: torch.dtype, interpret: bool) -> Kerne
     else:
         block_h = min(triton.next_power_of_2(H), 4)
         block_b = max(1, 2048 // (block_d * block_h))
-        num_warps = max(1, min(8, block_b * block_d * block_h // 2048))
+        if full_tiles:
+            num_warps = max(1, min(8, block_b * block_d * block_h // 2048))
+        else:
+            # With masks the one-warp tile measured 684 us (ab_full_tiles_h100.txt), two warps
+            # 400 us (the masked kernel before the full-tile specialisation).
+            num_warps = max(2, min(8, block_b * block_d * block_h // 1024))
     return KernelConfig(block_b, block_d, block_h, use_dot, num_warps)
 
 
@@ -200,11 +205,14 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=Fa
     params = [p if p is None or p.stride(-1) == 1 else p.contiguous() for p in (bias, ln_weight, ln_bias)]
     bias, ln_weight, ln_bias = params
     cfg = forward_config(D, H, x.dtype, x.device.type == "cpu")
+    even_d = SPECIALIZE_FULL_TILES and D == cfg.block_d
+    even_b = SPECIALIZE_FULL_TILES and B > 0 and B % cfg.block_b == 0
+    if not (even_d and even_b):
+        cfg = forward_config(D, H, x.dtype, x.device.type == "cpu", full_tiles=False)  # same block_b
     sxf, sxb = _feature_major(x, feature_dim)
     syf, syb = _feature_major(y, feature_dim)
     dummy = weight  # never read: the HAS_* flags are False for absent parameters
     grid = (triton.cdiv(B, cfg.block_b), F)
-    even_b = SPECIALIZE_FULL_TILES and B > 0 and B % cfg.block_b == 0
     _launch_fwd(grid, (
         x, weight, bias if bias is not None else dummy,
         ln_weight if ln_weight is not None else dummy, ln_bias if ln_bias is not None else dummy, y,
@@ -218,7 +226,7 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=Fa
     ), dict(
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
         USE_DOT=cfg.use_dot, **_dot_args(x), FAST_TANH=_fast_tanh(x), SAVE_STATS=save_stats,
-        EVEN_D=SPECIALIZE_FULL_TILES and D == cfg.block_d, EVEN_B=even_b, X_EVICT=cfg.x_evict,
+        EVEN_D=even_d, EVEN_B=even_b, X_EVICT=cfg.x_evict,
         BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
     ), num_warps=cfg.num_warps)
     return (y, stats) if save_stats else y
