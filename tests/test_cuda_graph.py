@@ -138,13 +138,19 @@ def _cpu_replay_applies(tensors, params):
     return bool(tensors) and not (torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *params)))
 
 
-def test_transform_with_cuda_graph_replays_inference_and_trains_as_usual(monkeypatch):
+def _replaying_transform(monkeypatch, B, F, D, H):
+    """SplitStack, its transform with cuda_graph=True replayed on CPU, and an input buffer."""
     monkeypatch.setattr(recfuse.fx.replay, "replay_applies", _cpu_replay_applies)
-    B, F, D = 5, 3, 8
-    model = SplitStack(D, 2)
+    model = SplitStack(D, H)
     x = torch.randn(B * F * D)
     fused = recfuse.transform(model, (x, B, D), cuda_graph=True)
     fused.cuda_graphs.recorder = rerun_recorder
+    return model, fused, x
+
+
+def test_transform_with_cuda_graph_replays_inference_and_trains_as_usual(monkeypatch):
+    B, F, D = 5, 3, 8
+    model, fused, x = _replaying_transform(monkeypatch, B, F, D, 2)
     assert sorted(fused.state_dict()) == sorted(model.state_dict())
     with torch.no_grad():
         y = None
@@ -207,12 +213,8 @@ def test_module_tensors_follow_replaced_parameters_buffers_and_removed_modules()
 
 
 def test_transform_replay_sees_a_replaced_parameter(monkeypatch):
-    monkeypatch.setattr(recfuse.fx.replay, "replay_applies", _cpu_replay_applies)
     B, F, D = 4, 2, 8
-    model = SplitStack(D, 1)
-    x = torch.randn(B * F * D)
-    fused = recfuse.transform(model, (x, B, D), cuda_graph=True)
-    fused.cuda_graphs.recorder = rerun_recorder
+    model, fused, x = _replaying_transform(monkeypatch, B, F, D, 1)
     with torch.no_grad():
         torch.testing.assert_close(fused(x, B, D), model(x, B, D), rtol=1e-5, atol=1e-6)
         new_weight = torch.nn.Parameter(torch.randn(1, D))
