@@ -105,8 +105,10 @@ def forward_config(D: int, H: int, dtype: torch.dtype, interpret: bool, full_til
     if use_dot:
         block_h = min(64, max(16, triton.next_power_of_2(H)))
         block_b = 32 if 32 * block_d <= _TILE_BUDGET else 16
-        if dtype != torch.float32 and 128 * block_d <= 2 * _TILE_BUDGET:
-            block_b = 128  # 16-bit tiles: half the registers per element
+        if full_tiles and dtype != torch.float32 and 128 * block_d <= 2 * _TILE_BUDGET:
+            # 16-bit full tiles: half the registers per element. Masked, 128 rows measured
+            # 777 us (ab_full_tiles_h100.txt) against 478-517 us for 32 rows (tune_h100_v2/v3).
+            block_b = 128
         num_warps = 4 if dtype == torch.float32 and block_h <= 16 else 8
     else:
         block_h = min(triton.next_power_of_2(H), 4)
@@ -208,7 +210,9 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=Fa
     even_d = SPECIALIZE_FULL_TILES and D == cfg.block_d
     even_b = SPECIALIZE_FULL_TILES and B > 0 and B % cfg.block_b == 0
     if not (even_d and even_b):
-        cfg = forward_config(D, H, x.dtype, x.device.type == "cpu", full_tiles=False)  # same block_b
+        # Masked tiles have their own config. EVEN_B, computed for the full-tile block_b, then
+        # errs only towards masking (a smaller block_b divides B whenever the larger one does).
+        cfg = forward_config(D, H, x.dtype, x.device.type == "cpu", full_tiles=False)
     sxf, sxb = _feature_major(x, feature_dim)
     syf, syb = _feature_major(y, feature_dim)
     dummy = weight  # never read: the HAS_* flags are False for absent parameters
