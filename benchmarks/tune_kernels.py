@@ -163,6 +163,60 @@ def host_overhead():
     return out
 
 
+DOT_FORWARD_PROBLEMS = [  # the tl.dot forward shapes, plus H=1 to check that the tile loop costs nothing
+    (128, 8192, 256, 16, torch.bfloat16),
+    (128, 8192, 256, 64, torch.bfloat16),
+    (128, 8192, 256, 16, torch.float32),
+    (128, 8192, 256, 64, torch.float32),
+    (128, 8192, 256, 1, torch.float32),
+    (128, 8192, 256, 1, torch.bfloat16),
+]
+
+
+def persistent_variants(base, dtype):
+    """One program per tile, and persistent programs with 1-3 tiles of x in flight."""
+    if not base.use_dot:
+        return [base] + [dataclasses.replace(base, persistent=p, tile_stages=st)
+                         for p in (2, 4) for st in (1, 2)]
+    rows = (32, 64) if dtype == torch.float32 else (64, 128)
+    out = []
+    for bb, nw in itertools.product(rows, (4, 8)):
+        one = dataclasses.replace(base, block_b=bb, num_warps=nw)
+        out.append(one)
+        out += [dataclasses.replace(one, persistent=p, tile_stages=st) for p in (1, 2) for st in (1, 2, 3)]
+    return out
+
+
+def sweep_dot_forward():
+    """GPU time of persistent forward configs against one program per tile, per problem."""
+    out = []
+    for F, B, D, H, dtype in DOT_FORWARD_PROBLEMS:
+        x, w, b = inputs(F, B, D, H, dtype)
+        ref = launch.forward(x, w, b, None, None, 0.0, 1)
+        base = launch.forward_config(D, H, dtype, False)
+        orig = launch.forward_config
+        rows = []
+        for cfg in persistent_variants(base, dtype):
+            launch.forward_config = lambda *a, _c=cfg, **k: _c
+            try:
+                rows.append({"config": str(cfg), **_timed(lambda: launch.forward(x, w, b, None, None, 0.0, 1), ref)})
+            finally:
+                launch.forward_config = orig
+        copy = copy_us(F, B, D, H, dtype)
+        default_us = next((r["us"] for r in rows if r["config"] == str(base)), None)
+        print(f"dot forward {F},{B},{D},{H} {dtype}: copy {copy:.1f} us; default {default_us} us ({base})", flush=True)
+        for r in sorted((r for r in rows if r.get("us")), key=lambda r: r["us"])[:5]:
+            print(f"    {r['us']:8.1f} us = {100 * copy / r['us']:5.1f}% of copy  err {r['err_vs_default']:.1e}"
+                  f"  {r['config']}", flush=True)
+        bad = [r for r in rows if not r.get("us")]
+        if bad:
+            print(f"    {len(bad)} configs failed, e.g. {bad[0]}", flush=True)
+        out.append({"problem": [F, B, D, H, str(dtype)], "default": str(base), "copy_us": copy, "rows": rows})
+        del x, w, b, ref
+        torch.cuda.empty_cache()
+    return out
+
+
 AB_PROBLEMS = [  # (kind, F, B, D, H, dtype): the default config with and without full-tile kernels
     ("forward", 128, 8192, 256, 1, torch.float32),
     ("forward", 128, 8192, 256, 1, torch.bfloat16),
@@ -203,7 +257,16 @@ def main():
     ap.add_argument("--skip-backward", action="store_true")
     ap.add_argument("--ab-full-tiles", action="store_true",
                     help="only compare the default configs with and without the full-tile kernels")
+    ap.add_argument("--dot-forward", action="store_true",
+                    help="only sweep persistent forward configs (tile loop, x loads in flight)")
     args = ap.parse_args()
+    if args.dot_forward:
+        result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                  "dot_forward": sweep_dot_forward()}
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=1)
+        return
     if args.ab_full_tiles:
         result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                   "ab_full_tiles": ab_full_tiles()}

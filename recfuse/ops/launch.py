@@ -44,6 +44,10 @@ class KernelConfig:
     num_warps: int
     # Cache policy of the loads of x: "" (default) or "evict_first" (x is streamed once).
     x_evict: str = ""
+    # Forward only. 0: one program per row tile. n > 0: persistent programs, about n per SM over
+    # all features, each walking its feature's row tiles with `tile_stages` tiles of x in flight.
+    persistent: int = 0
+    tile_stages: int = 1
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
@@ -171,6 +175,10 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _device_index(x: torch.Tensor) -> int:
+    return x.device.index if x.device.index is not None else torch.cuda.current_device()
+
+
 def _feature_major(t: torch.Tensor, feature_dim: int) -> tuple[int, int]:
     """(stride over features, stride over rows) of a 3D tensor in either layout."""
     return (t.stride(0), t.stride(1)) if feature_dim == 0 else (t.stride(1), t.stride(0))
@@ -216,7 +224,13 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=Fa
     sxf, sxb = _feature_major(x, feature_dim)
     syf, syb = _feature_major(y, feature_dim)
     dummy = weight  # never read: the HAS_* flags are False for absent parameters
-    grid = (triton.cdiv(B, cfg.block_b), F)
+    n_tiles = triton.cdiv(B, cfg.block_b)
+    if cfg.persistent:
+        # The interpreter counts 2 "SMs", so its tests walk several tiles per program too.
+        sms = _num_sms(_device_index(x)) if x.device.type == "cuda" else 2
+        grid = (max(1, min(n_tiles, triton.cdiv(cfg.persistent * sms, F))), F)
+    else:
+        grid = (n_tiles, F)
     _launch_fwd(grid, (
         x, weight, bias if bias is not None else dummy,
         ln_weight if ln_weight is not None else dummy, ln_bias if ln_bias is not None else dummy, y,
@@ -231,6 +245,7 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=Fa
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
         USE_DOT=cfg.use_dot, **_dot_args(x), FAST_TANH=_fast_tanh(x), SAVE_STATS=save_stats,
         EVEN_D=even_d, EVEN_B=even_b, X_EVICT=cfg.x_evict,
+        ONE_H_BLOCK=H <= cfg.block_h, TILE_STAGES=cfg.tile_stages,
         BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
     ), num_warps=cfg.num_warps)
     return (y, stats) if save_stats else y
@@ -240,7 +255,7 @@ def _programs_per_feature(x: torch.Tensor, F: int, B: int, block_b: int, waves: 
     n_tiles = triton.cdiv(B, block_b)
     if x.device.type == "cuda":
         # A wave or two over the SMs; more programs only add partial rows to reduce.
-        target = waves * _num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        target = waves * _num_sms(_device_index(x))
     else:
         target = 2
     return max(1, min(n_tiles, triton.cdiv(target, F)))
