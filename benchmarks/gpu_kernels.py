@@ -42,6 +42,10 @@ CHECK_CASES = [
     (Case(8, 333, 1000, 3, ln="shared", eps=0.0), torch.bfloat16),
     (Case(3, 5, 7, 3, feature_dim=1, per_feature_weight=True, bias="per_feature"), torch.float16),
     (Case(1, 1, 1, 1, ln="shared"), torch.float32),
+    # Persistent forward configs: D=512 (64-row 16-bit tiles), fp16, fp32 H < BLOCK_H.
+    (Case(4, 512, 512, 32, feature_dim=1, per_feature_weight=True), torch.bfloat16),
+    (Case(4, 256, 256, 64, ln="shared"), torch.float16),
+    (Case(4, 96, 128, 40, bias="per_feature"), torch.float32),
 ]
 
 TIME_SHAPES = [(16, 1024, 256, 1), (128, 8192, 256, 1), (128, 8192, 256, 16), (128, 8192, 256, 64)]

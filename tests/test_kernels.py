@@ -25,6 +25,11 @@ CASES = [
     # Full tiles (D == BLOCK_D, B a multiple of the row tile): the maskless EVEN_D/EVEN_B kernels.
     EVEN_ROW_CASE := Case(2, 128, 16, 1, ln="per_feature", bias="per_feature"),
     EVEN_DOT_CASE := Case(2, 64, 16, 16, ln="shared", eps=0.0),
+    # Persistent forward (full tiles, H <= BLOCK_H): programs walk several row tiles each
+    # (the interpreter counts 2 SMs): fp32 3 tiles of 32 rows over 2 programs, 16-bit 3 tiles
+    # of 128 rows in one program.
+    PERSISTENT_FP32_CASE := Case(2, 96, 16, 32, feature_dim=1, per_feature_weight=True, bias="per_feature"),
+    PERSISTENT_16BIT_CASE := Case(2, 384, 16, 20, ln="shared"),
 ]
 
 
@@ -44,6 +49,20 @@ def test_full_tiles_take_the_maskless_kernels(monkeypatch, case, even):
             seen.append((meta["EVEN_D"], meta["EVEN_B"])), _o(grid, args, meta, **kw))[1])
     run_op(recfuse.ln_tanh_linear_relu, make_inputs(case), torch.float32, case)
     assert len(seen) == 2 and all(flags == (even, even) for flags in seen), seen
+
+
+@pytest.mark.parametrize("case, dtype, programs", [
+    (PERSISTENT_FP32_CASE, torch.float32, 2), (PERSISTENT_16BIT_CASE, torch.bfloat16, 1)], ids=str)
+def test_persistent_forward_walks_several_tiles(monkeypatch, case, dtype, programs):
+    # The float64 comparison above checks the numbers; this checks that those cases really take
+    # the persistent path with more than one tile per program.
+    seen = []
+    original = launch._launch_fwd
+    monkeypatch.setattr(launch, "_launch_fwd", lambda grid, args, meta, **kw: (
+        seen.append((grid, meta["PERSISTENT"], meta["BLOCK_B"])), original(grid, args, meta, **kw))[1])
+    run_op(recfuse.ln_tanh_linear_relu, make_inputs(case), dtype, case)
+    (grid, persistent, block_b), = seen
+    assert persistent and case.B // block_b == 3 and grid[0] == programs, seen
 
 
 def test_float16_dot_path():

@@ -137,6 +137,68 @@ def _store_linear_relu(t, w, bias, y_ptrs, ymask, USE_DOT: tl.constexpr, BLOCK_H
 
 
 @triton.jit
+def _forward_tile(
+    tile, f, w1, bias1,
+    X, W, BIAS, LNW, LNB, Y, STATS,
+    B, D, H, stats_half,
+    stride_x_f, stride_x_b, stride_x_d,
+    stride_w_f, stride_w_h,
+    stride_bias_f, stride_lnw_f, stride_lnb_f,
+    stride_y_f, stride_y_b,
+    eps,
+    HAS_BIAS: tl.constexpr, HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FAST_TANH: tl.constexpr, SAVE_STATS: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr, W_LOADED: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """One tile of BLOCK_B rows of feature f. W_LOADED: the caller holds the whole weight block
+    (w1, bias1: H <= BLOCK_H); otherwise the weight is read block by block after the tanh."""
+    rows = tile * BLOCK_B + tl.arange(0, BLOCK_B)
+    cols = tl.arange(0, BLOCK_D)
+    rmask = rows < B
+    cmask = cols < D
+    mask = rmask[:, None] & cmask[None, :]
+    x_ptrs = X + f * stride_x_f + rows[:, None].to(tl.int64) * stride_x_b + cols[None, :] * stride_x_d
+    stat_ptrs = STATS + f * B + rows
+    _, t, mean, rstd, _ = _normalize_tanh(
+        x_ptrs, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
+        stat_ptrs, stat_ptrs + stats_half, rmask, HAS_LNW, HAS_LNB, FAST_TANH, False,
+        EVEN_D, EVEN_B, X_EVICT,
+    )
+    if SAVE_STATS:
+        if EVEN_B:
+            tl.store(stat_ptrs, mean)
+            tl.store(stat_ptrs + stats_half, rstd)
+        else:
+            tl.store(stat_ptrs, mean, mask=rmask)
+            tl.store(stat_ptrs + stats_half, rstd, mask=rmask)
+    if USE_DOT:
+        t = t.to(DOT_DTYPE)
+    y_row = Y + f * stride_y_f + rows.to(tl.int64) * stride_y_b
+    if W_LOADED:
+        hs = tl.arange(0, BLOCK_H)
+        _store_linear_relu(t, w1, bias1, y_row[:, None] + hs[None, :], rmask[:, None] & (hs < H)[None, :],
+                           USE_DOT, BLOCK_H, DOT_PRECISION, HAS_BIAS, not (EVEN_B and BLOCK_H == 1))
+    else:
+        for h0 in range(0, H, BLOCK_H):
+            hs = h0 + tl.arange(0, BLOCK_H)
+            hmask = hs < H
+            w_ptrs = W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :]
+            if EVEN_D and BLOCK_H == 1:
+                w = tl.load(w_ptrs)  # H=1 row path: hs is 0 < H
+            else:
+                w = tl.load(w_ptrs, mask=hmask[:, None] & cmask[None, :], other=0.0)
+            if USE_DOT:
+                w = w.to(DOT_DTYPE)
+            bias = tl.zeros([BLOCK_H], dtype=tl.float32)
+            if HAS_BIAS:
+                bias = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
+            _store_linear_relu(t, w, bias, y_row[:, None] + hs[None, :], rmask[:, None] & hmask[None, :],
+                               USE_DOT, BLOCK_H, DOT_PRECISION, HAS_BIAS, not (EVEN_B and BLOCK_H == 1))
+
+
+@triton.jit
 def ln_tanh_linear_relu_fwd(
     X, W, BIAS, LNW, LNB, Y, STATS,
     B, D, H, stats_half,
@@ -149,71 +211,44 @@ def ln_tanh_linear_relu_fwd(
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FAST_TANH: tl.constexpr, SAVE_STATS: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
-    ONE_H_BLOCK: tl.constexpr, TILE_STAGES: tl.constexpr,
+    PERSISTENT: tl.constexpr, TILE_STAGES: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     # STATS (SAVE_STATS, for a backward that follows): [2, F, B] fp32, mean then rstd.
-    # Grid (programs per feature, F). Each program walks the row tiles pid, pid + P, ...: with
-    # one program per tile that is one step; with fewer (persistent programs) the weight is
-    # loaded once per program (ONE_H_BLOCK: H <= BLOCK_H) and TILE_STAGES > 1 has the next
-    # tiles' x loads in flight while this tile computes, so a program's load and compute
-    # phases overlap instead of taking turns.
+    # Grid (programs per feature, F). Not PERSISTENT: one program per row tile. PERSISTENT
+    # (needs H <= BLOCK_H): fewer programs, each loads the weight once and walks the row tiles
+    # pid, pid + P, ... with TILE_STAGES tiles of x in flight, so that the loads of the next
+    # tiles overlap this tile's LayerNorm, tanh and dot instead of taking turns with them
+    # (measured on the H100: one program per tile leaves DRAM idle ~half the time at bf16 H=64).
     pid_b = tl.program_id(0)
-    n_prog = tl.num_programs(0)
     f = tl.program_id(1).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    cmask = cols < D
-    if ONE_H_BLOCK:
+    if PERSISTENT:
         hs = tl.arange(0, BLOCK_H)
+        cols = tl.arange(0, BLOCK_D)
         hmask = hs < H
-        w_ptrs = W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :]
-        if EVEN_D and BLOCK_H == 1:
-            w1 = tl.load(w_ptrs)  # H=1 row path: hs is 0 < H
-        else:
-            w1 = tl.load(w_ptrs, mask=hmask[:, None] & cmask[None, :], other=0.0)
+        w1 = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :],
+                     mask=hmask[:, None] & (cols < D)[None, :], other=0.0)
         if USE_DOT:
             w1 = w1.to(DOT_DTYPE)
         bias1 = tl.zeros([BLOCK_H], dtype=tl.float32)
         if HAS_BIAS:
             bias1 = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
-    for tile in tl.range(pid_b, tl.cdiv(B, BLOCK_B), n_prog, num_stages=TILE_STAGES):
-        rows = tile * BLOCK_B + tl.arange(0, BLOCK_B)
-        rmask = rows < B
-        mask = rmask[:, None] & cmask[None, :]
-        x_ptrs = X + f * stride_x_f + rows[:, None].to(tl.int64) * stride_x_b + cols[None, :] * stride_x_d
-        stat_ptrs = STATS + f * B + rows
-        _, t, mean, rstd, _ = _normalize_tanh(
-            x_ptrs, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
-            stat_ptrs, stat_ptrs + stats_half, rmask, HAS_LNW, HAS_LNB, FAST_TANH, False,
-            EVEN_D, EVEN_B, X_EVICT,
+        for tile in tl.range(pid_b, tl.cdiv(B, BLOCK_B), tl.num_programs(0), num_stages=TILE_STAGES):
+            _forward_tile(
+                tile, f, w1, bias1, X, W, BIAS, LNW, LNB, Y, STATS, B, D, H, stats_half,
+                stride_x_f, stride_x_b, stride_x_d, stride_w_f, stride_w_h,
+                stride_bias_f, stride_lnw_f, stride_lnb_f, stride_y_f, stride_y_b, eps,
+                HAS_BIAS, HAS_LNW, HAS_LNB, USE_DOT, DOT_DTYPE, DOT_PRECISION, FAST_TANH, SAVE_STATS,
+                EVEN_D, EVEN_B, X_EVICT, True, BLOCK_B, BLOCK_D, BLOCK_H,
+            )
+    else:
+        _forward_tile(
+            pid_b, f, 0.0, 0.0, X, W, BIAS, LNW, LNB, Y, STATS, B, D, H, stats_half,
+            stride_x_f, stride_x_b, stride_x_d, stride_w_f, stride_w_h,
+            stride_bias_f, stride_lnw_f, stride_lnb_f, stride_y_f, stride_y_b, eps,
+            HAS_BIAS, HAS_LNW, HAS_LNB, USE_DOT, DOT_DTYPE, DOT_PRECISION, FAST_TANH, SAVE_STATS,
+            EVEN_D, EVEN_B, X_EVICT, False, BLOCK_B, BLOCK_D, BLOCK_H,
         )
-        if SAVE_STATS:
-            if EVEN_B:
-                tl.store(stat_ptrs, mean)
-                tl.store(stat_ptrs + stats_half, rstd)
-            else:
-                tl.store(stat_ptrs, mean, mask=rmask)
-                tl.store(stat_ptrs + stats_half, rstd, mask=rmask)
-        if USE_DOT:
-            t = t.to(DOT_DTYPE)
-        y_row = Y + f * stride_y_f + rows.to(tl.int64) * stride_y_b
-        if ONE_H_BLOCK:
-            _store_linear_relu(t, w1, bias1, y_row[:, None] + hs[None, :], rmask[:, None] & hmask[None, :],
-                               USE_DOT, BLOCK_H, DOT_PRECISION, HAS_BIAS,
-                               not (EVEN_B and BLOCK_H == 1))
-        else:
-            for h0 in range(0, H, BLOCK_H):
-                hs = h0 + tl.arange(0, BLOCK_H)
-                hmask = hs < H
-                w = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :],
-                            mask=hmask[:, None] & cmask[None, :], other=0.0)
-                if USE_DOT:
-                    w = w.to(DOT_DTYPE)
-                bias = tl.zeros([BLOCK_H], dtype=tl.float32)
-                if HAS_BIAS:
-                    bias = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
-                _store_linear_relu(t, w, bias, y_row[:, None] + hs[None, :], rmask[:, None] & hmask[None, :],
-                                   USE_DOT, BLOCK_H, DOT_PRECISION, HAS_BIAS, True)
 
 
 @triton.jit

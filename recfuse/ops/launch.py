@@ -6,6 +6,7 @@ of the weight-gradient reduction. The maths lives in `kernels.py`.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -94,11 +95,14 @@ def _dot_args(x: torch.Tensor) -> dict:
 def forward_config(D: int, H: int, dtype: torch.dtype, interpret: bool, full_tiles: bool = True) -> KernelConfig:
     """Pick block sizes for the forward kernel; cached, so a call costs one dict lookup.
 
-    From the H100 sweeps (benchmarks/tune_kernels.py, results/tune_h100_v1.json, v4): the
-    row-reduction path wants small tiles, one warp per 2048 elements (8 rows of 256: fp32 366 us,
-    bf16 193 us at F=128 B=8192 D=256, against 370 / 246 us with two warps); the tl.dot path
-    wants 32-row tiles in fp32 (3xTF32 splits cost registers) and 128-row tiles in 16-bit
-    (bf16 H=64 445 us against 478 us with 32 rows).
+    From the H100 sweeps (benchmarks/tune_kernels.py, results/tune_h100_v1.json, v4,
+    dot_forward_h100): the row-reduction path wants small tiles, one warp per 2048 elements
+    (8 rows of 256: fp32 366 us, bf16 193 us at F=128 B=8192 D=256, against 370 / 246 us with
+    two warps). The tl.dot path with full tiles runs persistent programs with tiles of x in
+    flight: 16-bit 3 tiles of 64 rows (H <= 16) or 128 rows, bf16 H=16 252 us and H=64 310 us
+    against 275 / 445 us with one program per tile; fp32 H > 16 two tiles of 32 rows, H=64
+    1.91 ms against 2.24 ms. fp32 H <= 16 keeps one program per 32-row tile (1.12 ms; persistent
+    1.15 ms): its 3xTF32 splits already use every register.
 
     Example:
         >>> forward_config(256, 1, torch.float32, False).num_warps
@@ -109,21 +113,34 @@ def forward_config(D: int, H: int, dtype: torch.dtype, interpret: bool, full_til
     if use_dot:
         block_h = min(64, max(16, triton.next_power_of_2(H)))
         block_b = 32 if 32 * block_d <= _TILE_BUDGET else 16
-        if full_tiles and dtype != torch.float32 and 128 * block_d <= 2 * _TILE_BUDGET:
-            # 16-bit full tiles: half the registers per element. Masked, 128 rows measured
-            # 777 us (ab_full_tiles_h100.txt) against 478-517 us for 32 rows (tune_h100_v2/v3).
-            block_b = 128
         num_warps = 4 if dtype == torch.float32 and block_h <= 16 else 8
+        if not full_tiles or H > block_h:
+            # Masked, 128-row 16-bit tiles measured 777 us (ab_full_tiles_h100.txt) against
+            # 478-517 us for 32 rows (tune_h100_v2/v3).
+            return KernelConfig(block_b, block_d, block_h, True, num_warps)
+        if dtype != torch.float32:
+            # Tiles in flight live in shared memory: at most 3 x 64 KB (the H100 has 227 KB).
+            block_b = min(64 if block_h <= 16 else 128, _X_STAGE_BYTES // (2 * block_d))
+            return KernelConfig(block_b, block_d, block_h, True, 8, persistent=1, tile_stages=3)
+        if block_h > 16 and block_d <= 256:
+            return KernelConfig(block_b, block_d, block_h, True, 8, persistent=2, tile_stages=2)
+        return KernelConfig(block_b, block_d, block_h, True, num_warps)
+    block_h = min(triton.next_power_of_2(H), 4)
+    block_b = max(1, 2048 // (block_d * block_h))
+    if full_tiles:
+        num_warps = max(1, min(8, block_b * block_d * block_h // 2048))
     else:
-        block_h = min(triton.next_power_of_2(H), 4)
-        block_b = max(1, 2048 // (block_d * block_h))
-        if full_tiles:
-            num_warps = max(1, min(8, block_b * block_d * block_h // 2048))
-        else:
-            # With masks the one-warp tile measured 684 us (ab_full_tiles_h100.txt), two warps
-            # 400 us (the masked kernel before the full-tile specialisation).
-            num_warps = max(2, min(8, block_b * block_d * block_h // 1024))
+        # With masks the one-warp tile measured 684 us (ab_full_tiles_h100.txt), two warps
+        # 400 us (the masked kernel before the full-tile specialisation).
+        num_warps = max(2, min(8, block_b * block_d * block_h // 1024))
     return KernelConfig(block_b, block_d, block_h, use_dot, num_warps)
+
+
+# (D, H, dtype, device type) whose persistent forward config did not fit the device.
+_FWD_NOT_PERSISTENT: set = set()
+
+# Bytes of x one tile in flight may take in shared memory (16-bit persistent forward, 3 stages).
+_X_STAGE_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -224,14 +241,17 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=Fa
     sxf, sxb = _feature_major(x, feature_dim)
     syf, syb = _feature_major(y, feature_dim)
     dummy = weight  # never read: the HAS_* flags are False for absent parameters
+    if cfg.persistent and (D, H, x.dtype, x.device.type) in _FWD_NOT_PERSISTENT:
+        cfg = dataclasses.replace(cfg, persistent=0, tile_stages=1)
     n_tiles = triton.cdiv(B, cfg.block_b)
-    if cfg.persistent:
+    persistent = cfg.persistent > 0 and H <= cfg.block_h
+    if persistent:
         # The interpreter counts 2 "SMs", so its tests walk several tiles per program too.
         sms = _num_sms(_device_index(x)) if x.device.type == "cuda" else 2
         grid = (max(1, min(n_tiles, triton.cdiv(cfg.persistent * sms, F))), F)
     else:
         grid = (n_tiles, F)
-    _launch_fwd(grid, (
+    args = (
         x, weight, bias if bias is not None else dummy,
         ln_weight if ln_weight is not None else dummy, ln_bias if ln_bias is not None else dummy, y,
         stats if save_stats else dummy,
@@ -241,13 +261,24 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=Fa
         _param_stride(bias, 2), _param_stride(ln_weight, 2), _param_stride(ln_bias, 2),
         syf, syb,
         float(eps),
-    ), dict(
+    )
+    meta = dict(
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
         USE_DOT=cfg.use_dot, **_dot_args(x), FAST_TANH=_fast_tanh(x), SAVE_STATS=save_stats,
         EVEN_D=even_d, EVEN_B=even_b, X_EVICT=cfg.x_evict,
-        ONE_H_BLOCK=H <= cfg.block_h, TILE_STAGES=cfg.tile_stages,
+        PERSISTENT=persistent, TILE_STAGES=cfg.tile_stages,
         BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
-    ), num_warps=cfg.num_warps)
+    )
+    try:
+        _launch_fwd(grid, args, meta, num_warps=cfg.num_warps)
+    except OutOfResources as err:
+        if not persistent:
+            raise
+        # Found at compile time, before anything ran: the tiles in flight do not fit this
+        # device's shared memory. One program per tile needs one tile's worth.
+        log.warning("recfuse: forward D=%d H=%d %s: %s; using one program per tile", D, H, x.dtype, err)
+        _FWD_NOT_PERSISTENT.add((D, H, x.dtype, x.device.type))
+        return forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats)
     return (y, stats) if save_stats else y
 
 
