@@ -164,12 +164,12 @@ def host_overhead():
 
 
 DOT_FORWARD_PROBLEMS = [  # the tl.dot forward shapes, plus H=1 to check that the tile loop costs nothing
-    (128, 8192, 256, 16, torch.bfloat16),
-    (128, 8192, 256, 64, torch.bfloat16),
     (128, 8192, 256, 16, torch.float32),
     (128, 8192, 256, 64, torch.float32),
-    (128, 8192, 256, 32, torch.bfloat16),
     (128, 8192, 256, 32, torch.float32),
+    (128, 8192, 256, 16, torch.bfloat16),
+    (128, 8192, 256, 64, torch.bfloat16),
+    (128, 8192, 256, 32, torch.bfloat16),
     (128, 8192, 256, 1, torch.float32),
     (128, 8192, 256, 1, torch.bfloat16),
 ]
@@ -184,16 +184,25 @@ def persistent_variants(base, dtype):
                                  persistent=0, tile_stages=1)
     out = [base] + ([single] if single != base else [])
     if dtype == torch.float32:
-        return out + [dataclasses.replace(single, num_warps=8, persistent=p, tile_stages=st)
-                      for p, st in ((1, 1), (1, 2), (2, 2))]
+        # 3xTF32 spills (ncu: 255 registers, local memory traffic): smaller row tiles, and
+        # narrower H blocks looped over (the weight's hi/lo operands take fewer registers).
+        out += [dataclasses.replace(single, num_warps=8, persistent=p, tile_stages=st)
+                for p, st in ((1, 1), (1, 2), (2, 2))]
+        out += [dataclasses.replace(single, block_b=16, num_warps=nw) for nw in (2, 4)]
+        out += [dataclasses.replace(single, block_b=16, num_warps=4, persistent=2, tile_stages=2)]
+        for bh in (16, 32):
+            if bh < base.block_h:
+                out += [dataclasses.replace(single, block_h=bh, block_b=bb, num_warps=4)
+                        for bb in (16, 32)]
+        return out
     return out + [dataclasses.replace(base, block_b=bb, num_warps=8, persistent=p, tile_stages=st)
                   for bb in (64, 128) for p, st in ((1, 2), (1, 3), (2, 3))]
 
 
-def sweep_dot_forward():
+def sweep_dot_forward(only=None):
     """GPU time of persistent forward configs against one program per tile, per problem."""
     out = []
-    for F, B, D, H, dtype in DOT_FORWARD_PROBLEMS:
+    for F, B, D, H, dtype in DOT_FORWARD_PROBLEMS[:only]:
         x, w, b = inputs(F, B, D, H, dtype)
         ref = launch.forward(x, w, b, None, None, 0.0, 1)
         base = launch.forward_config(D, H, dtype, False)
@@ -260,12 +269,13 @@ def main():
     ap.add_argument("--skip-backward", action="store_true")
     ap.add_argument("--ab-full-tiles", action="store_true",
                     help="only compare the default configs with and without the full-tile kernels")
+    ap.add_argument("--only", type=int, default=None, help="with --dot-forward: the first N problems")
     ap.add_argument("--dot-forward", action="store_true",
                     help="only sweep persistent forward configs (tile loop, x loads in flight)")
     args = ap.parse_args()
     if args.dot_forward:
         result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                  "dot_forward": sweep_dot_forward()}
+                  "dot_forward": sweep_dot_forward(args.only)}
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(result, fh, indent=1)
