@@ -27,9 +27,9 @@ CASES = [
     EVEN_DOT_CASE := Case(2, 64, 16, 16, ln="shared", eps=0.0),
     # Persistent forward (full tiles, H <= BLOCK_H): programs walk several row tiles each
     # (the interpreter counts 2 SMs): fp32 3 tiles of 32 rows over 2 programs, 16-bit 3 tiles
-    # of 128 rows in one program.
-    PERSISTENT_FP32_CASE := Case(2, 96, 16, 32, feature_dim=1, per_feature_weight=True, bias="per_feature"),
-    PERSISTENT_16BIT_CASE := Case(2, 384, 16, 20, ln="shared"),
+    # of 64 rows in one program.
+    PERSISTENT_FP32_CASE := Case(2, 96, 16, 40, feature_dim=1, per_feature_weight=True, bias="per_feature"),
+    PERSISTENT_16BIT_CASE := Case(2, 192, 16, 20, ln="shared"),
 ]
 
 

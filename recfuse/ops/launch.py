@@ -107,9 +107,10 @@ def forward_config(D: int, H: int, dtype: torch.dtype, interpret: bool, full_til
     (8 rows of 256: fp32 366 us, bf16 193 us at F=128 B=8192 D=256, against 370 / 246 us with
     two warps). The tl.dot path with full tiles runs persistent programs with tiles of x in
     flight: 16-bit 3 tiles of 64 rows (H <= 32) or 128 rows, bf16 H=16 254 us, H=32 265 us and
-    H=64 303 us against 275 / - / 445 us with one program per tile; fp32 H > 16 two tiles of 32 rows, H=64
-    1.91 ms against 2.24 ms. fp32 H <= 16 keeps one program per 32-row tile (1.12 ms; persistent
-    1.15 ms): its 3xTF32 splits already use every register.
+    H=64 303 us against 275 / - / 445 us with one program per tile; fp32 H > 32 two tiles of 32
+    rows, H=64 1.89 ms against 2.24 ms. fp32 H <= 32 keeps one program per tile (H=16: 32 rows,
+    1.14 ms; H=32: 16 rows, 1.39 ms): its 3xTF32 splits already use every register
+    (results/dot_forward_v2_h100.txt, dot_forward_fp32_h100.txt).
 
     Example:
         >>> forward_config(256, 1, torch.float32, False).num_warps
@@ -121,15 +122,21 @@ def forward_config(D: int, H: int, dtype: torch.dtype, interpret: bool, full_til
         block_h = min(64, max(16, triton.next_power_of_2(H)))
         block_b = 32 if 32 * block_d <= _TILE_BUDGET else 16
         num_warps = 4 if dtype == torch.float32 and block_h <= 16 else 8
+        if dtype == torch.float32 and block_h == 32:
+            # 3xTF32 spills registers (ncu: 255 a thread, local-memory traffic); 16-row tiles
+            # spill less: H=32 1.39 ms against 3.1 ms persistent and 5.1 ms with 32 rows.
+            return KernelConfig(16, block_d, block_h, True, 4)
         if not full_tiles or H > block_h:
             # Masked, 128-row 16-bit tiles measured 777 us (ab_full_tiles_h100.txt) against
             # 478-517 us for 32 rows (tune_h100_v2/v3).
             return KernelConfig(block_b, block_d, block_h, True, num_warps)
         if dtype != torch.float32:
-            # Tiles in flight live in shared memory: at most 3 x 64 KB (the H100 has 227 KB).
+            # Tiles in flight live in shared memory beside the dot's operands (the H100 has
+            # 227 KB): 3 x 64 KB fit at D=256, not at D=512.
+            stages = 3 if block_d <= 256 else 2
             block_b = min(64 if block_h <= 32 else 128, _X_STAGE_BYTES // (2 * block_d))
-            return KernelConfig(block_b, block_d, block_h, True, 8, persistent=1, tile_stages=3)
-        if block_h > 16 and block_d <= 256:
+            return KernelConfig(block_b, block_d, block_h, True, 8, persistent=1, tile_stages=stages)
+        if block_h > 32 and block_d <= 256:
             return KernelConfig(block_b, block_d, block_h, True, 8, persistent=2, tile_stages=2)
         return KernelConfig(block_b, block_d, block_h, True, num_warps)
     block_h = min(triton.next_power_of_2(H), 4)
