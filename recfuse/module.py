@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import reference
-from .cuda_graph import CudaGraphCache, ModuleTensors, replay_applies
+from .cuda_graph import CudaGraphCache, ModuleTensors
 from .ops import ln_tanh_linear_relu
 from .torchrec import is_keyed_tensor, keyed_tensor_parts, make_keyed_tensor, wait_if_lazy_awaitable
 
@@ -111,7 +111,8 @@ class FusedFeatureProcessor(nn.Module):
             Graphs are per input shape/strides/dtype/feature_dim and parameter addresses; x is
             read in place while its address repeats (copied in once it moves), and a result you
             still hold is never overwritten: the rule is in `recfuse.cuda_graph`. KeyedTensor and
-            dict inputs, CPU tensors, training and ``torch.compile`` take the normal path.
+            dict inputs, CPU tensors, training, ``torch.compile``, autocast and vmap take the
+            normal path.
         device, dtype: of the parameters.
 
     Parameters are owned directly, stacked over features: ``weight`` [H, D] or [F, H, D],
@@ -187,6 +188,7 @@ class FusedFeatureProcessor(nn.Module):
             n: (g, j) for g, grp in enumerate(self._groups) for j, n in enumerate(grp.names)
         }
         self._dim_of: dict[str, int] = dict(zip(names, dims))
+        self._total_dim = sum(dims)  # a [B, sum(D)] buffer's second dim
         self._plans: dict[tuple[tuple[str, ...], tuple[int, ...]], _BufferPlan] = {}
 
         factory = {"device": device, "dtype": dtype}
@@ -369,16 +371,15 @@ class FusedFeatureProcessor(nn.Module):
             (torch.Size([5, 2, 3]), torch.Size([2, 5, 3]))
         """
         if isinstance(x, torch.Tensor):
-            if x.dim() == 3:
+            ndim = x.dim()
+            if ndim == 3:
                 self._check_stacked(x, feature_dim)
-            elif x.dim() == 2:
-                self._check_buffer(x, self.feature_names, self.embedding_dims, "input")
-            else:
+            elif ndim != 2:
                 raise self._rank_error(x)
-            if self.cuda_graph:
-                params = self._module_tensors()
-                if replay_applies((x,), params):
-                    return self._cuda_graphs.run(self._fused_tensor, (x, feature_dim), params)
+            elif x.shape[1] != self._total_dim:  # the [B, sum(D)] check of _check_buffer, inline
+                self._check_buffer(x, self.feature_names, self.embedding_dims, "input")  # raises
+            if self.cuda_graph:  # replayed where the rule allows, else _fused_tensor called
+                return self._cuda_graphs.call(self._fused_tensor, (x, feature_dim), self._module_tensors())
             return self._fused_tensor(x, feature_dim)
         if isinstance(x, Mapping):
             return self._fused_dict(x)

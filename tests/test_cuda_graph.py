@@ -133,14 +133,14 @@ def test_replay_applies_only_to_plain_inference_on_cuda():
     assert not replay_applies([], [])
 
 
-def _cpu_replay_applies(tensors, params):
-    """`replay_applies` without the CUDA requirement, so the integrations run here."""
-    return bool(tensors) and not (torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *params)))
+def _replay_on_cpu(monkeypatch):
+    """CPU tensors replay (the real `replay_applies`, the device type aside), so the integrations run here."""
+    monkeypatch.setattr(recfuse.cuda_graph, "_DEVICE_TYPE", "cpu")
 
 
 def _replaying_transform(monkeypatch, B, F, D, H):
     """SplitStack, its transform with cuda_graph=True replayed on CPU, and an input buffer."""
-    monkeypatch.setattr(recfuse.fx.replay, "replay_applies", _cpu_replay_applies)
+    _replay_on_cpu(monkeypatch)
     model = SplitStack(D, H)
     x = torch.randn(B * F * D)
     fused = recfuse.transform(model, (x, B, D), cuda_graph=True)
@@ -176,7 +176,7 @@ def test_transform_with_cuda_graph_replays_inference_and_trains_as_usual(monkeyp
 
 
 def test_fused_feature_processor_cuda_graph_rule(monkeypatch):
-    monkeypatch.setattr(recfuse.module, "replay_applies", _cpu_replay_applies)
+    _replay_on_cpu(monkeypatch)
     fp = recfuse.FusedFeatureProcessor(["a", "b", "c"], 8, out_features=2, cuda_graph=True)
     fp._cuda_graphs.recorder = rerun_recorder
     with torch.no_grad():
@@ -222,3 +222,273 @@ def test_transform_replay_sees_a_replaced_parameter(monkeypatch):
         model.linear.weight = new_weight
         torch.testing.assert_close(fused(x, B, D), model(x, B, D), rtol=1e-5, atol=1e-6)
     assert fused.cuda_graphs.captures == 2
+
+
+# --- the last signature's fast path (CudaGraphCache.call / _replay_last) ---------------------
+
+
+class Scale(torch.nn.Module):
+    """A parameter and a buffer, read by the graph where they are, as a module's are."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(6))
+        self.register_buffer("shift", torch.randn(6))
+
+    def forward(self, x, scale):
+        return torch.relu(x * scale * self.weight.to(x.dtype) + self.shift.to(x.dtype))
+
+
+def counting_recorder(counts):
+    """`rerun_recorder`, counting replays: a call served by a graph adds one."""
+
+    def recorder(fn, args):
+        replay, out = rerun_recorder(fn, args)
+
+        def counted():
+            counts["replays"] += 1
+            replay()
+
+        return counted, out
+
+    return recorder
+
+
+class _Passthrough(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _move(t):
+    t.set_(torch.randn(4, 6))  # the same tensor object, now at another address
+
+
+def _restride(t):
+    t.as_strided_((4, 6), (1, 4))  # the same object and address, other strides
+
+
+# change(m, buf) -> the call's args (after changing what the case changes); the expected outcome:
+# "replay" (the warm graph), "capture" (a new graph) or "direct" (no graph: fn called).
+FAST_PATH_CASES = {
+    "same call": (lambda m, buf: (buf, 2.0), "replay"),
+    "input refilled in place": (lambda m, buf: (buf.copy_(torch.randn(4, 6)), 2.0), "replay"),
+    "parameter updated in place": (lambda m, buf: (m.weight.mul_(-2.0) is None or buf, 2.0), "replay"),
+    "input at another address": (lambda m, buf: (torch.randn(4, 6), 2.0), "capture"),
+    "input object moved (set_)": (lambda m, buf: (_move(buf) or buf, 2.0), "capture"),
+    "input restrided in place": (lambda m, buf: (_restride(buf) or buf, 2.0), "capture"),
+    "another shape": (lambda m, buf: (buf[:3], 2.0), "capture"),
+    "other strides": (lambda m, buf: (torch.randn(6, 4).t(), 2.0), "capture"),
+    "another dtype": (lambda m, buf: (buf.double(), 2.0), "capture"),
+    "another scalar value": (lambda m, buf: (buf, 3.0), "capture"),
+    "a scalar of another type": (lambda m, buf: (buf, 2), "capture"),
+    "parameter .data replaced": (lambda m, buf: (setattr(m.weight, "data", torch.randn(6)) or buf, 2.0), "capture"),
+    "parameter replaced": (
+        lambda m, buf: (setattr(m, "weight", torch.nn.Parameter(torch.randn(6))) or buf, 2.0), "capture"),
+    "buffer replaced": (lambda m, buf: (setattr(m, "shift", torch.randn(6)) or buf, 2.0), "capture"),
+    "grad mode on, parameter requires grad": (lambda m, buf: (buf, 2.0), "direct"),
+    "grad mode on, input requires grad": (
+        lambda m, buf: (m.requires_grad_(False) and buf.clone().requires_grad_(), 2.0), "direct"),
+    "grad mode on, nothing requires grad": (lambda m, buf: (m.requires_grad_(False) and buf, 2.0), "replay"),
+    "autocast": (lambda m, buf: (buf, 2.0), "direct"),
+    "dispatch mode": (lambda m, buf: (buf, 2.0), "direct"),
+    "torch.compile tracing": (lambda m, buf: (buf, 2.0), "direct"),
+}
+
+
+@pytest.mark.parametrize("case", list(FAST_PATH_CASES))
+def test_fast_path_replays_only_what_the_full_rule_would(monkeypatch, case):
+    _replay_on_cpu(monkeypatch)
+    signatures = []
+    full_signature = recfuse.cuda_graph._signature
+    monkeypatch.setattr(recfuse.cuda_graph, "_signature", lambda *a: signatures.append(1) or full_signature(*a))
+    counts = {"replays": 0}
+    cache = CudaGraphCache(recorder=counting_recorder(counts))
+    m = Scale()
+    tensors_of = recfuse.cuda_graph.ModuleTensors(m)
+    buf = torch.randn(4, 6)
+    with torch.no_grad():
+        for _ in range(3):  # captured, then replayed from the fast path: no signature built
+            torch.testing.assert_close(cache.call(m, (buf, 2.0), tensors_of()), m(buf, 2.0))
+        assert (cache.captures, counts["replays"], len(signatures)) == (1, 3, 1)
+        change, expected = FAST_PATH_CASES[case]
+        context = {
+            "autocast": torch.autocast("cpu", dtype=torch.bfloat16),
+            "dispatch mode": _Passthrough(),
+        }.get(case, torch.enable_grad() if case.startswith("grad mode on") else torch.no_grad())
+        if case == "torch.compile tracing":
+            monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+        args = change(m, buf)
+        with context:
+            y = cache.call(m, args, tensors_of())
+            direct = m(*args)
+    torch.testing.assert_close(y, direct)
+    outcome = {(1, 4): "replay", (2, 4): "capture", (1, 3): "direct"}[(cache.captures, counts["replays"])]
+    assert outcome == expected
+    if case == "grad mode on, parameter requires grad":
+        assert y.requires_grad
+
+
+def test_fast_path_keeps_the_least_recently_used_order():
+    counts = {"replays": 0}
+    cache = CudaGraphCache(max_graphs=2, recorder=counting_recorder(counts))
+    w = torch.randn(6)
+    a, b, c = torch.randn(1, 6), torch.randn(2, 6), torch.randn(3, 6)
+    with torch.no_grad():
+        cache.run(affine_relu, (a, 1.0, w), [w])
+        cache.run(affine_relu, (b, 1.0, w), [w])
+        for _ in range(3):  # a again: the full path once, then the fast path; a is the newest
+            cache.run(affine_relu, (a, 1.0, w), [w])
+        cache.run(affine_relu, (c, 1.0, w), [w])  # drops b, the least recently used
+        assert cache.captures == 3
+        torch.testing.assert_close(cache.run(affine_relu, (a, 1.0, w), [w]), affine_relu(a, 1.0, w))
+        assert cache.captures == 3  # a was kept
+        torch.testing.assert_close(cache.run(affine_relu, (b, 1.0, w), [w]), affine_relu(b, 1.0, w))
+        assert cache.captures == 4
+
+
+def test_fast_path_never_overwrites_held_results_and_alternates(monkeypatch):
+    _replay_on_cpu(monkeypatch)
+    cache = CudaGraphCache(recorder=rerun_recorder)
+    m = Scale()
+    buf = torch.empty(4, 6)
+    inputs = [torch.randn(4, 6) for _ in range(5)]
+    with torch.no_grad():
+        held = []
+        for x in inputs[:3]:
+            buf.copy_(x)
+            held.append(cache.call(m, (buf, 1.0), list(m.parameters()) + [m.shift]))
+        assert cache.captures == 2 and cache.eager_calls == 1  # the third: both graphs held
+        for x, y in zip(inputs, held):
+            torch.testing.assert_close(y, m(x, 1.0))
+        del held
+        y = None
+        for x in inputs:  # the usual loop: the two graphs alternate from the fast path
+            buf.copy_(x)
+            y = cache.call(m, (buf, 1.0), list(m.parameters()) + [m.shift])
+            torch.testing.assert_close(y, m(x, 1.0))
+        assert cache.captures == 2 and cache.eager_calls == 1
+
+
+def test_call_runs_directly_under_vmap_and_on_cpu(monkeypatch):
+    cache = CudaGraphCache(recorder=rerun_recorder)
+    m = Scale()
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(cache.call(m, (x, 2.0), list(m.parameters())), m(x, 2.0))  # CPU: direct
+        assert cache.captures == 0
+        _replay_on_cpu(monkeypatch)
+        cache.call(m, (x, 2.0), list(m.parameters()))
+        assert cache.captures == 1
+        batched = torch.randn(3, 4, 6)
+        out = torch.vmap(lambda xb: cache.call(m, (xb, 2.0), list(m.parameters())))(batched)
+        torch.testing.assert_close(out, torch.stack([m(b, 2.0) for b in batched]))
+        assert cache.captures == 1
+
+
+def test_replay_applies_checks_the_call_state(monkeypatch):
+    _replay_on_cpu(monkeypatch)
+    x, w = torch.randn(2, 3), torch.nn.Parameter(torch.randn(3))
+    with torch.no_grad():
+        assert replay_applies([x], [w])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not replay_applies([x], [w])
+        with _Passthrough():
+            assert not replay_applies([x], [w])
+        assert not replay_applies([w], [])  # a Parameter (a tensor subclass) as an input
+    assert not replay_applies([x], [w])  # grad mode on, w requires grad
+    assert replay_applies([x], [w.detach()])
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+    assert not replay_applies([x], [])
+
+
+def test_module_tensors_follow_slots_set_from_none_and_new_names():
+    import pickle
+
+    from recfuse.cuda_graph import ModuleTensors
+
+    m = torch.nn.Linear(2, 3, bias=False)
+    tensors = ModuleTensors(m)
+    assert [t.shape for t in tensors()] == [(3, 2)]
+    m.bias = torch.nn.Parameter(torch.zeros(3))  # was None: now part of the key
+    assert [t.shape for t in tensors()] == [(3, 2), (3,)]
+    m.register_parameter("extra", torch.nn.Parameter(torch.ones(4)))  # a new name in a watched dict
+    assert [t.shape for t in tensors()] == [(3, 2), (3,), (4,)]
+    m.bias = None
+    assert [t.shape for t in tensors()] == [(3, 2), (4,)]
+    copy_ = pickle.loads(pickle.dumps(tensors))  # the compiled reader is made again
+    assert [t.shape for t in copy_()] == [(3, 2), (4,)]
+
+
+def test_transform_replay_sees_parameter_data_replaced_and_reports_eager_errors(monkeypatch):
+    B, F, D = 4, 2, 8
+    model, fused, x = _replaying_transform(monkeypatch, B, F, D, 1)
+    assert type(fused).__call__ is recfuse.fx.replay.CudaGraphReplayModule._replay_call
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(fused(x, B, D), model(x, B, D), rtol=1e-5, atol=1e-6)
+        assert fused.cuda_graphs.captures == 1
+        new = torch.randn(1, D)
+        fused.linear.weight.data = new.clone()  # the same Parameter object at a new address
+        model.linear.weight.data = new.clone()
+        torch.testing.assert_close(fused(x, B, D), model(x, B, D), rtol=1e-5, atol=1e-6)
+        assert fused.cuda_graphs.captures == 2
+        torch.testing.assert_close(fused(input_data=x), model(x, B, D), rtol=1e-5, atol=1e-6)
+        assert fused.cuda_graphs.captures == 2  # keyword arguments: run as usual
+        with pytest.raises(RuntimeError):
+            fused(x[:-1], B, D)  # the graph's own error, through GraphModule's wrapped call
+
+
+def test_fused_feature_processor_sees_parameter_data_replaced(monkeypatch):
+    _replay_on_cpu(monkeypatch)
+    fp = recfuse.FusedFeatureProcessor(["a", "b"], 8, out_features=2, cuda_graph=True)
+    fp._cuda_graphs.recorder = rerun_recorder
+    buf = torch.randn(4, 16)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(fp(buf), fp.forward_reference(buf), rtol=1e-5, atol=1e-6)
+        assert fp._cuda_graphs.captures == 1
+        fp.weight.data = torch.randn_like(fp.weight)
+        torch.testing.assert_close(fp(buf), fp.forward_reference(buf), rtol=1e-5, atol=1e-6)
+        assert fp._cuda_graphs.captures == 2
+        with pytest.raises(ValueError, match=r"must be \[B, 16\]"):
+            fp(torch.randn(4, 12))
+
+
+def test_a_signature_used_after_another_ran_eagerly_is_still_the_newest():
+    cache = CudaGraphCache(max_graphs=3, recorder=rerun_recorder)
+    w = torch.randn(6)
+    j, k, l_ = torch.randn(1, 6), torch.randn(2, 6), torch.randn(3, 6)
+    with torch.no_grad():
+        cache.run(affine_relu, (j, 1.0, w), [w])
+        held = [cache.run(affine_relu, (k, 1.0, w), [w]) for _ in range(2)]  # k: two graphs, both held
+        cache.run(affine_relu, (j, 1.0, w), [w])
+        cache.run(affine_relu, (k, 1.0, w), [w])  # both of k's results held: run directly
+        assert cache.captures == 3 and cache.eager_calls == 1
+        cache.run(affine_relu, (j, 1.0, w), [w])  # j is now the most recently used signature
+        cache.run(affine_relu, (l_, 1.0, w), [w])  # room for l: one of k's graphs goes, not j's
+        assert cache.captures == 4
+        torch.testing.assert_close(cache.run(affine_relu, (j, 1.0, w), [w]), affine_relu(j, 1.0, w))
+        assert cache.captures == 4
+        for y in held:
+            torch.testing.assert_close(y, affine_relu(k, 1.0, w))
+
+
+def test_replay_overhead_benchmark_replays_every_case(tmp_path):
+    """benchmarks/replay_overhead.py on a tiny shape: it raises unless each case captured once
+    and then only replayed."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "replay.json"
+    cmd = [sys.executable, str(root / "benchmarks" / "replay_overhead.py"), "--calls", "20", "--repeats", "1",
+           "--features", "3", "--batch", "4", "--dim", "8", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert set(report["us_per_call"]) == {"cache.run", "transform", "ffp"}
+    assert Path(report["recfuse"]).resolve().parent == (root / "recfuse").resolve()

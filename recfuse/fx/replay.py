@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, GraphModule
 
-from ..cuda_graph import CudaGraphCache, ModuleTensors, replay_applies
+from ..cuda_graph import CudaGraphCache, ModuleTensors
 
 __all__ = ["CudaGraphReplayModule"]
 
@@ -16,7 +16,8 @@ class CudaGraphReplayModule(GraphModule):
     with CUDA tensors that need no autograd record (``torch.no_grad()``, ``inference_mode()`` or
     nothing requiring grad) go through `recfuse.cuda_graph.CudaGraphCache`, whose docstring gives
     the capture and re-capture rule; other calls (training, CPU tensors, keyword arguments,
-    torch.compile) run the graph as usual.
+    torch.compile, autocast, vmap) run the graph as usual. A replayed call does not go through
+    GraphModule's wrapped call (see `recompile`).
 
     Example:
         >>> import torch, recfuse
@@ -39,15 +40,27 @@ class CudaGraphReplayModule(GraphModule):
             cache = self.__dict__["_cuda_graph_cache"] = CudaGraphCache()
         return cache
 
-    def __call__(self, *args, **kwargs):
-        if not kwargs:
-            tensors_of = self.__dict__.get("_module_tensors")
-            if tensors_of is None:
-                tensors_of = self.__dict__["_module_tensors"] = ModuleTensors(self)
-            params = tensors_of()
-            if replay_applies([a for a in args if isinstance(a, torch.Tensor)], params):
-                return self.cuda_graphs.run(self._eager_call, args, params)
-        return self._eager_call(*args, **kwargs)
+    def recompile(self):
+        code = super().recompile()
+        # GraphModule.recompile gives this instance's own class a __call__ that goes through
+        # `_wrapped_call` (two more Python frames per call); ours takes its place and the eager
+        # path still goes through `_wrapped_call` (its error report for the generated code).
+        type(self).__call__ = CudaGraphReplayModule._replay_call
+        return code
+
+    def _replay_call(self, *args, **kwargs):
+        """A call of the module (installed as its class's __call__ by `recompile`)."""
+        if kwargs:
+            return self._eager_call(*args, **kwargs)
+        d = self.__dict__
+        cache, tensors_of = d.get("_cuda_graph_cache"), d.get("_module_tensors")
+        if cache is None:
+            cache = self.cuda_graphs
+        if tensors_of is None:
+            tensors_of = d["_module_tensors"] = ModuleTensors(self)
+        return cache.call(self._eager_call, args, tensors_of())
 
     def _eager_call(self, *args, **kwargs):
-        return torch.nn.Module.__call__(self, *args, **kwargs)
+        # `_wrapped_call` (set by GraphModule.recompile) reaches torch.nn.Module.__call__, looked up
+        # at call time (fx's tracer patches it), since no class above this instance's defines one.
+        return self._wrapped_call(self, *args, **kwargs)
