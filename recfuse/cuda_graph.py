@@ -51,6 +51,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 log = logging.getLogger("recfuse")
@@ -70,10 +71,12 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)
 # What every call checks, bound once. Dynamo folds this very function to True while it traces.
 _is_compiling = torch.compiler.is_compiling
 # Modes on the dispatch stack, infra modes (fake, proxy, functional) included: non-zero exactly
-# when `torch.utils._python_dispatch._get_current_dispatch_mode()` is not None.
-_dispatch_modes = torch._C._len_torch_dispatch_stack
+# when `torch.utils._python_dispatch._get_current_dispatch_mode()` is not None. These private
+# torch calls have public-API fallbacks for torch versions without them.
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None) or (
+    lambda: _get_current_dispatch_mode() is not None)
 _grad_enabled = torch.is_grad_enabled
-_functorch_active = torch._C._are_functorch_transforms_active
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None) or (lambda: False)
 _autocast_active = getattr(torch._C, "_is_any_autocast_enabled", None) or (
     lambda: torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"))
 _MISS = object()
