@@ -5,7 +5,8 @@
    and counts rows whose relu side differs, and rows within 1e-6 of zero.
 2. The transform's training step runs the forward kernel at ~565 us where the op's takes ~377 us:
    times `launch.forward` on the same x for both y layouts (feature_dim=1 as the op row calls it,
-   feature_dim=0 on a movedim view as the transformed graph does), with and without saved stats.
+   feature_dim=0 on a movedim view as the transformed graph does), with and without saved stats,
+   and with the y-stride specialisation on and off (`launch.UNSPECIALIZE_Y_STRIDE_1`).
 
 Usage (GPU): PYTHONPATH=.:tests python benchmarks/diagnose_h1.py
 """
@@ -39,13 +40,19 @@ def forward_layouts():
     b = torch.randn(H, device="cuda") * 0.1
     x_bfd = flat.view(B, F, D)
     x_fbd = x_bfd.movedim(1, 0)
-    for name, x, fd in (("feature_dim=1 ([B,F,D])", x_bfd, 1), ("feature_dim=0 (movedim view)", x_fbd, 0)):
-        for save in (False, True):
-            fn = lambda: launch.forward(x, w, b, None, None, 0.0, fd, save_stats=save)  # noqa: E731
-            us = triton.testing.do_bench(fn, warmup=10, rep=200, return_mode="median") * 1e3
-            print(f"forward {name} save_stats={save}: {us:.1f} us", flush=True)
+    for unspecialized in (False, True):
+        launch.UNSPECIALIZE_Y_STRIDE_1 = unspecialized
+        for name, x, fd in (("feature_dim=1 ([B,F,D])", x_bfd, 1), ("feature_dim=0 (movedim view)", x_fbd, 0)):
+            for save in (False, True):
+                fn = lambda: launch.forward(x, w, b, None, None, 0.0, fd, save_stats=save)  # noqa: E731
+                us = triton.testing.do_bench(fn, warmup=10, rep=200, return_mode="median") * 1e3
+                print(f"forward {name} save_stats={save} y stride 1 unspecialized={unspecialized}: "
+                      f"{us:.1f} us", flush=True)
+    launch.UNSPECIALIZE_Y_STRIDE_1 = True
 
 
 if __name__ == "__main__":
+    import sys
     forward_layouts()
-    ties()
+    if "--skip-ties" not in sys.argv:
+        ties()

@@ -251,6 +251,14 @@ def ln_tanh_linear_relu_fwd(
         )
 
 
+# The same forward with Triton's "== 1" specialisation of stride_y_b turned off. Specialised,
+# y rows that are contiguous (H=1, [F, B, 1]) get a vectorised store layout, and together with
+# the saved-stats stores that compiled to a 556 us kernel where y strided over features took
+# 380 us (F=128 B=8192 D=256 fp32 on the H100, results/checks/diagnose_h1_h100.txt): the
+# transformed graph's training step hits exactly this case.
+ln_tanh_linear_relu_fwd_y_strided = triton.jit(do_not_specialize=["stride_y_b"])(ln_tanh_linear_relu_fwd.fn)
+
+
 @triton.jit
 def ln_tanh_linear_relu_bwd(
     GY, X, W, BIAS, LNW, LNB, DX, PARTIAL, STATS,

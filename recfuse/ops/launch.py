@@ -30,6 +30,7 @@ _DOT_MIN_H = 5
 
 
 _launch_fwd = CompiledLaunchCache(kernels.ln_tanh_linear_relu_fwd)
+_launch_fwd_y_strided = CompiledLaunchCache(kernels.ln_tanh_linear_relu_fwd_y_strided)
 _launch_bwd = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
 _launch_sum_partials = CompiledLaunchCache(kernels.sum_partials)
 
@@ -86,6 +87,9 @@ def _fast_tanh(x: torch.Tensor, backward: bool = False) -> bool:
 
 # Module switch so benchmarks can measure the exact tanh on 16-bit inputs too.
 FAST_TANH_16BIT = True
+
+# Module switch for the A/B of the forward with y rows contiguous and saved stats (see kernels).
+UNSPECIALIZE_Y_STRIDE_1 = True
 
 # Module switch so benchmarks can compare the masked kernels on full tiles (A/B of EVEN_D/EVEN_B).
 SPECIALIZE_FULL_TILES = True
@@ -283,8 +287,9 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=Fa
         PERSISTENT=persistent, TILE_STAGES=cfg.tile_stages,
         BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
     )
+    launcher = _launch_fwd_y_strided if save_stats and syb == 1 and UNSPECIALIZE_Y_STRIDE_1 else _launch_fwd
     try:
-        _launch_fwd(grid, args, meta, num_warps=cfg.num_warps)
+        launcher(grid, args, meta, num_warps=cfg.num_warps)
     except OutOfResources as err:
         if not persistent:
             raise
