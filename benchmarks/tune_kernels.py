@@ -175,6 +175,10 @@ DOT_FORWARD_PROBLEMS = [  # the tl.dot forward shapes, plus H=1 to check that th
 ]
 
 
+# --wide: also 16-warp tiles.
+WIDE = False
+
+
 def persistent_variants(base, dtype):
     """The default, one program per tile (32-row tiles), and persistent programs with 1-3 tiles
     of x in flight (8 warps: 4 never won the first sweep, dot_forward_h100.json)."""
@@ -190,19 +194,28 @@ def persistent_variants(base, dtype):
                 for p, st in ((1, 1), (1, 2), (2, 2))]
         out += [dataclasses.replace(single, block_b=16, num_warps=nw) for nw in (2, 4)]
         out += [dataclasses.replace(single, block_b=16, num_warps=4, persistent=2, tile_stages=2)]
+        if WIDE:
+            out += [dataclasses.replace(single, block_b=bb, num_warps=16, persistent=p, tile_stages=st)
+                    for bb in (32, 64) for p, st in ((0, 1), (1, 2))]
         for bh in (16, 32):
             if bh < base.block_h:
                 out += [dataclasses.replace(single, block_h=bh, block_b=bb, num_warps=4)
                         for bb in (16, 32)]
         return out
-    return out + [dataclasses.replace(base, block_b=bb, num_warps=8, persistent=p, tile_stages=st)
-                  for bb in (64, 128) for p, st in ((1, 2), (1, 3), (2, 3))]
+    out += [dataclasses.replace(base, block_b=bb, num_warps=8, persistent=p, tile_stages=st)
+            for bb in (64, 128) for p, st in ((1, 2), (1, 3), (2, 3))]
+    if WIDE:
+        # 16 warps: the same tile over twice the threads, half the registers a thread (ncu: 2
+        # warps per scheduler at 8 warps and 194 registers, latency-bound).
+        out += [dataclasses.replace(base, block_b=bb, num_warps=16, persistent=p, tile_stages=st)
+                for bb in (64, 128, 256) for p, st in ((1, 2), (1, 3), (2, 2))]
+    return out
 
 
-def sweep_dot_forward(only=None):
+def sweep_dot_forward(only=None, skip=0):
     """GPU time of persistent forward configs against one program per tile, per problem."""
     out = []
-    for F, B, D, H, dtype in DOT_FORWARD_PROBLEMS[:only]:
+    for F, B, D, H, dtype in DOT_FORWARD_PROBLEMS[skip:only]:
         x, w, b = inputs(F, B, D, H, dtype)
         ref = launch.forward(x, w, b, None, None, 0.0, 1)
         base = launch.forward_config(D, H, dtype, False)
@@ -270,12 +283,16 @@ def main():
     ap.add_argument("--ab-full-tiles", action="store_true",
                     help="only compare the default configs with and without the full-tile kernels")
     ap.add_argument("--only", type=int, default=None, help="with --dot-forward: the first N problems")
+    ap.add_argument("--skip", type=int, default=0, help="with --dot-forward: skip the first N problems")
+    ap.add_argument("--wide", action="store_true", help="with --dot-forward: add 16-warp configs")
     ap.add_argument("--dot-forward", action="store_true",
                     help="only sweep persistent forward configs (tile loop, x loads in flight)")
     args = ap.parse_args()
     if args.dot_forward:
+        global WIDE
+        WIDE = args.wide
         result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                  "dot_forward": sweep_dot_forward(args.only)}
+                  "dot_forward": sweep_dot_forward(args.only, args.skip)}
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(result, fh, indent=1)
