@@ -43,7 +43,7 @@ def test_kernels_match_float64_reference(case, dtype):
 def test_full_tiles_take_the_maskless_kernels(monkeypatch, case, even):
     # The cases above check the numbers; this checks that they cover both specialisations.
     seen = []
-    for name in ("_launch_fwd", "_launch_bwd"):
+    for name in ("_launch_fwd", "_launch_fwd_y_strided", "_launch_bwd"):
         original = getattr(launch, name)
         monkeypatch.setattr(launch, name, lambda grid, args, meta, _o=original, **kw: (
             seen.append((meta["EVEN_D"], meta["EVEN_B"])), _o(grid, args, meta, **kw))[1])
@@ -63,6 +63,20 @@ def test_persistent_forward_walks_several_tiles(monkeypatch, case, dtype, progra
     run_op(recfuse.ln_tanh_linear_relu, make_inputs(case), dtype, case)
     (grid, persistent, block_b), = seen
     assert persistent and case.B // block_b == 3 and grid[0] == programs, seen
+
+
+@pytest.mark.parametrize("feature_dim, strided_copy", [(0, True), (1, False)])
+def test_contiguous_y_rows_with_saved_stats_take_the_unspecialised_kernel(monkeypatch, feature_dim, strided_copy):
+    # H=1 in [F, B, D] layout with a backward to follow: y rows are contiguous (stride 1), which
+    # Triton would specialise on (a slow kernel on the H100); the copy compiled without it runs.
+    case = Case(2, 16, 8, 1, feature_dim=feature_dim)
+    seen = []
+    for name in ("_launch_fwd", "_launch_fwd_y_strided"):
+        original = getattr(launch, name)
+        monkeypatch.setattr(launch, name, lambda grid, args, meta, _o=original, _n=name, **kw: (
+            seen.append(_n), _o(grid, args, meta, **kw))[1])
+    check_against_float64(case, torch.float32)
+    assert seen == ["_launch_fwd_y_strided" if strided_copy else "_launch_fwd"], seen
 
 
 def test_float16_dot_path():
