@@ -175,8 +175,19 @@ DOT_FORWARD_PROBLEMS = [  # the tl.dot forward shapes, plus H=1 to check that th
 ]
 
 
-# --wide: also 16-warp tiles.
+# --wide: also 16-warp tiles. --chunked: only the default and K-chunked configs.
 WIDE = False
+CHUNKED = False
+
+
+def chunked_variants(base, dtype):
+    """The default and K-chunked tiles (block_k columns at a time), one program per tile or
+    persistent."""
+    tiles = ((32, 4), (64, 4), (64, 8)) if dtype == torch.float32 else ((64, 4), (64, 8), (128, 8))
+    stages = 2 if dtype == torch.float32 else 3
+    return [base] + [dataclasses.replace(base, block_b=bb, num_warps=nw, block_k=bk, persistent=p,
+                                         tile_stages=stages if p else 1)
+                     for bb, nw in tiles for bk in (64, 128) for p in (0, 1)]
 
 
 def persistent_variants(base, dtype):
@@ -184,6 +195,8 @@ def persistent_variants(base, dtype):
     of x in flight (8 warps: 4 never won the first sweep, dot_forward_h100.json)."""
     if not base.use_dot:
         return [base]
+    if CHUNKED:
+        return chunked_variants(base, dtype)
     single = dataclasses.replace(base, block_b=32, num_warps=4 if dtype == torch.float32 else 8,
                                  persistent=0, tile_stages=1)
     out = [base] + ([single] if single != base else [])
@@ -285,12 +298,13 @@ def main():
     ap.add_argument("--only", type=int, default=None, help="with --dot-forward: the first N problems")
     ap.add_argument("--skip", type=int, default=0, help="with --dot-forward: skip the first N problems")
     ap.add_argument("--wide", action="store_true", help="with --dot-forward: add 16-warp configs")
+    ap.add_argument("--chunked", action="store_true", help="with --dot-forward: default vs K-chunked configs")
     ap.add_argument("--dot-forward", action="store_true",
                     help="only sweep persistent forward configs (tile loop, x loads in flight)")
     args = ap.parse_args()
     if args.dot_forward:
-        global WIDE
-        WIDE = args.wide
+        global WIDE, CHUNKED
+        WIDE, CHUNKED = args.wide, args.chunked
         result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                   "dot_forward": sweep_dot_forward(args.only, args.skip)}
         if args.json:

@@ -3,6 +3,8 @@
 `make test-interpret` runs these; on a CUDA machine `tests/gpu_check.py` runs the same cases on the
 GPU at realistic sizes. Grids stay small: the interpreter runs numpy per program.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -77,6 +79,32 @@ def test_contiguous_y_rows_with_saved_stats_take_the_unspecialised_kernel(monkey
             seen.append(_n), _o(grid, args, meta, **kw))[1])
     check_against_float64(case, torch.float32)
     assert seen == ["_launch_fwd_y_strided" if strided_copy else "_launch_fwd"], seen
+
+
+CHUNKED_CASES = [  # (case, forced config changes): the K-chunked forward, 16 columns at a time
+    (Case(2, 32, 64, 16, ln="per_feature"), dict(block_b=16)),
+    (Case(3, 20, 32, 24, feature_dim=1, per_feature_weight=True, bias="per_feature", ln="shared", eps=0.0),
+     dict(block_b=16)),
+    (Case(2, 48, 32, 40, feature_dim=1, strided_view=True, ln="none"), dict(block_b=16, persistent=1, tile_stages=2)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case, changes", CHUNKED_CASES, ids=str)
+def test_k_chunked_forward_matches_float64(monkeypatch, case, changes, dtype):
+    # Chunk by chunk statistics (Chan's combination) and dots; the backward is the usual kernel.
+    original = launch.forward_config
+
+    def chunked(D, H, dt, interpret, full_tiles=True):
+        return dataclasses.replace(original(D, H, dt, interpret, full_tiles), block_k=16, **changes)
+
+    seen = []
+    fwd = launch._launch_fwd
+    monkeypatch.setattr(launch, "forward_config", chunked)
+    monkeypatch.setattr(launch, "_launch_fwd", lambda grid, args, meta, **kw: (
+        seen.append(meta["BLOCK_K"]), fwd(grid, args, meta, **kw))[1])
+    check_against_float64(case, dtype)
+    assert seen == [16], seen
 
 
 def test_float16_dot_path():

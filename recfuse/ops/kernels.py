@@ -122,10 +122,7 @@ def _row_linear(t, w, USE_DOT: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: t
 
 
 @triton.jit
-def _store_linear_relu(t, w, bias, y_ptrs, ymask, USE_DOT: tl.constexpr, BLOCK_H: tl.constexpr,
-                       PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr):
-    """y = relu(t @ w^T + bias) for one [rows, BLOCK_H] block, stored through `y_ptrs`."""
-    z = _row_linear(t, w, USE_DOT, BLOCK_H, PRECISION)
+def _bias_relu_store(z, bias, y_ptrs, ymask, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr):
     if HAS_BIAS:
         z += bias[None, :]
     # relu that keeps NaN, as torch.relu does (tl.maximum would turn NaN into 0).
@@ -134,6 +131,72 @@ def _store_linear_relu(t, w, bias, y_ptrs, ymask, USE_DOT: tl.constexpr, BLOCK_H
         tl.store(y_ptrs, y.to(y_ptrs.dtype.element_ty), mask=ymask)
     else:
         tl.store(y_ptrs, y.to(y_ptrs.dtype.element_ty))
+
+
+@triton.jit
+def _store_linear_relu(t, w, bias, y_ptrs, ymask, USE_DOT: tl.constexpr, BLOCK_H: tl.constexpr,
+                       PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr):
+    """y = relu(t @ w^T + bias) for one [rows, BLOCK_H] block, stored through `y_ptrs`."""
+    _bias_relu_store(_row_linear(t, w, USE_DOT, BLOCK_H, PRECISION), bias, y_ptrs, ymask, HAS_BIAS, MASKED)
+
+
+@triton.jit
+def _chunked_ln_tanh_linear(
+    x_rows, rmask, f, D, H, eps,
+    W, LNW, LNB, stride_x_d, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f,
+    HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr, FAST_TANH: tl.constexpr, EVEN_B: tl.constexpr,
+    X_EVICT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """(z = tanh(LN(x)) @ w^T, mean, rstd) of a row tile, BLOCK_K columns at a time (D == BLOCK_D).
+
+    Only a [rows, BLOCK_K] slice of x and of the weight is live at once, instead of the whole
+    [rows, D] tile and [H, D] weight (with 3xTF32 those held 255 registers and spilled). The
+    row statistics come first, chunk by chunk (each chunk's mean and centred sum of squares,
+    combined as Chan et al. do, so no E[x^2] - mean^2 cancellation); then each chunk is read
+    again (from L1/L2), normalised, put through tanh and multiplied into the accumulator.
+    """
+    ks = tl.arange(0, BLOCK_K)
+    hs = tl.arange(0, BLOCK_H)
+    mean = tl.zeros([BLOCK_B], dtype=tl.float32)
+    m2 = tl.zeros([BLOCK_B], dtype=tl.float32)
+    for kc in tl.static_range(BLOCK_D // BLOCK_K):
+        ptrs = x_rows[:, None] + (kc * BLOCK_K + ks)[None, :] * stride_x_d
+        if EVEN_B:
+            xk = tl.load(ptrs, eviction_policy=X_EVICT).to(tl.float32)
+        else:
+            xk = tl.load(ptrs, mask=rmask[:, None], other=0.0, eviction_policy=X_EVICT).to(tl.float32)
+        mk = tl.sum(xk, axis=1) / BLOCK_K
+        dk = xk - mk[:, None]
+        delta = mk - mean
+        # n_a rows of statistics so far combine with BLOCK_K new ones (constants at compile time).
+        mean = mean + delta * (BLOCK_K / (kc * BLOCK_K + BLOCK_K))
+        m2 = m2 + tl.sum(dk * dk, axis=1) + delta * delta * (kc * BLOCK_K * BLOCK_K / (kc * BLOCK_K + BLOCK_K))
+    rstd = 1.0 / tl.sqrt(m2 / D + eps)
+    acc = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
+    hmask = hs < H
+    for kc in tl.static_range(BLOCK_D // BLOCK_K):
+        cols = kc * BLOCK_K + ks
+        ptrs = x_rows[:, None] + cols[None, :] * stride_x_d
+        if EVEN_B:
+            xk = tl.load(ptrs).to(tl.float32)
+        else:
+            xk = tl.load(ptrs, mask=rmask[:, None], other=0.0).to(tl.float32)
+        a = (xk - mean[:, None]) * rstd[:, None]
+        if HAS_LNW:
+            a = a * tl.load(LNW + f * stride_lnw_f + cols).to(tl.float32)[None, :]
+        if HAS_LNB:
+            a = a + tl.load(LNB + f * stride_lnb_f + cols).to(tl.float32)[None, :]
+        if FAST_TANH:
+            t = _tanh_approx(a)
+        else:
+            t = _tanh(a)
+        if not EVEN_B:
+            t = tl.where(rmask[:, None], t, 0.0)  # padded rows: rstd may be inf, t NaN
+        wk = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :], mask=hmask[:, None], other=0.0)
+        acc = tl.dot(t.to(DOT_DTYPE), tl.trans(wk.to(DOT_DTYPE)), acc, input_precision=PRECISION,
+                     out_dtype=tl.float32)
+    return acc, mean, rstd
 
 
 @triton.jit
@@ -150,7 +213,7 @@ def _forward_tile(
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FAST_TANH: tl.constexpr, SAVE_STATS: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr, W_LOADED: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One tile of BLOCK_B rows of feature f. W_LOADED: the caller holds the whole weight block
     (w1, bias1: H <= BLOCK_H); otherwise the weight is read block by block after the tanh."""
@@ -159,13 +222,21 @@ def _forward_tile(
     rmask = rows < B
     cmask = cols < D
     mask = rmask[:, None] & cmask[None, :]
-    x_ptrs = X + f * stride_x_f + rows[:, None].to(tl.int64) * stride_x_b + cols[None, :] * stride_x_d
+    x_rows = X + f * stride_x_f + rows.to(tl.int64) * stride_x_b
+    x_ptrs = x_rows[:, None] + cols[None, :] * stride_x_d
     stat_ptrs = STATS + f * B + rows
-    _, t, mean, rstd, _ = _normalize_tanh(
-        x_ptrs, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
-        stat_ptrs, stat_ptrs + stats_half, rmask, HAS_LNW, HAS_LNB, FAST_TANH, False,
-        EVEN_D, EVEN_B, X_EVICT,
-    )
+    if BLOCK_K < BLOCK_D:
+        z, mean, rstd = _chunked_ln_tanh_linear(
+            x_rows, rmask, f, D, H, eps, W, LNW, LNB, stride_x_d, stride_w_f, stride_w_h,
+            stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_B, X_EVICT, DOT_DTYPE,
+            DOT_PRECISION, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K,
+        )
+    else:
+        _, t, mean, rstd, _ = _normalize_tanh(
+            x_ptrs, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
+            stat_ptrs, stat_ptrs + stats_half, rmask, HAS_LNW, HAS_LNB, FAST_TANH, False,
+            EVEN_D, EVEN_B, X_EVICT,
+        )
     if SAVE_STATS:
         if EVEN_B:
             tl.store(stat_ptrs, mean)
@@ -173,14 +244,23 @@ def _forward_tile(
         else:
             tl.store(stat_ptrs, mean, mask=rmask)
             tl.store(stat_ptrs + stats_half, rstd, mask=rmask)
-    if USE_DOT:
-        t = t.to(DOT_DTYPE)
     y_row = Y + f * stride_y_f + rows.to(tl.int64) * stride_y_b
-    if W_LOADED:
+    if BLOCK_K < BLOCK_D:
         hs = tl.arange(0, BLOCK_H)
+        hmask = hs < H
+        bias = tl.zeros([BLOCK_H], dtype=tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
+        _bias_relu_store(z, bias, y_row[:, None] + hs[None, :], rmask[:, None] & hmask[None, :], HAS_BIAS, True)
+    elif W_LOADED:
+        hs = tl.arange(0, BLOCK_H)
+        if USE_DOT:
+            t = t.to(DOT_DTYPE)
         _store_linear_relu(t, w1, bias1, y_row[:, None] + hs[None, :], rmask[:, None] & (hs < H)[None, :],
                            USE_DOT, BLOCK_H, DOT_PRECISION, HAS_BIAS, not (EVEN_B and BLOCK_H == 1))
     else:
+        if USE_DOT:
+            t = t.to(DOT_DTYPE)
         for h0 in range(0, H, BLOCK_H):
             hs = h0 + tl.arange(0, BLOCK_H)
             hmask = hs < H
@@ -212,9 +292,11 @@ def ln_tanh_linear_relu_fwd(
     FAST_TANH: tl.constexpr, SAVE_STATS: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
     PERSISTENT: tl.constexpr, TILE_STAGES: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # STATS (SAVE_STATS, for a backward that follows): [2, F, B] fp32, mean then rstd.
+    # BLOCK_K < BLOCK_D (tl.dot path, D == BLOCK_D, H <= BLOCK_H): the row tile is normalised and
+    # multiplied BLOCK_K columns at a time (`_chunked_ln_tanh_linear`), the weight read per chunk.
     # Grid (programs per feature, F). Not PERSISTENT: one program per row tile. PERSISTENT
     # (needs H <= BLOCK_H): fewer programs, each loads the weight once and walks the row tiles
     # pid, pid + P, ... with TILE_STAGES tiles of x in flight, so that the loads of the next
@@ -222,7 +304,9 @@ def ln_tanh_linear_relu_fwd(
     # (measured on the H100: one program per tile leaves DRAM idle ~half the time at bf16 H=64).
     pid_b = tl.program_id(0)
     f = tl.program_id(1).to(tl.int64)
-    if PERSISTENT:
+    w1 = 0.0
+    bias1 = 0.0
+    if PERSISTENT and BLOCK_K == BLOCK_D:
         hs = tl.arange(0, BLOCK_H)
         cols = tl.arange(0, BLOCK_D)
         hmask = hs < H
@@ -233,21 +317,22 @@ def ln_tanh_linear_relu_fwd(
         bias1 = tl.zeros([BLOCK_H], dtype=tl.float32)
         if HAS_BIAS:
             bias1 = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
+    if PERSISTENT:
         for tile in tl.range(pid_b, tl.cdiv(B, BLOCK_B), tl.num_programs(0), num_stages=TILE_STAGES):
             _forward_tile(
                 tile, f, w1, bias1, X, W, BIAS, LNW, LNB, Y, STATS, B, D, H, stats_half,
                 stride_x_f, stride_x_b, stride_x_d, stride_w_f, stride_w_h,
                 stride_bias_f, stride_lnw_f, stride_lnb_f, stride_y_f, stride_y_b, eps,
                 HAS_BIAS, HAS_LNW, HAS_LNB, USE_DOT, DOT_DTYPE, DOT_PRECISION, FAST_TANH, SAVE_STATS,
-                EVEN_D, EVEN_B, X_EVICT, True, BLOCK_B, BLOCK_D, BLOCK_H,
+                EVEN_D, EVEN_B, X_EVICT, BLOCK_K == BLOCK_D, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K,
             )
     else:
         _forward_tile(
-            pid_b, f, 0.0, 0.0, X, W, BIAS, LNW, LNB, Y, STATS, B, D, H, stats_half,
+            pid_b, f, w1, bias1, X, W, BIAS, LNW, LNB, Y, STATS, B, D, H, stats_half,
             stride_x_f, stride_x_b, stride_x_d, stride_w_f, stride_w_h,
             stride_bias_f, stride_lnw_f, stride_lnb_f, stride_y_f, stride_y_b, eps,
             HAS_BIAS, HAS_LNW, HAS_LNB, USE_DOT, DOT_DTYPE, DOT_PRECISION, FAST_TANH, SAVE_STATS,
-            EVEN_D, EVEN_B, X_EVICT, False, BLOCK_B, BLOCK_D, BLOCK_H,
+            EVEN_D, EVEN_B, X_EVICT, False, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K,
         )
 
 

@@ -50,6 +50,8 @@ class KernelConfig:
     # all features, each walking its feature's row tiles with `tile_stages` tiles of x in flight.
     persistent: int = 0
     tile_stages: int = 1
+    # Forward tl.dot path only: columns normalised and multiplied at a time (0: the whole row).
+    block_k: int = 0
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
@@ -286,6 +288,7 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=Fa
         EVEN_D=even_d, EVEN_B=even_b, X_EVICT=cfg.x_evict,
         PERSISTENT=persistent, TILE_STAGES=cfg.tile_stages,
         BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
+        BLOCK_K=cfg.block_k if cfg.block_k and cfg.use_dot and even_d and H <= cfg.block_h else cfg.block_d,
     )
     launcher = _launch_fwd_y_strided if save_stats and syb == 1 and UNSPECIALIZE_Y_STRIDE_1 else _launch_fwd
     try:
