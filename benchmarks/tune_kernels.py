@@ -182,12 +182,18 @@ CHUNKED = False
 
 def chunked_variants(base, dtype):
     """The default and K-chunked tiles (block_k columns at a time), one program per tile or
-    persistent."""
-    tiles = ((32, 4), (64, 4), (64, 8)) if dtype == torch.float32 else ((64, 4), (64, 8), (128, 8))
-    stages = 2 if dtype == torch.float32 else 3
-    return [base] + [dataclasses.replace(base, block_b=bb, num_warps=nw, block_k=bk, persistent=p,
-                                         tile_stages=stages if p else 1)
-                     for bb, nw in tiles for bk in (64, 128) for p in (0, 1)]
+    persistent. The grid is the neighbourhood of the first sweep's winners
+    (dot_forward_chunked_h100.txt: fp32 64 rows/4 warps/64 columns, bf16 H=16 persistent)."""
+    out = [base]
+    if dtype == torch.float32:
+        out += [dataclasses.replace(base, block_b=bb, num_warps=nw, block_k=bk, persistent=0, tile_stages=1)
+                for bb in (64, 128) for nw in (4, 8) for bk in (32, 64)]
+        out += [dataclasses.replace(base, block_b=bb, num_warps=4, block_k=64, persistent=p, tile_stages=2)
+                for bb in (64, 128) for p in (1, 2)]
+        return out
+    return out + [dataclasses.replace(base, block_b=bb, num_warps=nw, block_k=bk, persistent=p, tile_stages=st)
+                  for bb, nw in ((64, 4), (128, 4), (128, 8)) for bk in (32, 64)
+                  for p, st in ((0, 1), (1, 2), (1, 3))]
 
 
 def persistent_variants(base, dtype):
