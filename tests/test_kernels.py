@@ -27,11 +27,13 @@ CASES = [
     # Full tiles (D == BLOCK_D, B a multiple of the row tile): the maskless EVEN_D/EVEN_B kernels.
     EVEN_ROW_CASE := Case(2, 128, 16, 1, ln="per_feature", bias="per_feature"),
     EVEN_DOT_CASE := Case(2, 64, 16, 16, ln="shared", eps=0.0),
-    # Persistent forward (full tiles, H <= BLOCK_H): programs walk several row tiles each
-    # (the interpreter counts 2 SMs): fp32 3 tiles of 32 rows over 2 programs, 16-bit 3 tiles
-    # of 64 rows in one program.
-    PERSISTENT_FP32_CASE := Case(2, 96, 16, 40, feature_dim=1, per_feature_weight=True, bias="per_feature"),
+    # Default configs of the tl.dot forward with full tiles (the interpreter counts 2 SMs):
+    # 16-bit H in (16, 32]: persistent whole rows, 3 tiles of 64 rows in one program;
+    # 16-bit H > 32: persistent and K-chunked (64 of 128 columns), 3 tiles over 2 programs;
+    # fp32: one program per 64-row tile, K-chunked (32 of 64 columns).
     PERSISTENT_16BIT_CASE := Case(2, 192, 16, 20, ln="shared"),
+    PERSISTENT_CHUNKED_CASE := Case(1, 192, 128, 40, feature_dim=1, per_feature_weight=True, bias="per_feature"),
+    CHUNKED_FP32_CASE := Case(2, 64, 64, 16, ln="per_feature", eps=0.0),
 ]
 
 
@@ -53,18 +55,20 @@ def test_full_tiles_take_the_maskless_kernels(monkeypatch, case, even):
     assert len(seen) == 2 and all(flags == (even, even) for flags in seen), seen
 
 
-@pytest.mark.parametrize("case, dtype, programs", [
-    (PERSISTENT_FP32_CASE, torch.float32, 2), (PERSISTENT_16BIT_CASE, torch.bfloat16, 1)], ids=str)
-def test_persistent_forward_walks_several_tiles(monkeypatch, case, dtype, programs):
-    # The float64 comparison above checks the numbers; this checks that those cases really take
-    # the persistent path with more than one tile per program.
+@pytest.mark.parametrize("case, dtype, programs, block_k", [
+    (PERSISTENT_16BIT_CASE, torch.bfloat16, 1, 16), (PERSISTENT_CHUNKED_CASE, torch.bfloat16, 2, 64),
+    (CHUNKED_FP32_CASE, torch.float32, 1, 32)], ids=str)
+def test_dot_forward_defaults_take_the_persistent_and_chunked_paths(monkeypatch, case, dtype, programs, block_k):
+    # The float64 comparison above checks the numbers; this checks which paths those cases take:
+    # the grid (several tiles per persistent program) and the columns per chunk.
     seen = []
     original = launch._launch_fwd
     monkeypatch.setattr(launch, "_launch_fwd", lambda grid, args, meta, **kw: (
-        seen.append((grid, meta["PERSISTENT"], meta["BLOCK_B"])), original(grid, args, meta, **kw))[1])
+        seen.append((grid, meta["PERSISTENT"], meta["BLOCK_B"], meta["BLOCK_K"])), original(grid, args, meta, **kw))[1])
     run_op(recfuse.ln_tanh_linear_relu, make_inputs(case), dtype, case)
-    (grid, persistent, block_b), = seen
-    assert persistent and case.B // block_b == 3 and grid[0] == programs, seen
+    (grid, persistent, block_b, k), = seen
+    assert grid[0] == programs and k == block_k, seen
+    assert persistent == (dtype != torch.float32) and (case.B // block_b == 3 or not persistent), seen
 
 
 @pytest.mark.parametrize("feature_dim, strided_copy", [(0, True), (1, False)])

@@ -111,12 +111,13 @@ def forward_config(D: int, H: int, dtype: torch.dtype, interpret: bool, full_til
     From the H100 sweeps (benchmarks/tune_kernels.py, results/tune_h100_v1.json, v4,
     dot_forward_h100): the row-reduction path wants small tiles, one warp per 2048 elements
     (8 rows of 256: fp32 366 us, bf16 193 us at F=128 B=8192 D=256, against 370 / 246 us with
-    two warps). The tl.dot path with full tiles runs persistent programs with tiles of x in
-    flight: 16-bit 3 tiles of 64 rows (H <= 32) or 128 rows, bf16 H=16 254 us, H=32 265 us and
-    H=64 303 us against 275 / - / 445 us with one program per tile; fp32 H > 32 two tiles of 32
-    rows, H=64 1.89 ms against 2.24 ms. fp32 H <= 32 keeps one program per tile (H=16: 32 rows,
-    1.14 ms; H=32: 16 rows, 1.39 ms): its 3xTF32 splits already use every register
-    (results/dot_forward_v2_h100.txt, dot_forward_fp32_h100.txt).
+    two warps). The tl.dot path with full tiles (H <= BLOCK_H) normalises and multiplies 32 or
+    64 columns at a time (K-chunked: the 3xTF32 operands of whole 256-column rows spilled), in
+    fp32 one program per 64-row tile (H=16 635 us, H=64 942 us against 1151 / 1931 us with
+    whole rows), in 16-bit with persistent programs keeping 2-3 tiles in flight (bf16 H=16
+    215 us, H=64 300 us); 16-bit H=32 keeps persistent whole-row tiles (259 us)
+    (results/dot_forward_v2_h100.txt, dot_forward_chunked_v2_h100.txt). Masked tiles and
+    H > 64 keep one program per tile with whole rows.
 
     Example:
         >>> forward_config(256, 1, torch.float32, False).num_warps
@@ -128,22 +129,28 @@ def forward_config(D: int, H: int, dtype: torch.dtype, interpret: bool, full_til
         block_h = min(64, max(16, triton.next_power_of_2(H)))
         block_b = 32 if 32 * block_d <= _TILE_BUDGET else 16
         num_warps = 4 if dtype == torch.float32 and block_h <= 16 else 8
+        if full_tiles and H <= block_h:
+            if dtype == torch.float32:
+                # K-chunked, 64-row tiles: H=16 635 us (32 columns at a time), H=32 764 us,
+                # H=64 942 us (64 columns) against 1151 / 1412 / 1931 us with whole rows, whose
+                # 3xTF32 operands spilled (dot_forward_chunked_v2_h100.txt).
+                block_k = min(32 if block_h <= 16 else 64, block_d)
+                return KernelConfig(64, block_d, block_h, True, 4, block_k=block_k)
+            if block_h <= 16 or block_h > 32:
+                # 16-bit: persistent, 64 columns at a time: H=16 215 us, H=64 300 us against
+                # 251 / 309-314 us with whole rows; at H=32 whole rows stay ahead (259 vs 269 us).
+                return KernelConfig(64, block_d, block_h, True, 4, persistent=1,
+                                    tile_stages=3 if block_h <= 16 else 2, block_k=min(64, block_d))
+            # Tiles in flight live in shared memory beside the dot's operands (the H100 has
+            # 227 KB): 3 x 64 KB fit at D=256, not at D=512.
+            return KernelConfig(min(64, _X_STAGE_BYTES // (2 * block_d)), block_d, block_h, True, 8,
+                                persistent=1, tile_stages=3 if block_d <= 256 else 2)
         if dtype == torch.float32 and block_h == 32:
             # 3xTF32 spills registers (ncu: 255 a thread, local-memory traffic); 16-row tiles
             # spill less: H=32 1.39 ms against 3.1 ms persistent and 5.1 ms with 32 rows.
             return KernelConfig(16, block_d, block_h, True, 4)
-        if not full_tiles or H > block_h:
-            # Masked, 128-row 16-bit tiles measured 777 us (ab_full_tiles_h100.txt) against
-            # 478-517 us for 32 rows (tune_h100_v2/v3).
-            return KernelConfig(block_b, block_d, block_h, True, num_warps)
-        if dtype != torch.float32:
-            # Tiles in flight live in shared memory beside the dot's operands (the H100 has
-            # 227 KB): 3 x 64 KB fit at D=256, not at D=512.
-            stages = 3 if block_d <= 256 else 2
-            block_b = min(64 if block_h <= 32 else 128, _X_STAGE_BYTES // (2 * block_d))
-            return KernelConfig(block_b, block_d, block_h, True, 8, persistent=1, tile_stages=stages)
-        if block_h > 32 and block_d <= 256:
-            return KernelConfig(block_b, block_d, block_h, True, 8, persistent=2, tile_stages=2)
+        # Masked, 128-row 16-bit tiles measured 777 us (ab_full_tiles_h100.txt) against
+        # 478-517 us for 32 rows (tune_h100_v2/v3).
         return KernelConfig(block_b, block_d, block_h, True, num_warps)
     block_h = min(triton.next_power_of_2(H), 4)
     block_b = max(1, 2048 // (block_d * block_h))
