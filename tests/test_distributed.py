@@ -10,8 +10,10 @@ compares them with a single-process run on the whole global batch:
   the data-parallel dense part; losses equal the unsharded per-feature-loop model's step by step,
   and the state_dict saved through DMP reloads into a fresh DMP with identical outputs.
 """
+import datetime
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -36,11 +38,39 @@ def init_gloo(rank: int, port: int) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)  # two ranks on a small shared machine
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE,
+                            timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
+
+
+# A rank that waits longer than this for the other one fails (gloo's default is 30 minutes,
+# which would hang CI); the whole spawn gets SPAWN_TIMEOUT_S.
+RANK_TIMEOUT_S = 120
+SPAWN_TIMEOUT_S = 300
 
 
 def spawn(worker, *args) -> None:
-    mp.spawn(worker, args=(free_port(), *args), nprocs=WORLD_SIZE, join=True)
+    """Run `worker(rank, port, *args)` on WORLD_SIZE processes; fail (never hang) past the deadline.
+
+    Twice in ~8 runs of the suite on the 2-core CI-like machine, the two ranks never met (one
+    spawned process left, waiting); the cause was not found. A run past the deadline is
+    killed and retried once on a new port, with a warning; a second overrun fails the test.
+    """
+    for attempt in range(2):
+        ctx = mp.start_processes(worker, args=(free_port(), *args), nprocs=WORLD_SIZE, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + SPAWN_TIMEOUT_S
+        while not ctx.join(timeout=5):  # raises if a rank failed
+            if time.monotonic() > deadline:
+                alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+                for p in ctx.processes:
+                    p.kill()
+                if attempt:
+                    pytest.fail(f"ranks {alive} still running after {SPAWN_TIMEOUT_S} s, twice")
+                import warnings
+                warnings.warn(f"ranks {alive} still running after {SPAWN_TIMEOUT_S} s; retrying once")
+                break
+        else:
+            return
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -34,14 +34,18 @@ def cases(max_f: int, max_b: int, max_d: int, max_h: int):
     return build()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: the same examples on every run (CI stays reproducible); each example seeds torch
+# itself, so a failing example replays with the same tensors.
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(max_f=6, max_b=9, max_d=70, max_h=20), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_composite_matches_float64_reference(case, dtype):
+    torch.manual_seed(0)
     check_against_float64(case, dtype)
 
 
 @pytest.mark.interpret
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(max_f=3, max_b=5, max_d=20, max_h=9), dtype=st.sampled_from([torch.float32, torch.float16]))
 def test_kernels_match_float64_reference(case, dtype):
+    torch.manual_seed(0)
     check_against_float64(case, dtype)
