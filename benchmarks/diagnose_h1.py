@@ -12,6 +12,8 @@ Usage (GPU): PYTHONPATH=.:tests python benchmarks/diagnose_h1.py
 """
 from __future__ import annotations
 
+import argparse
+
 import torch
 import triton.testing
 
@@ -51,8 +53,14 @@ def forward_layouts():
     launch.UNSPECIALIZE_Y_STRIDE_1 = True
 
 
-if __name__ == "__main__":
-    import sys
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--skip-ties", action="store_true", help="only the forward timings (question 2)")
+    args = ap.parse_args()
     forward_layouts()
-    if "--skip-ties" not in sys.argv:
+    if not args.skip_ties:
         ties()
+
+
+if __name__ == "__main__":
+    main()

@@ -42,6 +42,13 @@ def _tanh_approx(a):
 
 
 @triton.jit
+def _tanh_of(a, FAST_TANH: tl.constexpr):
+    if FAST_TANH:
+        return _tanh_approx(a)
+    return _tanh(a)
+
+
+@triton.jit
 def _normalize_tanh(
     x_ptrs, mask, cmask, f, cols, D, eps,
     LNW, LNB, stride_lnw_f, stride_lnb_f,
@@ -98,10 +105,7 @@ def _normalize_tanh(
         else:
             beta = tl.load(LNB + f * stride_lnb_f + cols, mask=cmask, other=0.0).to(tl.float32)
         a = a + beta[None, :]
-    if FAST_TANH:
-        t = _tanh_approx(a)
-    else:
-        t = _tanh(a)
+    t = _tanh_of(a, FAST_TANH)
     if not (EVEN_D and EVEN_B):
         # Zero the padded columns and rows so that they add nothing to the dots with the weight.
         t = tl.where(mask, t, 0.0)
@@ -141,6 +145,14 @@ def _store_linear_relu(t, w, bias, y_ptrs, ymask, USE_DOT: tl.constexpr, BLOCK_H
 
 
 @triton.jit
+def _load_rows(ptrs, rmask, EVEN_B: tl.constexpr, EVICT: tl.constexpr):
+    """A [rows, cols] block as fp32; padded rows (not EVEN_B) read as zeros."""
+    if EVEN_B:
+        return tl.load(ptrs, eviction_policy=EVICT).to(tl.float32)
+    return tl.load(ptrs, mask=rmask[:, None], other=0.0, eviction_policy=EVICT).to(tl.float32)
+
+
+@triton.jit
 def _chunked_ln_tanh_linear(
     x_rows, rmask, f, D, H, eps,
     W, LNW, LNB, stride_x_d, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f,
@@ -161,11 +173,7 @@ def _chunked_ln_tanh_linear(
     mean = tl.zeros([BLOCK_B], dtype=tl.float32)
     m2 = tl.zeros([BLOCK_B], dtype=tl.float32)
     for kc in tl.static_range(BLOCK_D // BLOCK_K):
-        ptrs = x_rows[:, None] + (kc * BLOCK_K + ks)[None, :] * stride_x_d
-        if EVEN_B:
-            xk = tl.load(ptrs, eviction_policy=X_EVICT).to(tl.float32)
-        else:
-            xk = tl.load(ptrs, mask=rmask[:, None], other=0.0, eviction_policy=X_EVICT).to(tl.float32)
+        xk = _load_rows(x_rows[:, None] + (kc * BLOCK_K + ks)[None, :] * stride_x_d, rmask, EVEN_B, X_EVICT)
         mk = tl.sum(xk, axis=1) / BLOCK_K
         dk = xk - mk[:, None]
         delta = mk - mean
@@ -177,20 +185,13 @@ def _chunked_ln_tanh_linear(
     hmask = hs < H
     for kc in tl.static_range(BLOCK_D // BLOCK_K):
         cols = kc * BLOCK_K + ks
-        ptrs = x_rows[:, None] + cols[None, :] * stride_x_d
-        if EVEN_B:
-            xk = tl.load(ptrs).to(tl.float32)
-        else:
-            xk = tl.load(ptrs, mask=rmask[:, None], other=0.0).to(tl.float32)
+        xk = _load_rows(x_rows[:, None] + cols[None, :] * stride_x_d, rmask, EVEN_B, "")
         a = (xk - mean[:, None]) * rstd[:, None]
         if HAS_LNW:
             a = a * tl.load(LNW + f * stride_lnw_f + cols).to(tl.float32)[None, :]
         if HAS_LNB:
             a = a + tl.load(LNB + f * stride_lnb_f + cols).to(tl.float32)[None, :]
-        if FAST_TANH:
-            t = _tanh_approx(a)
-        else:
-            t = _tanh(a)
+        t = _tanh_of(a, FAST_TANH)
         if not EVEN_B:
             t = tl.where(rmask[:, None], t, 0.0)  # padded rows: rstd may be inf, t NaN
         wk = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :], mask=hmask[:, None], other=0.0)
