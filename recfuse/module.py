@@ -648,6 +648,10 @@ def _check_config(feature_names, embedding_dims, out_features, eps) -> tuple[tup
         raise ValueError(f"feature_names has duplicates {duplicates}")
     if isinstance(embedding_dims, int) and not isinstance(embedding_dims, bool):
         dims = (embedding_dims,) * len(names)
+    elif isinstance(embedding_dims, (bool, str)) or not isinstance(embedding_dims, Sequence):
+        raise TypeError(
+            f"embedding_dims must be an int (one dim for all features) or a sequence of ints (one per "
+            f"feature), got {embedding_dims!r} ({type(embedding_dims).__name__})")
     else:
         dims = tuple(embedding_dims)
         if len(dims) != len(names):

@@ -33,6 +33,7 @@ from torch.fx.node import Node, map_aggregate
 
 from ..errors import RecfuseError
 from . import runtime
+from .graph_module import TransformedGraphModule
 
 __all__ = ["capture", "ValueInfo", "VAL_KEY", "value_of", "annotate_from_meta"]
 
@@ -127,6 +128,24 @@ class _DataDependentControlFlow(Exception):
     pass
 
 
+def _resolve_attr(root: nn.Module, qualname: str) -> Any:
+    """``root.<qualname>`` without going through ``nn.Module.__getattr__``, which fx patches while
+    tracing (going through it from inside the tracer recurses forever)."""
+    obj = root
+    for part in qualname.split("."):
+        d = obj.__dict__ if hasattr(obj, "__dict__") else {}
+        for store in ("_parameters", "_buffers", "_modules"):
+            if part in d.get(store, ()):
+                obj = d[store][part]
+                break
+        else:
+            obj = object.__getattribute__(obj, part) if isinstance(obj, nn.Module) else getattr(obj, part)
+    return obj
+
+
+_MODE = "recfuse_mode"  # on nodes whose value depends on a module's `training` flag: (target, flag)
+
+
 _LIVE = "_recfuse_live"  # real example value, dropped once capture ends
 
 
@@ -159,10 +178,61 @@ def _arg_name(target: str, names) -> str:
     return name
 
 
-class _ValueTracer(Tracer):
-    def __init__(self, placeholder_values: dict[str, Any]):
+class _ModeTracer(Tracer):
+    """A Tracer that keeps `self.training` reads as graph nodes and explains foreign modules."""
+
+    def __init__(self):
         super().__init__()
-        self._ph_values = placeholder_values
+        self.mode_guards: dict[str, tuple[bool, str]] = {}  # training target -> (flag, where)
+        self.key_order_guards: list[tuple[Node, tuple]] = []  # dict node -> keys iterated
+        self._training_saved: list[tuple[nn.Module, bool]] = []
+
+    # `self.training` read in traced code becomes a node reading the flag at run time, so that
+    # .train()/.eval() after transform still switch dropout and friends (fx would bake a bool).
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        out = super().create_args_for_root(root_fn, is_module, concrete_args)
+        if is_module:
+            leaves: list[str] = []
+            for path, m in self.root.named_modules():
+                if any(path.startswith(p + ".") for p in leaves):
+                    continue
+                if path and self.is_leaf_module(m, path):
+                    leaves.append(path)
+                    continue  # leaf modules read their own flag when they run
+                target = f"{path}.training" if path else "training"
+                proxy = self.create_proxy("get_attr", target, (), {})
+                proxy.node.meta[_MODE] = (target, bool(m.training))
+                self._training_saved.append((m, m.training))
+                m.__dict__["training"] = proxy
+        return out
+
+    def trace(self, root, concrete_args=None):
+        try:
+            graph = super().trace(root, concrete_args)
+        finally:
+            for m, flag in self._training_saved:
+                m.__dict__["training"] = flag
+            self._training_saved.clear()
+        for n in list(graph.nodes):
+            if n.op == "get_attr" and _MODE in n.meta and not n.users:
+                graph.erase_node(n)
+        return graph
+
+    def path_of_module(self, mod: nn.Module) -> str:
+        try:
+            return super().path_of_module(mod)
+        except NameError:
+            raise RecfuseError(
+                f"the model calls an nn.{type(mod).__name__} that is neither a submodule of the model nor a "
+                f"global or closure variable of the function (constructed inside forward?): its parameters "
+                f"would be new on every call, so there is nothing to fuse or train. Create it once outside "
+                f"and pass it in (at {_user_frame()})") from None
+
+
+class _ValueTracer(_ModeTracer):
+    def __init__(self, placeholder_values: Optional[dict[str, Any]] = None):
+        super().__init__()
+        self._ph_values = placeholder_values or {}
 
     # While tracing, torch.fx routes nn.Module calls and attribute reads through these two hooks to
     # record them; running a module on real example values must bypass them.
@@ -188,6 +258,7 @@ class _ValueTracer(Tracer):
                 # A dict of tensors is walked in Python: keys are constants, values get one getitem
                 # node each, which is what the matcher sees as a dict slice source.
                 keys = list(d.keys())
+                self.key_order_guards.append((args[0].node, tuple(keys)))
                 if target == "keys":
                     return keys
                 if target == "values":
@@ -195,6 +266,10 @@ class _ValueTracer(Tracer):
                 return [(k, args[0][k]) for k in keys]
         p = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         node = p.node
+        for a in node.all_input_nodes:
+            if _MODE in a.meta:
+                node.meta[_MODE] = a.meta[_MODE]
+                break
         if kind != "output":
             node.meta[_LIVE] = self._execute(node)
             v = node.meta[_LIVE]
@@ -206,18 +281,23 @@ class _ValueTracer(Tracer):
                 return v
         return p
 
+    def _live(self, x: Node) -> Any:
+        if _LIVE not in x.meta:
+            # fx creates get_attr nodes for buffers and tensor constants without create_proxy
+            x.meta[_LIVE] = self._execute(x)
+        return x.meta[_LIVE]
+
     def _execute(self, node: Node) -> Any:
         def live(a):
-            return map_aggregate(a, lambda x: x.meta[_LIVE] if isinstance(x, Node) else x)
+            return map_aggregate(a, lambda x: self._live(x) if isinstance(x, Node) else x)
 
-        args, kwargs = live(node.args), live(node.kwargs)
         if node.op == "placeholder":
             return self._ph_values.get(_arg_name(node.target, self._ph_values))
         if node.op == "get_attr":
-            obj = self.root
-            for part in node.target.split("."):
-                obj = getattr(obj, part)
-            return obj
+            if _MODE in node.meta:
+                return node.meta[_MODE][1]
+            return _resolve_attr(self.root, node.target)
+        args, kwargs = live(node.args), live(node.kwargs)
         self._executing = True
         try:
             with torch.no_grad():
@@ -240,11 +320,17 @@ class _ValueTracer(Tracer):
         if isinstance(v, (tuple, list)):
             return iter([obj[i] for i in range(len(v))])
         if isinstance(v, Mapping):
+            self.key_order_guards.append((obj.node, tuple(v.keys())))
             return iter(list(v.keys()))
         return super().iter(obj)
 
     def to_bool(self, obj: Proxy) -> bool:
         v = obj.node.meta.get(_LIVE)
+        if _MODE in obj.node.meta:
+            # `if self.training:` can only follow one branch: the graph keeps the one taken, and a
+            # guard refuses calls in the other mode instead of running the wrong branch.
+            target, flag = obj.node.meta[_MODE]
+            self.mode_guards.setdefault(target, (flag, _user_frame()))
         if isinstance(v, (bool, int, float)) and not isinstance(v, torch.Tensor):
             return bool(v)  # shape arithmetic: specialise to the example shapes
         raise _DataDependentControlFlow(_user_frame())
@@ -272,6 +358,79 @@ def _wrap_function(fn, params: list[inspect.Parameter], module_args: dict[str, n
     # Tracer.trace reads type(root).forward, so each wrapped function gets its own class.
     cls = type(getattr(fn, "__name__", "Function"), (_FunctionModule,), {"forward": ns["forward"]})
     return cls(fn, module_args)
+
+
+def _global_modules(fn) -> dict[str, nn.Module]:
+    """nn.Modules a plain function reads as globals or closure variables (its code and the code of
+    its comprehensions and nested functions): constants of the function, like module arguments."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return {}
+    names, stack = set(), [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if inspect.iscode(k))
+    found = {n: v for n, v in getattr(fn, "__globals__", {}).items() if n in names and isinstance(v, nn.Module)}
+    for n, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        try:
+            v = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(v, nn.Module):
+            found[n] = v
+    return found
+
+
+class _StateSnapshot:
+    """Buffers of a module and the RNG state, restored on exit: capturing runs the forward once
+    (BatchNorm statistics, `num_batches_tracked`, dropout's random draws) and must change nothing."""
+
+    def __init__(self, module: nn.Module, example: Any):
+        self.module = module
+        devices = sorted({t.device.index or 0 for t in _tensors(example) if t.device.type == "cuda"})
+        self.rng = torch.random.fork_rng(devices=devices)
+
+    def __enter__(self):
+        self.buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
+        self.rng.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for b, saved in self.buffers:
+                if b.shape == saved.shape:
+                    b.copy_(saved)
+        return self.rng.__exit__(*exc)
+
+
+def _tensors(v: Any) -> list:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, Mapping):
+        v = list(v.values())
+    if isinstance(v, (list, tuple)):
+        return [t for x in v for t in _tensors(x)]
+    return []
+
+
+def _insert_guards(gm: GraphModule, tracer: "_ValueTracer") -> None:
+    """Guards for what the capture specialised: a `training` flag a branch was taken on, and the
+    key order of dicts the model iterated (the original follows the caller's order)."""
+    graph = gm.graph
+    first = next((n for n in graph.nodes if n.op != "placeholder"), None)
+    for target, (flag, where) in tracer.mode_guards.items():
+        with graph.inserting_before(first), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fx warns on get_attr of a non-tensor attribute
+            flag_node = graph.get_attr(target)
+            graph.call_function(runtime.check_training_mode, (flag_node, flag, where))
+    seen = set()
+    for node, keys in tracer.key_order_guards:
+        if (node, keys) in seen or node.graph is not graph:
+            continue
+        seen.add((node, keys))
+        with graph.inserting_after(node):
+            graph.call_function(runtime.check_key_order, (node, keys, node.name))
 
 
 def _is_constant(v: Any) -> bool:
@@ -331,6 +490,11 @@ def capture(model, example_inputs: Optional[tuple] = None) -> tuple[GraphModule,
         >>> facts["constants"]
         {'n': 2}
     """
+    if isinstance(example_inputs, (torch.Tensor, Mapping)) or (
+            example_inputs is not None and not isinstance(example_inputs, (tuple, list))):
+        raise TypeError(
+            f"example_inputs must be a tuple of the model's positional arguments, got a "
+            f"{type(example_inputs).__name__}; for a single tensor x pass (x,)")
     example_inputs = tuple(example_inputs) if example_inputs is not None else None
     if isinstance(model, nn.Module):
         root = copy.deepcopy(model)
@@ -359,16 +523,23 @@ def capture(model, example_inputs: Optional[tuple] = None) -> tuple[GraphModule,
                 raise RecfuseError(f"example_inputs gives no value for argument `{p.name}` of {fn_name}")
             values[p.name] = p.default
     constants = {k: v for k, v in values.items() if _is_constant(v)}
+    adopted: list[str] = []
     if root is None:
         module_args = {k: copy.deepcopy(v) for k, v in constants.items() if isinstance(v, nn.Module)}
         root = _wrap_function(model, params, module_args)
+        # Globals are called by identity from the function's code: registered as they are for the
+        # trace, replaced by copies in the result (which owns its parameters, as for arguments).
+        for name, m in _global_modules(model).items():
+            attr = f"_recfuse_global_{name}"
+            root.add_module(attr, m)
+            adopted.append(attr)
 
     tracer = _ValueTracer({k: (None if isinstance(v, nn.Module) else _clone_inputs(v)) for k, v in values.items()})
     if example_inputs is None:
-        tracer = Tracer()  # no values: plain symbolic tracing, shapes stay unknown
+        tracer = _ModeTracer()  # no values: plain symbolic tracing, shapes stay unknown
     concrete = {k: (None if isinstance(v, nn.Module) else v) for k, v in constants.items()}
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _StateSnapshot(root, example_inputs):
             warnings.simplefilter("ignore")
             graph = tracer.trace(root, concrete_args=concrete or None)
     except _DataDependentControlFlow as e:
@@ -386,14 +557,20 @@ def capture(model, example_inputs: Optional[tuple] = None) -> tuple[GraphModule,
                 f"use torch.where/torch.cond instead of a Python `if` on a tensor."
             ) from None
         return _capture_dynamo(root, values, constants, fn_name, e)
-    gm = GraphModule(root, graph, class_name=getattr(model, "__name__", type(root).__name__))
+    graph._tracer_cls = None  # a loaded copy re-traces its code with a plain Tracer
+    gm = TransformedGraphModule(root, graph, class_name=getattr(model, "__name__", type(root).__name__))
+    gm.training = root.training
+    for attr in adopted:
+        if attr in gm._modules:
+            gm._modules[attr] = copy.deepcopy(gm._modules[attr])
     for n in gm.graph.nodes:
         live = n.meta.pop(_LIVE, None)
         if example_inputs is not None and n.op != "output":
             n.meta[VAL_KEY] = _summarise(live)
+    _insert_guards(gm, tracer)
     if constants:
         _finish_concrete(gm, constants)
-        gm.recompile()
+    gm.recompile()
     return gm, {"how": "torch.fx", "constants": {k: v for k, v in constants.items() if not isinstance(v, nn.Module)},
                 "shapes": example_inputs is not None, "name": fn_name}
 
@@ -423,8 +600,21 @@ def _capture_dynamo(root: nn.Module, values, constants, fn_name, fx_error) -> tu
         raise RecfuseError(f"cannot capture {fn_name} with torch.fx ({fx_error}); pass example_inputs") from None
     logger.info("recfuse: torch.fx could not trace %s (%s); trying torch._dynamo.export", fn_name, fx_error)
     args = [values[k] for k in values]
+    mode = root.training
+
+    def export(training: bool) -> GraphModule:
+        root.train(training)
+        try:
+            with _StateSnapshot(root, args):
+                return torch._dynamo.export(root, aten_graph=False)(*args)[0]
+        finally:
+            root.train(mode)
+
     try:
-        gm, _ = torch._dynamo.export(root, aten_graph=False)(*args)
+        gm = export(mode)
+        # Dynamo bakes train/eval behaviour (dropout, BatchNorm) into the graph: when the other
+        # mode traces differently, the result refuses calls in that mode instead of ignoring it.
+        mode_dependent = export(not mode).code != gm.code
     except Exception as e:  # dynamo raises many types; all mean "cannot capture"
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise RecfuseError(
@@ -433,4 +623,37 @@ def _capture_dynamo(root: nn.Module, values, constants, fn_name, fx_error) -> tu
         ) from None
     annotate_from_meta(gm.graph)
     _restore_attr_names(gm, root)
-    return gm, {"how": "torch._dynamo.export", "constants": {}, "shapes": True, "name": fn_name}
+    graph = gm.graph
+    graph._tracer_cls = None
+    result = TransformedGraphModule(gm, graph, class_name=type(root).__name__)
+    result.training = mode
+    _keep_state(result, root)
+    if mode_dependent:
+        first = next(n for n in graph.nodes if n.op != "placeholder")
+        with graph.inserting_before(first), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fx warns on get_attr of a non-tensor attribute
+            flag = graph.get_attr("training")
+            graph.call_function(runtime.check_training_mode, (
+                flag, mode, f"{fn_name} was captured by torch._dynamo.export because torch.fx could not "
+                            f"trace it, which fixes dropout/BatchNorm behaviour at capture time"))
+        result.recompile()
+    return result, {"how": "torch._dynamo.export", "constants": {}, "shapes": True, "name": fn_name}
+
+
+def _keep_state(gm: GraphModule, root: nn.Module) -> None:
+    """Give `gm` every parameter and buffer of `root` under its original name that the graph does
+    not read (`num_batches_tracked`, unused parameters), so the original state_dict loads strictly."""
+    have = set(gm.state_dict(keep_vars=True))
+    for name, t in itertools.chain(root.named_parameters(), root.named_buffers()):
+        if name in have:
+            continue
+        *path, leaf = name.split(".")
+        owner = gm
+        for part in path:
+            if part not in owner._modules:
+                owner.add_module(part, nn.Module())
+            owner = owner._modules[part]
+        if isinstance(t, nn.Parameter):
+            owner.register_parameter(leaf, t)
+        else:
+            owner.register_buffer(leaf, t)

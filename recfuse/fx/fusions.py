@@ -312,9 +312,13 @@ class MatchContext:
         kinds = tuple(o.kind for o in c0.ops)
         if nd == 2 and kinds == _VERTICAL[: len(kinds)] and len(kinds) >= 2:
             tail = self._tail(g, _VERTICAL[len(kinds):], out) if len(kinds) < 4 else []
+            last = len(c0.ops) - 1
+            # Without a replaceable sink every use of a slice's final value is served by a view
+            # of the fused result (`_finish`), so only uses of intermediates block the fusion.
+            blocking = [s for s in g.side if not (g.eff is None and s[1] == last)]
             if tail is not None and c0.ops[0].attr("shape") == (core[-1],):
-                if g.side:
-                    i, j, node, users = g.side[0]
+                if blocking:
+                    i, j, node, users = blocking[0]
                     g.notes.append(f"vertical fusion skipped: slice {g.positions[i]}'s {g.chains[i].ops[j].kind} "
                                    f"output `{node.name}` is also used by `{users[0].name}` (served by a view)")
                 elif tensor_dtype(c0.start) not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
@@ -454,8 +458,11 @@ class _Emitter:
             return self.graph.get_attr(ref.attr) if ref.attr is not None else ref.node
         refs = ref
         root = self.ctx.root
-        if self.ctx.stack_params_once and all(r.attr is not None for r in refs):
-            tensors = [_attr_tensor(root, r.attr) for r in refs]
+        tensors = [_attr_tensor(root, r.attr) if r.attr is not None else None for r in refs]
+        # One stacked tensor has one requires_grad: with frozen and trainable rows mixed, the
+        # originals stay the parameters and are stacked in the graph on each call.
+        mixed = len({t.requires_grad for t in tensors if t is not None}) > 1
+        if self.ctx.stack_params_once and not mixed and all(r.attr is not None for r in refs):
             stacked = torch.stack([t.detach() for t in tensors]).clone()
             name = _unique_attr(root, f"recfuse_g{self.gid}_{role}")
             if all(isinstance(t, nn.Parameter) for t in tensors):

@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import torch
-from torch.fx import Graph, GraphModule
+from torch.fx import Graph
 
 from ..cuda_graph import CudaGraphCache, ModuleTensors
+from .graph_module import TransformedGraphModule
 
 __all__ = ["CudaGraphReplayModule"]
 
 
-class CudaGraphReplayModule(GraphModule):
+class CudaGraphReplayModule(TransformedGraphModule):
     """A transformed GraphModule whose inference calls replay captured CUDA graphs.
 
     Same graph, parameters and state_dict keys as the plain result of `recfuse.transform`. Calls

@@ -5,13 +5,29 @@ other than the example's, exactly as the original per-slice code did.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Optional
 
 import torch
+from torch.fx import Proxy
 from torch.fx.node import has_side_effect
 
 from ..errors import RecfuseError
+
+def _graph_leaf(fn):
+    """Called with a Proxy (torch.load re-traces a saved module's code), record one node of this
+    helper instead of tracing into it: its body branches on sizes that a Proxy does not know."""
+
+    @functools.wraps(fn)
+    def helper(*args, **kwargs):
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, Proxy):
+                return a.tracer.create_proxy("call_function", helper, args, kwargs)
+        return fn(*args, **kwargs)
+
+    return helper
+
 
 # token -> weak reference to a module passed as an argument at transform time.
 _CAPTURED_MODULES: dict = {}
@@ -25,6 +41,7 @@ def remember_module_argument(module) -> int:
 
 
 @has_side_effect  # a guard: dead-code elimination must keep it
+@_graph_leaf
 def check_module_argument(value, token: int, name: str) -> None:
     """Guard of a module argument the transformed graph owns a copy of.
 
@@ -47,9 +64,44 @@ def check_module_argument(value, token: int, name: str) -> None:
             f"without `{name}`, or transform again with the new {type(value).__name__}."
         )
 
-__all__ = ["check_module_argument", "slices_view", "gather_slices", "rows_view", "feature_affine", "feature_linear", "from_batched"]
+@has_side_effect
+@_graph_leaf
+def check_training_mode(training: bool, expected: bool, where: str) -> None:
+    """Guard of a branch on ``self.training`` that capture had to follow one way.
+
+    Example:
+        >>> check_training_mode(True, True, "model.py:3")
+    """
+    if bool(training) != expected:
+        mode, other = ("train", "eval") if expected else ("eval", "train")
+        raise RecfuseError(
+            f"this module was transformed in {mode} mode and its code branches on `self.training` "
+            f"({where}); the graph holds only the {mode} branch, so it cannot run in {other} mode. "
+            f"Transform a copy of the model in {other} mode for {other} use (or use nn.Dropout/"
+            f"F.dropout(training=self.training), which switch with .train()/.eval()).")
 
 
+@has_side_effect
+@_graph_leaf
+def check_key_order(d, keys: tuple, name: str) -> None:
+    """Guard of a dict argument the model iterated: the graph follows the key order seen at
+    transform time, the original code the caller's, so another order is refused.
+
+    Example:
+        >>> check_key_order({"a": 1, "b": 2}, ("a", "b"), "features")
+    """
+    if tuple(d.keys()) != keys:
+        raise RecfuseError(
+            f"`{name}` has keys in the order {list(d.keys())}, but the model iterates it and was "
+            f"transformed with the order {list(keys)}; the original would follow the new order, the "
+            f"transformed graph cannot. Pass the keys in the transform-time order (e.g. "
+            f"{{k: d[k] for k in {list(keys)!r}}}), or transform with example inputs in this order.")
+
+
+__all__ = ["check_training_mode", "check_key_order", "check_module_argument", "slices_view", "gather_slices", "rows_view", "feature_affine", "feature_linear", "from_batched"]
+
+
+@_graph_leaf
 def slices_view(src: torch.Tensor, dim: int, start: int, count: int, length: Optional[int]) -> torch.Tensor:
     """`count` equal slices of `src` along `dim` from `start`, as one tensor with a new feature dim.
 
@@ -70,6 +122,7 @@ def slices_view(src: torch.Tensor, dim: int, start: int, count: int, length: Opt
     return x.reshape(x.shape[:dim] + (count, length) + x.shape[dim + 1:])
 
 
+@_graph_leaf
 def gather_slices(src: torch.Tensor, dim: int, start: int, count: int, length: Optional[int], index: tuple) -> torch.Tensor:
     """Like `slices_view` over `count` aligned slots, then picks the slots in `index` order (a copy).
 
@@ -82,6 +135,7 @@ def gather_slices(src: torch.Tensor, dim: int, start: int, count: int, length: O
     return x.index_select(dim, torch.tensor(index, device=x.device))
 
 
+@_graph_leaf
 def rows_view(x: torch.Tensor, fd: int, d: int) -> torch.Tensor:
     """Batched slices with the feature dim at `fd` -> [F, rows, d] (each slice's rows of width d).
 
@@ -102,6 +156,7 @@ def _feature_shaped(p: torch.Tensor, fd: int, ndim: int) -> torch.Tensor:
     return p.reshape(shape)
 
 
+@_graph_leaf
 def feature_affine(h: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                    fd: int, per_feature: tuple) -> torch.Tensor:
     """LayerNorm's affine step on a batched tensor: parameters shared ([*ns]) or per feature ([F, *ns]).
@@ -120,6 +175,7 @@ def feature_affine(h: torch.Tensor, weight: Optional[torch.Tensor], bias: Option
     return h
 
 
+@_graph_leaf
 def feature_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fd: int) -> torch.Tensor:
     """One Linear per feature: x with F at `fd` and D last, weight [F, H, D], bias None or [F, H].
 
@@ -136,6 +192,7 @@ def feature_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     return y.reshape((xf.shape[0],) + tuple(mid) + (weight.shape[1],)).movedim(0, fd)
 
 
+@_graph_leaf
 def from_batched(y: torch.Tensor, fd: int, sd: int, cat: bool) -> torch.Tensor:
     """What ``torch.stack(slices, sd)`` (or ``torch.cat(slices, sd)``) returned, from the batched
     result with its feature dim at `fd`: contiguous like the stack/cat it replaces.

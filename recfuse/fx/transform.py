@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import RecfuseError
 from .capture import VAL_KEY, annotate_from_meta, capture
 from .fusions import FUSIONS, NearMiss, analyze
+from .mutation import functionalize_inplace, keeps_node
 from .replay import CudaGraphReplayModule
 from .report import FusionReport, GroupReport
 
@@ -42,6 +43,14 @@ def fuse_graph(graph: Graph, root: Optional[nn.Module] = None, *, stack_params_o
         1
     """
     report = report or FusionReport()
+    kept_inplace = functionalize_inplace(graph, root)
+    if kept_inplace:
+        # The mutation is visible through an alias the graph does not show (an input, a
+        # parameter, a view): any reordering could change what is read, so nothing is fused.
+        report.reason = (f"in-place op {kept_inplace[0]} changes a tensor that is an input, parameter or "
+                         f"view; fusing around it could change what is read, so the graph is left as it is")
+        report.near_misses.append(NearMiss("graph", report.reason))
+        return report
     seen_misses: set = set()
     fused_sinks: set = set()
     ctx = None
@@ -63,7 +72,7 @@ def fuse_graph(graph: Graph, root: Optional[nn.Module] = None, *, stack_params_o
         fusion, g = chosen
         gid = len(report.groups)
         fusion.rewrite(ctx, g, gid)
-        graph.eliminate_dead_code()
+        graph.eliminate_dead_code(is_impure_node=keeps_node(root))
         fused_sinks.add(g.sink.name)
         report.groups.append(GroupReport(gid, f"{g.sink_kind} `{g.sink.name}`", g.size, g.slices_text(), g.ops_text(),
                                          g.mode, g.replaced_by, dict(g.stacked_params), list(g.notes)))
@@ -78,21 +87,6 @@ def fuse_graph(graph: Graph, root: Optional[nn.Module] = None, *, stack_params_o
 
 # ---------------------------------------------------------------------------------------------
 # parameters and state dicts
-
-
-def _load_original_keys(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    """Map a state_dict of the original model (``lns.3.weight``) onto the stacked parameters."""
-    for new, olds in getattr(module, "_recfuse_stacked", {}).items():
-        keys = [prefix + k for k in olds]
-        if not any(k in state_dict for k in keys):
-            continue
-        cur = getattr(module, new).detach().clone()
-        for i, k in enumerate(keys):
-            if k in state_dict:
-                cur[i] = state_dict.pop(k)
-            else:
-                missing_keys.append(k)
-        state_dict[prefix + new] = cur
 
 
 def _prune(gm: GraphModule, old_attrs: list) -> None:
@@ -118,7 +112,6 @@ def _finish_module(gm: GraphModule, report: FusionReport) -> GraphModule:
     _prune(gm, [k for olds in stacked.values() for k in olds])
     if stacked:
         gm._recfuse_stacked = stacked
-        gm._register_load_state_dict_pre_hook(_load_original_keys, with_module=True)
     for n in gm.graph.nodes:
         n.meta.pop(VAL_KEY, None)
     gm.graph.lint()
@@ -201,7 +194,6 @@ def _replaying(gm: GraphModule) -> GraphModule:
     stacked = getattr(gm, "_recfuse_stacked", None)
     if stacked:
         replay._recfuse_stacked = stacked
-        replay._register_load_state_dict_pre_hook(_load_original_keys, with_module=True)
     return replay
 
 

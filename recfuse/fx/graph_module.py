@@ -1,0 +1,96 @@
+"""`TransformedGraphModule`: the GraphModule `recfuse.transform` returns, which keeps what makes it
+recfuse's through state_dict loads, `copy.deepcopy`, and `torch.save` / `torch.load`.
+
+A plain GraphModule forgets, on deepcopy and on unpickling, every attribute its graph does not
+read and every state-dict hook (a hook bound to the module keeps pointing at the *old* module).
+The mapping from the original model's state-dict keys to the stacked parameters is therefore a
+method of this class, not a hook, and `__deepcopy__` / `__reduce__` carry the recfuse attributes.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+from torch.fx.graph_module import reduce_graph_module
+
+__all__ = ["TransformedGraphModule", "map_original_keys"]
+
+# Attributes that are recfuse's own and must survive deepcopy and pickling.
+PRESERVED_ATTRS = ("_recfuse_stacked", "recfuse_report")
+# Attributes that are caches of one process (CUDA graphs, tensor readers): dropped by pickling.
+TRANSIENT_ATTRS = ("_cuda_graph_cache", "_module_tensors", "_tracer_cls", "_tracer_extras")
+
+
+def map_original_keys(module: torch.nn.Module, state_dict: dict, prefix: str, missing_keys: list) -> None:
+    """Rewrite a state_dict of the original model (``lns.3.weight``) onto the stacked parameters of
+    `module` (``recfuse_g0_ln_weight`` row 3), in place.
+
+    Example:
+        >>> import torch, recfuse
+        >>> m = torch.nn.Module(); m.p = torch.nn.Parameter(torch.zeros(2, 3))
+        >>> m._recfuse_stacked = {"p": ["a.weight", "b.weight"]}
+        >>> sd = {"a.weight": torch.ones(3), "b.weight": torch.full((3,), 2.0)}
+        >>> map_original_keys(m, sd, "", []); sd["p"][:, 0].tolist()
+        [1.0, 2.0]
+    """
+    for new, olds in getattr(module, "_recfuse_stacked", {}).items():
+        keys = [prefix + k for k in olds]
+        if not any(k in state_dict for k in keys):
+            continue
+        cur = getattr(module, new).detach().clone()
+        for i, k in enumerate(keys):
+            if k in state_dict:
+                cur[i] = state_dict.pop(k)
+            else:
+                missing_keys.append(k)
+        state_dict[prefix + new] = cur
+
+
+def _rebuild(cls: type, body: dict, import_block: str) -> "TransformedGraphModule":
+    plain = reduce_graph_module(body, import_block)
+    gm = cls(plain, plain.graph, class_name=body.get("_graphmodule_cls_name", "GraphModule"))
+    for k, v in body.items():
+        if k not in gm.__dict__ and not k.startswith("_graph"):
+            gm.__dict__[k] = v
+    return gm
+
+
+class TransformedGraphModule(GraphModule):
+    """A GraphModule produced by `recfuse.transform`.
+
+    Loads a state_dict of the original model (its per-feature keys go to the stacked parameters),
+    and keeps that ability and its `recfuse_report` through `copy.deepcopy` and
+    `torch.save`/`torch.load` (``weights_only=False``, as for any pickled module).
+
+    Example:
+        >>> import copy, io, torch, recfuse
+        >>> from recfuse.puzzler import SplitStack
+        >>> m = SplitStack(8, 1); x = torch.randn(4 * 3 * 8)
+        >>> fused = recfuse.transform(m, (x, 4, 8))
+        >>> buf = io.BytesIO(); torch.save(fused, buf); _ = buf.seek(0)
+        >>> again = torch.load(buf, weights_only=False)
+        >>> torch.allclose(again(x, 4, 8), m(x, 4, 8), atol=1e-6), type(again).__mro__[1].__name__
+        (True, 'TransformedGraphModule')
+    """
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        map_original_keys(self, state_dict, prefix, missing_keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    def __deepcopy__(self, memo: dict) -> "TransformedGraphModule":
+        res = super().__deepcopy__(memo)
+        for k in PRESERVED_ATTRS:
+            if k in self.__dict__:
+                res.__dict__[k] = copy.deepcopy(self.__dict__[k], memo)
+        return res
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        _, (body, import_block) = super().__reduce__()
+        for k in TRANSIENT_ATTRS:
+            body.pop(k, None)
+        cls = next(c for c in type(self).__mro__ if "<locals>" not in c.__qualname__)
+        return (_rebuild, (cls, body, import_block))
