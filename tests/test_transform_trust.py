@@ -480,3 +480,23 @@ def test_mixed_dims_fuse_each_equal_dim_group_vertically(dims):
     assert count_recfuse(fused) == len(set(groups))
     assert "also used by" not in str(fused.recfuse_report)
     assert_same_training(copy.deepcopy(m), fused, x)
+
+
+# -- verify itself changes nothing -----------------------------------------------------------------
+
+
+def test_verify_in_train_mode_with_dropout_and_batchnorm_changes_no_state():
+    class DropBN(WithBatchNorm):
+        def forward(self, x):
+            return F.dropout(super().forward(x), 0.3, training=self.training)
+
+    m = DropBN().train()
+    before = copy.deepcopy(m.state_dict())
+    rng = torch.get_rng_state()
+    fused = recfuse.transform(m, (x_of(B, NF * D),), verify=True)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for k, v in fused.state_dict().items():
+        if k in before:
+            assert torch.equal(v, before[k]), k
+    assert torch.equal(torch.get_rng_state(), rng)

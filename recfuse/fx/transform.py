@@ -11,7 +11,7 @@ from torch.fx import Graph, GraphModule
 from torch.utils._pytree import tree_flatten
 
 from ..errors import RecfuseError
-from .capture import VAL_KEY, annotate_from_meta, capture
+from .capture import VAL_KEY, _StateSnapshot, annotate_from_meta, capture
 from .fusions import FUSIONS, NearMiss, analyze
 from .mutation import functionalize_inplace, keeps_node
 from .replay import CudaGraphReplayModule
@@ -273,9 +273,20 @@ def verify(model, transformed: nn.Module, example_inputs: tuple, *, rtol: float 
         True
     """
     example_inputs = tuple(example_inputs)
+    # Both run from the same RNG state (dropout draws the same masks) and leave no trace in
+    # either model's buffers (BatchNorm statistics) or in the caller's RNG stream.
+    holder = nn.ModuleList([m for m in (model, transformed, *example_inputs) if isinstance(m, nn.Module)])
+    with _StateSnapshot(holder, example_inputs):
+        return _verify(model, transformed, example_inputs, rtol, atol)
+
+
+def _verify(model, transformed, example_inputs, rtol, atol) -> float:
     in_a = tuple(_grad_leaves(v) for v in example_inputs)
     in_b = tuple(_grad_leaves(v) for v in example_inputs)
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    torch.manual_seed(seed)
     out_a = model(*in_a)
+    torch.manual_seed(seed)
     out_b = transformed(*in_b)
     fa, _ = tree_flatten(out_a)
     fb, _ = tree_flatten(out_b)
