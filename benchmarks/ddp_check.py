@@ -23,9 +23,11 @@ parameter (every rank's, after DDP's all-reduce) and after the last step every p
 
 Relative error of a tensor: max|a - b| / max|b|; fp32 tolerances 1e-4 for gradients and 1e-5 for
 parameters. TF32 matmuls are switched off (the recfuse fp32 kernels use 3xTF32, float32
-accurate). A summary table, the versions (torch, triton, CUDA, NCCL, device names) and the
-per-rank information are logged and written to ``--out`` as ``ddp_check_<device-slug>.json``
-and ``.log``. Exit status: 0 all rows pass, 1 a row failed, 2 a rank failed or hung (the ranks
+accurate). Without ``--seed`` the weights and data come from the first seed whose pre-relu
+values all stay 1e-5 (relative) away from 0, so that a relu tie (a value within float32 rounding of
+0, put on other sides by two implementations) cannot fail a row. A summary table, the versions
+(torch, triton, CUDA, NCCL, device names) and the per-rank information are logged and written
+to ``--out`` as ``ddp_check_<device-slug>.json`` and ``.log``. Exit status: 0 all rows pass, 1 a row failed, 2 a rank failed or hung (the ranks
 get a process-group timeout and the whole spawn a deadline, so a hung rank fails, never hangs).
 
 torchrec is not needed (nor imported).
@@ -51,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,6 +75,8 @@ log = logging.getLogger("ddp_check")
 GRAD_TOL = 1e-4  # relative, float32
 PARAM_TOL = 1e-5
 VARIANTS = ("transform", "module")  # the fused models trained under DDP
+RELU_MARGIN = 1e-5  # smallest |pre-relu| / largest wanted, so that no relu tie flips (see choose_seed)
+SEED_TRIES = 20
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,8 @@ def transformed_model(cfg: Config, device, example_x: torch.Tensor) -> nn.Module
     torch.manual_seed(cfg.seed + 1)  # other weights than the original: the load must overwrite them
     fused = recfuse.transform(PerFeatureRanker(cfg.F, cfg.D, cfg.H).to(device), (example_x,))
     if count_fused_nodes(fused) < 1:
-        raise RuntimeError(f"recfuse.transform fused nothing:\n{recfuse.explain(PerFeatureRanker(cfg.F, cfg.D, cfg.H), (example_x.cpu(),))}")
+        report = recfuse.explain(PerFeatureRanker(cfg.F, cfg.D, cfg.H), (example_x.cpu(),))
+        raise RuntimeError(f"recfuse.transform fused nothing:\n{report}")
     fused.load_state_dict(original_model(cfg).to(device).state_dict())  # strict; the load hook maps lns.i.*
     return fused
 
@@ -219,6 +224,45 @@ def train(model: nn.Module, module: nn.Module, x, target, cfg: Config, reduce_lo
         opt.step()
     params = {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
     return {"losses": losses, "grads": grads, "params": params}
+
+
+def reference_original(cfg: Config, device) -> tuple[dict, float]:
+    """The original model trained on the whole batch, and how close its pre-relu values come to 0.
+
+    The margin is min |Linear output| / max |Linear output| over the steps. A pre-relu value
+    within float32 rounding of 0 (~1e-7 relative) can land on the other side of 0 in another
+    implementation (the Triton kernels' 3xTF32 dots, another reduction order), which drops or
+    adds one term of the gradients: a real but harmless difference this check would report.
+    """
+    x, target = (t.to(device) for t in global_batch(cfg))
+    model = build("original", cfg, device, example_x=x)
+    seen = []
+    model.lin.register_forward_hook(lambda m, i, o: seen.append((o.detach().abs().min().item(),
+                                                                 o.detach().abs().max().item())))
+    record = train(model, model, x, target, cfg, reduce_loss=False)
+    return record, min(lo for lo, _ in seen) / max(hi for _, hi in seen)
+
+
+def choose_seed(cfg: Config, device, explicit: bool, result: dict) -> tuple[Config, dict]:
+    """Without --seed: the first of seeds 0..SEED_TRIES-1 whose pre-relu values stay RELU_MARGIN
+    (relative) away from 0, so that no relu tie can flip between implementations; else the best."""
+    best = None
+    for seed in [cfg.seed] if explicit else range(SEED_TRIES):
+        trial = replace(cfg, seed=seed)
+        record, margin = reference_original(trial, device)
+        if best is None or margin > best[2]:
+            best = (trial, record, margin)
+        if margin >= RELU_MARGIN:
+            break
+    cfg, record, margin = best
+    result["relu_margin"] = margin
+    log.info("seed %d%s: pre-relu values stay %.1e (relative to the largest) away from 0", cfg.seed,
+             "" if explicit else " (chosen)", margin)
+    if margin < RELU_MARGIN:
+        log.warning("a pre-relu value lies within %.1e (relative) of 0%s: if a gradient row fails, check for a "
+                    "relu tie before suspecting the kernels or DDP", margin,
+                    "" if explicit else f" for all {SEED_TRIES} seeds tried")
+    return cfg, {"original": record}
 
 
 def set_fp32_matmul() -> None:
@@ -342,8 +386,9 @@ def check_rows(ranks: list, refs: dict, cfg: Config) -> list:
     rows = []
     for variant in VARIANTS:
         orig = in_layout(variant, refs["original"], cfg)
-        pairs = [(f"DDP x{cfg.world_size}", f"{variant}, 1 process", [r["results"][variant] for r in ranks], refs[variant]),
-                 (f"DDP x{cfg.world_size}", "original, 1 process", [r["results"][variant] for r in ranks], orig),
+        ddp = [r["results"][variant] for r in ranks]
+        pairs = [(f"DDP x{cfg.world_size}", f"{variant}, 1 process", ddp, refs[variant]),
+                 (f"DDP x{cfg.world_size}", "original, 1 process", ddp, orig),
                  ("1 process", "original, 1 process", [refs[variant]], orig)]
         for run, reference, gots, want in pairs:
             worst = {"grad": 0.0, "grad_at": None, "param": 0.0, "param_at": None, "loss": 0.0}
@@ -394,8 +439,10 @@ def versions(cfg: Config) -> dict:
     except ImportError:
         triton_version = None
     env = {"torch": torch.__version__, "triton": triton_version, "recfuse": recfuse.__version__,
+           "recfuse_path": str(Path(recfuse.__file__).parent),
            "python": platform.python_version(), "platform": platform.platform(), "host": socket.gethostname(),
-           "cuda": torch.version.cuda, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "cuda": torch.version.cuda,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
     try:
         env["git_commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
@@ -435,7 +482,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="weights and data; default: the first of 0..19 without a near relu tie (see choose_seed)")
     p.add_argument("--rank-timeout", type=float, default=120.0,
                    help="process-group timeout in seconds: a rank waiting longer on a collective fails")
     p.add_argument("--deadline", type=float, default=420.0,
@@ -465,7 +513,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = Config(F=args.F, D=args.D, H=args.H, batch=args.batch, steps=args.steps, world_size=args.world_size,
-                 device=args.device, backend=args.backend, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
+                 device=args.device, backend=args.backend, optimizer=args.optimizer, lr=args.lr, seed=args.seed or 0,
                  rank_timeout_s=args.rank_timeout)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -481,7 +529,7 @@ def main(argv=None) -> int:
     set_fp32_matmul()
     env = versions(cfg)
     log.info("ddp_check: %s", " ".join(sys.argv))
-    log.info("config: %s", asdict(cfg))
+    log.info("config: %s", dict(asdict(cfg), seed=cfg.seed if args.seed is not None else "auto"))
     log.info("versions: torch %s, triton %s, recfuse %s, CUDA %s, NCCL %s, python %s",
              env["torch"], env["triton"], env["recfuse"], env["cuda"], env.get("nccl"), env["python"])
     if env.get("cuda_devices"):
@@ -496,14 +544,15 @@ def main(argv=None) -> int:
         # Single-process references on one device with the whole global batch (first: an op that
         # fails here fails before any rank is started).
         ref_device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
-        x, target = global_batch(cfg)
-        x, target = x.to(ref_device), target.to(ref_device)
-        refs = {}
-        for variant in ("original",) + VARIANTS:
+        cfg, refs = choose_seed(cfg, ref_device, explicit=args.seed is not None, result=result)
+        result["config"] = asdict(cfg)
+        x, target = (t.to(ref_device) for t in global_batch(cfg))
+        for variant in VARIANTS:
             module = build(variant, cfg, ref_device, example_x=x)
             refs[variant] = train(module, module, x, target, cfg, reduce_loss=False)
+        for variant, record in refs.items():
             log.info("reference %-9s on %s: losses %s", variant, ref_device,
-                     ", ".join(f"{v:.6f}" for v in refs[variant]["losses"]))
+                     ", ".join(f"{v:.6f}" for v in record["losses"]))
 
         with tempfile.TemporaryDirectory(prefix="ddp_check_") as tmp:
             log.info("spawning %d ranks (%s, %s)", cfg.world_size, cfg.backend, cfg.device)
@@ -523,8 +572,9 @@ def main(argv=None) -> int:
                  ", ".join(f"{k} {v:.1e}" for k, v in result["rank_spread"].items()))
         rows = check_rows(ranks, refs, cfg)
         result["rows"] = rows
-        log.info("summary (%d steps, %s lr=%g, F=%d D=%d H=%d global batch %d, %d ranks on %s):\n%s",
-                 cfg.steps, cfg.optimizer, cfg.lr, cfg.F, cfg.D, cfg.H, cfg.batch, cfg.world_size, cfg.backend,
+        log.info("summary (%d steps, %s lr=%g, F=%d D=%d H=%d global batch %d, seed %d, %d ranks on %s):\n%s",
+                 cfg.steps, cfg.optimizer, cfg.lr, cfg.F, cfg.D, cfg.H, cfg.batch, cfg.seed, cfg.world_size,
+                 cfg.backend,
                  "\n".join(table(rows)))
         for r in rows:
             if not r["pass"]:
