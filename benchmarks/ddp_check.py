@@ -27,8 +27,9 @@ accurate). Without ``--seed`` the weights and data come from the first seed whos
 values all stay 1e-5 (relative) away from 0, so that a relu tie (a value within float32 rounding of
 0, put on other sides by two implementations) cannot fail a row. A summary table, the versions
 (torch, triton, CUDA, NCCL, device names) and the per-rank information are logged and written
-to ``--out`` as ``ddp_check_<device-slug>.json`` and ``.log``. Exit status: 0 all rows pass, 1 a row failed, 2 a rank failed or hung (the ranks
-get a process-group timeout and the whole spawn a deadline, so a hung rank fails, never hangs).
+to ``--out`` as ``ddp_check_<device-slug>.json`` and ``.log``. Exit status: 0 all rows pass,
+1 a row failed, 2 a rank failed or hung (the ranks get a process-group timeout and the whole
+spawn a deadline, so a hung rank fails, never hangs).
 
 torchrec is not needed (nor imported).
 
