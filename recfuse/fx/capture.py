@@ -181,8 +181,15 @@ def _arg_name(target: str, names) -> str:
 class _ModeTracer(Tracer):
     """A Tracer that keeps `self.training` reads as graph nodes and explains foreign modules."""
 
+    # Rebuilding a saved module: every module's flag is read at run time (all modules are leaves
+    # there, so nothing runs their code; a bool read from a leaf would be baked otherwise).
+    proxy_every_flag = False
+
     def __init__(self):
         super().__init__()
+        # Buffers read through `self.name` become get_attr nodes, not constants baked from their
+        # value at capture time (`self.scale.repeat(F)` would otherwise freeze `scale`).
+        self.proxy_buffer_attributes = True
         self.mode_guards: dict[str, tuple[bool, str]] = {}  # training target -> (flag, where)
         self.key_order_guards: list[tuple[Node, tuple]] = []  # dict node -> keys iterated
         self._training_saved: list[tuple[nn.Module, bool]] = []
@@ -196,7 +203,7 @@ class _ModeTracer(Tracer):
             for path, m in self.root.named_modules():
                 if any(path.startswith(p + ".") for p in leaves):
                     continue
-                if path and self.is_leaf_module(m, path):
+                if path and not self.proxy_every_flag and self.is_leaf_module(m, path):
                     leaves.append(path)
                     continue  # leaf modules read their own flag when they run
                 target = f"{path}.training" if path else "training"
@@ -227,6 +234,12 @@ class _ModeTracer(Tracer):
                 f"global or closure variable of the function (constructed inside forward?): its parameters "
                 f"would be new on every call, so there is nothing to fuse or train. Create it once outside "
                 f"and pass it in (at {_user_frame()})") from None
+
+
+class RebuildTracer(_ModeTracer):
+    """The tracer `torch.load` re-traces a saved transformed module's code with."""
+
+    proxy_every_flag = True
 
 
 class _ValueTracer(_ModeTracer):

@@ -20,7 +20,7 @@ __all__ = ["TransformedGraphModule", "map_original_keys"]
 # Attributes that are recfuse's own and must survive deepcopy and pickling.
 PRESERVED_ATTRS = ("_recfuse_stacked", "recfuse_report")
 # Attributes that are caches of one process (CUDA graphs, tensor readers): dropped by pickling.
-TRANSIENT_ATTRS = ("_cuda_graph_cache", "_module_tensors", "_tracer_cls", "_tracer_extras")
+TRANSIENT_ATTRS = ("_cuda_graph_cache", "_module_tensors", "_tracer_extras")
 
 
 def map_original_keys(module: torch.nn.Module, state_dict: dict, prefix: str, missing_keys: list) -> None:
@@ -92,5 +92,9 @@ class TransformedGraphModule(GraphModule):
         _, (body, import_block) = super().__reduce__()
         for k in TRANSIENT_ATTRS:
             body.pop(k, None)
+        from .capture import RebuildTracer
+
+        # Loading re-traces the saved code; this tracer keeps `self.training` reads as reads.
+        body["_tracer_cls"] = RebuildTracer
         cls = next(c for c in type(self).__mro__ if "<locals>" not in c.__qualname__)
         return (_rebuild, (cls, body, import_block))
