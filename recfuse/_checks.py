@@ -32,6 +32,19 @@ def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
+def _shape_is(t: torch.Tensor, *shapes: tuple) -> bool:
+    """Whether t's shape is one of `shapes`, compared size by size with ``==``.
+
+    Not ``tuple(t.shape) in shapes``: under torch.compile(dynamic=True) sizes are SymInts, and
+    each size must be compared (and guarded) on its own, by rank first.
+    """
+    dims = t.dim()
+    for shape in shapes:
+        if dims == len(shape) and all(bool(a == b) for a, b in zip(t.shape, shape)):
+            return True
+    return False
+
+
 def _check_tensor(name: str, t, x: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -98,11 +111,11 @@ def check_op_args(
         raise ValueError(f"weight must have at least one output row (H >= 1), got shape {_shape(weight)}")
     if bias is not None:
         _check_tensor("bias", bias, x)
-        if tuple(bias.shape) not in ((H,), (F, H)):
+        if not _shape_is(bias, (H,), (F, H)):
             raise ValueError(f"bias must be [H={H}] or [F={F}, H={H}], got shape {_shape(bias)}")
     for name, t in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
         if t is not None:
             _check_tensor(name, t, x)
-            if tuple(t.shape) not in ((D,), (F, D)):
+            if not _shape_is(t, (D,), (F, D)):
                 raise ValueError(f"{name} must be [D={D}] or [F={F}, D={D}], got shape {_shape(t)}")
     return OpShape(F=F, B=B, D=D, H=H, feature_dim=feature_dim, per_feature_weight=per_feature)

@@ -27,10 +27,20 @@ import triton.language as tl
 @triton.jit
 def _tanh(a):
     # tanh from exp of a non-positive argument: no overflow, exact sign, and portable to the
-    # interpreter (libdevice is CUDA-only).
+    # interpreter (libdevice is CUDA-only). Near 0, 1 - e cancels: its absolute error is an ulp
+    # of 1, a relative error of ~6e-8 / |2a| (3e-4 at |a| = 1e-4, as small LayerNorm weights
+    # give), so |a| < 0.25 takes the odd Taylor series to a^11 instead (truncation error
+    # < 3e-10 relative there; past 0.25, 1 - e >= 0.39 keeps the exp form within ~2e-7).
     e = tl.exp(-2.0 * tl.abs(a))
     t = (1.0 - e) / (1.0 + e)
-    return tl.where(a < 0, -t, t)
+    t = tl.where(a < 0, -t, t)
+    a2 = a * a
+    p = -1382.0 / 155925.0
+    p = p * a2 + 62.0 / 2835.0
+    p = p * a2 - 17.0 / 315.0
+    p = p * a2 + 2.0 / 15.0
+    p = p * a2 - 1.0 / 3.0
+    return tl.where(a2 < 0.0625, a + a * (a2 * p), t)
 
 
 @triton.jit
@@ -85,7 +95,9 @@ def _normalize_tanh(
         if not EVEN_D:
             xc = tl.where(cmask[None, :], xc, 0.0)
         var = tl.sum(xc * xc, axis=1) / D
-        rstd = 1.0 / tl.sqrt(var + eps)
+        # `+ (var - var)`: NaN where the fp32 variance overflowed to inf (rows near 1e19 and up),
+        # instead of rstd = 0 and a silently finite row; 0 otherwise. Per row, not per element.
+        rstd = 1.0 / tl.sqrt(var + eps) + (var - var)
     xhat = xc * rstd[:, None]
     if not (EVEN_D and EVEN_B):
         # Padded rows have zero variance: with eps=0 their rstd is inf, so mask them to exact
@@ -180,7 +192,8 @@ def _chunked_ln_tanh_linear(
         # n_a rows of statistics so far combine with BLOCK_K new ones (constants at compile time).
         mean = mean + delta * (BLOCK_K / (kc * BLOCK_K + BLOCK_K))
         m2 = m2 + tl.sum(dk * dk, axis=1) + delta * delta * (kc * BLOCK_K * BLOCK_K / (kc * BLOCK_K + BLOCK_K))
-    rstd = 1.0 / tl.sqrt(m2 / D + eps)
+    var = m2 / D
+    rstd = 1.0 / tl.sqrt(var + eps) + (var - var)  # NaN where the variance overflowed (see above)
     acc = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
     hmask = hs < H
     for kc in tl.static_range(BLOCK_D // BLOCK_K):
@@ -351,7 +364,7 @@ def ln_tanh_linear_relu_bwd(
     B, D, H, rows_per_program, stats_half,
     stride_x_f, stride_x_b, stride_x_d,
     stride_gy_f, stride_gy_b,
-    stride_dx_f, stride_dx_b,
+    stride_dx_f, stride_dx_b, stride_dx_d,
     stride_w_f, stride_w_h,
     stride_bias_f, stride_lnw_f, stride_lnb_f,
     stride_part_prog,
@@ -431,7 +444,8 @@ def ln_tanh_linear_relu_bwd(
         c1 = tl.sum(dxhat * xhat, axis=1) * inv_d
         c2 = tl.sum(dxhat, axis=1) * inv_d
         dx = (dxhat - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-        dx_ptrs = DX + f * stride_dx_f + rows64[:, None] * stride_dx_b + cols[None, :]
+        # dx has x's strides, D not necessarily innermost (a permuted [D, B, F] buffer).
+        dx_ptrs = DX + f * stride_dx_f + rows64[:, None] * stride_dx_b + cols[None, :] * stride_dx_d
         if EVEN_D and EVEN_B:
             tl.store(dx_ptrs, dx.to(DX.dtype.element_ty))
         else:

@@ -8,6 +8,12 @@ Dispatch:
 * CPU tensors  -> the batched torch composite (`reference.batched_ln_tanh_linear_relu`), except
   with ``TRITON_INTERPRET=1`` in the environment, where they run the Triton kernels under Triton's
   interpreter (how CI, which has no GPU, tests the kernels).
+* float64 on any device -> the composite (the kernels compute in float32; float64 is exact).
+* Under torch.func transforms (grad, vmap, jacrev, ...) the eager entry point runs the composite,
+  which is plain differentiable torch code; a double backward (``create_graph=True``) recomputes
+  the chain with the composite and differentiates it, instead of running the backward kernel.
+* Under autocast the op computes in float32 and returns the autocast dtype, as an eager
+  LayerNorm -> tanh -> Linear -> relu does (its Linear runs in the autocast dtype).
 """
 from __future__ import annotations
 
@@ -65,7 +71,7 @@ def _fwd_op(
 
 def _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=False):
     """y, or with ``save_stats`` (y, per-row mean/rstd for the backward; None on the composite)."""
-    if uses_triton(x.device):
+    if x.dtype is not torch.float64 and uses_triton(x.device):
         from . import launch
 
         return launch.forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=save_stats)
@@ -100,7 +106,7 @@ def _bwd_op(
 
 
 def _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats=None):
-    if uses_triton(x.device):
+    if x.dtype is not torch.float64 and uses_triton(x.device):
         from . import launch
 
         return launch.backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats)
@@ -122,7 +128,9 @@ def _composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featur
     xf, gy = fm(x), fm(grad_y)
     mean = xf.mean(-1, keepdim=True)
     xc = xf - mean
-    rstd = torch.rsqrt((xc * xc).mean(-1, keepdim=True) + eps)
+    var = (xc * xc).mean(-1, keepdim=True)
+    # NaN where the variance overflowed, as the kernels give (not rstd = 0 and a finite dx).
+    rstd = torch.rsqrt(var + eps) + (var - var)
     xhat = xc * rstd
     lw = None if ln_weight is None else ln_weight.to(compute)
     lw_b = None if lw is None else (lw.unsqueeze(1) if lw.dim() == 2 else lw)
@@ -183,8 +191,33 @@ def _setup_context(ctx, inputs, output):
     ctx.feature_dim = feature_dim
 
 
+def _differentiable_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+    """The five gradients as differentiable tensors, for a double backward (``create_graph=True``).
+
+    Recomputes the chain with the batched torch composite under autograd and differentiates it
+    with ``create_graph=True``, so that a gradient penalty (a gradient of x.grad) is exact; the
+    fused backward kernel's outputs have no autograd history.
+    """
+    with torch.enable_grad():
+        # A view per argument, so that one tensor passed twice gets each position's gradient.
+        args = [t.view_as(t) if t is not None and t.requires_grad else t
+                for t in (x, weight, bias, ln_weight, ln_bias)]
+        y = batched_ln_tanh_linear_relu(*args, eps, feature_dim)
+        wanted = [i for i, t in enumerate(args) if t is not None and t.requires_grad]
+        grads = torch.autograd.grad(y, [args[i] for i in wanted], grad_y, create_graph=True, allow_unused=True)
+    out = [None] * 5
+    for i, g in zip(wanted, grads):
+        out[i] = torch.zeros_like(args[i]) if g is None else g
+    return tuple(out)
+
+
 def _backward(ctx, grad_y, backward_fn=_bwd_op):
     x, weight, bias, ln_weight, ln_bias = ctx.saved_tensors
+    if torch.is_grad_enabled() and _any_requires_grad(grad_y, x, weight, bias, ln_weight, ln_bias):
+        # create_graph=True (grad mode is off in a plain backward): the gradients must be
+        # differentiable themselves.
+        grads = _differentiable_backward(grad_y, x, weight, bias, ln_weight, ln_bias, ctx.eps, ctx.feature_dim)
+        return grads + (None, None)
     gx, gw, gb, glw, glb = backward_fn(
         grad_y.contiguous(), x, weight, bias, ln_weight, ln_bias, ctx.eps, ctx.feature_dim
     )
@@ -228,6 +261,90 @@ class _EagerLnTanhLinearRelu(torch.autograd.Function):
         return _backward(ctx, grad_y, backward_fn=functools.partial(_backward_impl, stats=stats))
 
 
+# torch.func transforms wrap tensors in ways the kernels and the ctx-in-forward autograd.Function
+# cannot take. One C call; torch versions without it (none we support) fall back to "inactive".
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+# ---------------------------------------------------------------------------------------------
+# autocast: an eager LayerNorm -> tanh -> Linear -> relu returns the autocast dtype (its Linear
+# is autocast); the op computes in float32 (more accurate than a 16-bit Linear) and casts y.
+
+
+def _autocast_call(fn, device_type, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+    """fn(...) with autocast off for `device_type`, y cast to the autocast dtype.
+
+    Parameters of mixed dtypes (bf16 x, fp32 LayerNorm weights: fine for an eager model under
+    autocast) are all computed in float32; gradients reach each in its own dtype through the
+    casts. float64 inputs are left alone, as autocast leaves float64 alone.
+    """
+    tensors = (x, weight, bias, ln_weight, ln_bias)
+    dtypes = {t.dtype for t in tensors if isinstance(t, torch.Tensor)}
+    if torch.float64 in dtypes or not all(d.is_floating_point for d in dtypes):
+        with torch.autocast(device_type, enabled=False):
+            return fn(*tensors, eps, feature_dim)
+    if len(dtypes) > 1:
+        tensors = tuple(t if t is None else t.to(torch.float32) for t in tensors)
+    with torch.autocast(device_type, enabled=False):
+        y = fn(*tensors, eps, feature_dim)
+    return y.to(torch.get_autocast_dtype(device_type))
+
+
+def _op_positional(x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+    return torch.ops.recfuse.ln_tanh_linear_relu(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+
+
+def _public_positional(x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+    return ln_tanh_linear_relu(x, weight, bias, ln_weight=ln_weight, ln_bias=ln_bias, eps=eps,
+                               feature_dim=feature_dim)
+
+
+# Direct calls of the op (a transformed GraphModule calls torch.ops.recfuse...) under autocast.
+# torch.library.register_autocast only casts inputs; the output must be cast too.
+_AUTOCAST_LIB = torch.library.Library("recfuse", "IMPL")
+for _device_type, _key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
+    _AUTOCAST_LIB.impl("ln_tanh_linear_relu", functools.partial(_autocast_call, _op_positional, _device_type), _key)
+
+
+# vmap over the op itself (torch.func.vmap of a transformed graph, which calls torch.ops.recfuse...):
+# the vmapped dim N is folded into the feature dim, so one call of the op on N*F features (the
+# kernels on CUDA) computes all N; unbatched per-feature parameters are repeated N times.
+def _vmap_rule(info, in_dims, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+    n = info.batch_size
+    x_dim, w_dim, b_dim, lw_dim, lb_dim = in_dims[:5]
+
+    def features_first(t, bdim, per_feature_ndim):
+        """[N*F, ...] (per feature) or the unbatched shared parameter as it is."""
+        if t is None:
+            return None
+        if bdim is None:
+            if t.dim() != per_feature_ndim:
+                return t  # shared and unbatched: stays shared
+            return t.unsqueeze(0).expand(n, *t.shape).reshape(-1, *t.shape[1:])
+        t = t.movedim(bdim, 0)
+        if t.dim() - 1 != per_feature_ndim:  # batched shared parameter: one copy per feature
+            t = t.unsqueeze(1).expand(n, F, *t.shape[1:])
+        return t.reshape(n * F, *t.shape[2:])
+
+    x = x.movedim(x_dim, 0) if x_dim is not None else x.unsqueeze(0).expand(n, *x.shape)
+    F = x.shape[1 + feature_dim]
+    if feature_dim == 0:
+        xf = x.reshape(n * F, *x.shape[2:])                           # [N*F, B, D]
+    else:
+        xf = x.movedim(0, 1).reshape(x.shape[1], n * F, x.shape[3])   # [B, N*F, D]
+    weight = features_first(weight, w_dim, 3)
+    bias = features_first(bias, b_dim, 2)
+    ln_weight = features_first(ln_weight, lw_dim, 2)
+    ln_bias = features_first(ln_bias, lb_dim, 2)
+    y = torch.ops.recfuse.ln_tanh_linear_relu(xf, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    if feature_dim == 0:
+        return y.view(n, F, *y.shape[1:]), 0
+    return y.view(y.shape[0], n, F, y.shape[2]), 1
+
+
+torch.library.register_vmap("recfuse::ln_tanh_linear_relu", _vmap_rule)
+
+
 def _any_requires_grad(*tensors) -> bool:
     return any(t is not None and t.requires_grad for t in tensors)
 
@@ -258,7 +375,8 @@ def ln_tanh_linear_relu(
     """relu(Linear(tanh(LayerNorm(x_f)))) for every feature slice f of a 3D tensor, in one op.
 
     Args:
-        x: [F, B, D] (``feature_dim=0``) or [B, F, D] (``feature_dim=1``), float32/bfloat16/float16.
+        x: [F, B, D] (``feature_dim=0``) or [B, F, D] (``feature_dim=1``), float32/bfloat16/float16
+            (float64 runs the exact torch composite on every device).
             Any strides: a torchrec KeyedTensor's [B, F*D] values viewed as [B, F, D] is read
             in place, without a copy.
         weight: [H, D] shared by all features, or [F, H, D] one per feature.
@@ -268,8 +386,11 @@ def ln_tanh_linear_relu(
         feature_dim: which dim of x indexes features.
 
     Returns:
-        [F, B, H] or [B, F, H] (the layout of x with D replaced by H), in x's dtype. Accumulation
-        is float32 for every dtype. Differentiable in every tensor argument.
+        [F, B, H] or [B, F, H] (the layout of x with D replaced by H), in x's dtype, or under
+        autocast for x's device the autocast dtype (computed in float32, then cast), as the eager
+        chain with an autocast Linear gives. Accumulation is float32 for every dtype.
+        Differentiable in every tensor argument, twice (``create_graph=True``) and under
+        ``torch.func`` transforms (both through the torch composite).
 
     Example:
         >>> import torch, recfuse
@@ -285,8 +406,14 @@ def ln_tanh_linear_relu(
         return torch.ops.recfuse.ln_tanh_linear_relu(
             x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim)
         )
+    if isinstance(x, torch.Tensor) and torch.is_autocast_enabled("cuda" if x.is_cuda else x.device.type):
+        return _autocast_call(_public_positional, "cuda" if x.is_cuda else x.device.type,
+                              x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
     check_op_args(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
     if _is_plain_eager(x):
+        if _functorch_active():
+            # torch.func.grad / vmap / jacrev: the differentiable, batchable torch composite.
+            return batched_ln_tanh_linear_relu(x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim))
         if not (torch.is_grad_enabled() and _any_requires_grad(x, weight, bias, ln_weight, ln_bias)):
             # Inference: no autograd node to build (Function.apply alone is ~15 us a call).
             return _forward_impl(x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim))

@@ -1,0 +1,420 @@
+"""Silent wrong answers the op must not give: each test compares numbers with an independent
+reference (float64 per-slice reference, the float32/float64 torch composite, autograd of it).
+
+Every test runs on the path its process selects: the CPU composite in a plain run, the Triton
+kernels (under the interpreter) in a `TRITON_INTERPRET=1` run. The `path` parameter labels the
+two: its "triton" value is marked `interpret`, so each process runs the value that matches it.
+Sizes stay tiny (the interpreter runs numpy per program).
+"""
+import pytest
+import torch
+import torch.nn.functional as F_
+
+import recfuse
+from recfuse.ops import uses_triton
+from recfuse.reference import batched_ln_tanh_linear_relu
+from op_cases import TOLERANCE, rel_err
+
+PATHS = [pytest.param("composite", id="composite"),
+         pytest.param("triton", id="triton", marks=pytest.mark.interpret)]
+
+
+def _on_path(path):
+    # The process decides the path (TRITON_INTERPRET is read at import); make sure it is this one.
+    assert uses_triton(torch.device("cpu")) == (path == "triton")
+
+
+def _params(F, D, H, dtype=torch.float64, per_feature=True, lw_scale=0.2, lw_center=1.0, bias=True):
+    g = torch.Generator().manual_seed(1234)
+    kw = dict(dtype=dtype, generator=g)
+    w = torch.randn((F, H, D) if per_feature else (H, D), **kw) / D ** 0.5
+    b = 0.1 + 0.1 * torch.randn((F, H) if per_feature else (H,), **kw) if bias else None
+    lw = lw_center + lw_scale * torch.randn(F, D, **kw)
+    lb = 0.2 * torch.randn(D, **kw)
+    return w, b, lw, lb
+
+
+def _call(fn, x, w, b, lw, lb, fd, eps=1e-5):
+    return fn(x, w, b, ln_weight=lw, ln_bias=lb, eps=eps, feature_dim=fd)
+
+
+def _op_positional(x, w, b, ln_weight=None, ln_bias=None, eps=1e-5, feature_dim=0):
+    return torch.ops.recfuse.ln_tanh_linear_relu(x, w, b, ln_weight, ln_bias, eps, feature_dim)
+
+
+ENTRY_POINTS = [pytest.param(recfuse.ln_tanh_linear_relu, id="eager"),
+                pytest.param(_op_positional, id="custom_op")]
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. x whose D dim is not innermost: forward and every gradient
+
+
+def _layouts(F, B, D):
+    """(name, feature_dim, buffer shape, function buffer -> x view with x.stride(2) != 1)."""
+    return [
+        ("DBF_permuted_fd0", 0, (D, B, F), lambda t: t.permute(2, 1, 0)),        # [F, B, D]
+        ("DFB_permuted_fd1", 1, (D, F, B), lambda t: t.permute(2, 1, 0)),        # [B, F, D]
+        ("FDB_transposed_fd0", 0, (F, D, B), lambda t: t.transpose(1, 2)),       # [F, B, D], stride(1) == 1
+        ("FD_B_transposed_fd1", 1, (F * D, B), lambda t: t.t().view(B, F, D)),   # [F*D, B] buffer seen as [B, F, D]
+        ("BDF_permuted_fd1", 1, (B, D, F), lambda t: t.permute(0, 2, 1)),        # [B, F, D]
+    ]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("D, H", [(5, 1), (12, 3), (5, 6)])
+def test_d_not_innermost_forward_and_gradients_match_float64(path, D, H):
+    _on_path(path)
+    F, B = 3, 7
+    w64, b64, lw64, lb64 = _params(F, D, H)
+    for name, fd, shape, view in _layouts(F, B, D):
+        buf64 = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+        x_shape = (F, B, D) if fd == 0 else (B, F, D)
+        gy64 = torch.randn(x_shape[:2] + (H,), dtype=torch.float64)
+        # float64 reference on a contiguous copy (an independent layout).
+        ref_in = [view(buf64).contiguous().requires_grad_(True)] + [
+            t.clone().requires_grad_(True) for t in (w64, b64, lw64, lb64)]
+        y_ref = _call(recfuse.reference.ln_tanh_linear_relu, *ref_in, fd)
+        g_ref = torch.autograd.grad(y_ref, ref_in, gy64)
+
+        base = buf64.float().requires_grad_(True)
+        x = view(base)
+        assert x.shape == x_shape and x.stride(2) != 1, (name, x.stride())
+        params = [t.float().requires_grad_(True) for t in (w64, b64, lw64, lb64)]
+        y = _call(recfuse.ln_tanh_linear_relu, x, *params, fd)
+        grads = torch.autograd.grad(y, [x] + params, gy64.float())
+        assert rel_err(y, y_ref) < TOLERANCE[torch.float32], name
+        for what, g, r in zip(["x", "weight", "bias", "ln_weight", "ln_bias"], grads, g_ref):
+            err = rel_err(g, r)
+            assert err < TOLERANCE[torch.float32], f"{name} d{what}: relative error {err:.2e}"
+        # Through the base buffer too (autograd's view backward takes dx in x's strides).
+        y2 = _call(recfuse.ln_tanh_linear_relu, view(base), *params, fd)
+        (y2 * gy64.float()).sum().backward()
+        assert rel_err(view(base.grad), g_ref[0]) < TOLERANCE[torch.float32], name
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. double backward: a gradient penalty
+
+
+def _gradient_penalty(fn, x, w, b, lw, lb, gy, fd):
+    y = _call(fn, x, w, b, lw, lb, fd)
+    (gx,) = torch.autograd.grad(y, x, gy, create_graph=True)
+    return (gx * gx).sum()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("fd, per_feature", [(0, True), (1, False)])
+def test_gradient_penalty_matches_float64_composite(path, entry, fd, per_feature):
+    _on_path(path)
+    F, B, D, H = 3, 5, 12, 3
+    params64 = _params(F, D, H, per_feature=per_feature)
+    x64 = torch.randn((F, B, D) if fd == 0 else (B, F, D), dtype=torch.float64)
+    gy64 = torch.randn(x64.shape[:2] + (H,), dtype=torch.float64)
+
+    def run(fn, dtype):
+        x = x64.to(dtype).requires_grad_(True)
+        params = [t.to(dtype).requires_grad_(True) for t in params64]
+        pen = _gradient_penalty(fn, x, *params, gy64.to(dtype), fd)
+        return pen, torch.autograd.grad(pen, [x] + params)
+
+    pen_ref, g_ref = run(recfuse.reference.ln_tanh_linear_relu, torch.float64)
+    pen, grads = run(entry, torch.float32)
+    assert rel_err(pen, pen_ref) < 1e-5
+    for what, g, r in zip(["x", "weight", "bias", "ln_weight", "ln_bias"], grads, g_ref):
+        assert g.dtype == torch.float32
+        err = rel_err(g, r)
+        assert err < 1e-4, f"d(penalty)/d{what}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_gradgradcheck_float64(path, entry):
+    _on_path(path)
+    F, B, D, H = 2, 3, 5, 2
+    w, b, lw, lb = (t.requires_grad_(True) for t in _params(F, D, H))
+    x = torch.randn(B, F, D, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(
+        lambda *a: _call(entry, *a, fd=1), (x, w, b, lw, lb))
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. torch.compile(dynamic=True): symbolic sizes in the argument checks
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("ln_shape", ["D", "FD"])
+def test_compile_dynamic_shapes_matches_reference(path, backend, ln_shape):
+    _on_path(path)
+    torch._dynamo.reset()
+    F, D, H = 3, 5, 2
+    w = torch.randn(H, D)
+    lw = torch.randn(F, D) if ln_shape == "FD" else torch.randn(D)
+    lb = torch.randn(D)
+    fn = torch.compile(lambda x, w, lw, lb: recfuse.ln_tanh_linear_relu(x, w, ln_weight=lw, ln_bias=lb, feature_dim=1),
+                       fullgraph=True, dynamic=True, backend=backend)
+    for B in (4, 7, 9):
+        x = torch.randn(B, F, D)
+        y = fn(x, w, lw, lb)
+        y_ref = recfuse.reference.ln_tanh_linear_relu(x.double(), w.double(), ln_weight=lw.double(),
+                                                      ln_bias=lb.double(), feature_dim=1)
+        assert y.shape == (B, F, H)
+        assert rel_err(y, y_ref) < TOLERANCE[torch.float32], B
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. torch.func transforms
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_torch_func_grad_matches_composite(path, entry):
+    _on_path(path)
+    F, B, D, H = 2, 4, 5, 3
+    w, b, lw, lb = (t.float() for t in _params(F, D, H))
+    x = torch.randn(B, F, D)
+    gy = torch.randn(B, F, H)
+
+    def loss(fn, x, w, lw):
+        return (_call(fn, x, w, b, lw, lb, 1) * gy).sum()
+
+    grad_fn = torch.func.grad(lambda x, w, lw: loss(entry, x, w, lw), argnums=(0, 1, 2))
+    if entry is _op_positional:
+        # torch's own custom ops take no torch.func.grad (their autograd.Function has no
+        # setup_context); the error says so. recfuse.ln_tanh_linear_relu is the supported entry.
+        with pytest.raises(RuntimeError, match="functorch transforms"):
+            grad_fn(x, w, lw)
+        return
+    got = grad_fn(x, w, lw)
+    args64 = [t.double().requires_grad_(True) for t in (x, w, lw)]
+    ref = torch.autograd.grad(
+        (_call(batched_ln_tanh_linear_relu_kw, args64[0], args64[1], b.double(), args64[2], lb.double(), 1)
+         * gy.double()).sum(), args64)
+    for what, g, r in zip(["x", "weight", "ln_weight"], got, ref):
+        assert rel_err(g, r) < TOLERANCE[torch.float32], what
+
+
+def batched_ln_tanh_linear_relu_kw(x, w, b, ln_weight=None, ln_bias=None, eps=1e-5, feature_dim=0):
+    return batched_ln_tanh_linear_relu(x, w, b, ln_weight, ln_bias, eps, feature_dim)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("fd", [0, 1])
+def test_torch_func_vmap_matches_composite(path, entry, requires_grad, fd):
+    _on_path(path)
+    F, B, D, H, N = 2, 3, 5, 3, 4
+    # fd=0: per-feature parameters; fd=1: shared ones (the vmap rule repeats or keeps them).
+    w, b, lw, lb = (t.float().requires_grad_(requires_grad) for t in _params(F, D, H, per_feature=fd == 0))
+    x_shape = (F, B, D) if fd == 0 else (B, F, D)
+    xs = torch.randn((N,) + x_shape)
+
+    def ref(x, w_):
+        return recfuse.reference.ln_tanh_linear_relu(x.double(), w_.double(), b.double(), ln_weight=lw.double(),
+                                                     ln_bias=lb.double(), feature_dim=fd)
+
+    ys = torch.func.vmap(lambda x: _call(entry, x, w, b, lw, lb, fd))(xs)
+    # Batched over the weight too (in_dims on a parameter), the vmapped dim last.
+    ws = torch.randn(tuple(w.shape) + (N,))
+    yw = torch.func.vmap(lambda x, w_: _call(entry, x, w_, b, lw, lb, fd), in_dims=(0, -1), out_dims=1)(xs, ws)
+    for n in range(N):
+        assert rel_err(ys[n], ref(xs[n], w)) < TOLERANCE[torch.float32]
+        assert rel_err(yw[:, n], ref(xs[n], ws[..., n])) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_torch_func_jacrev_matches_autograd(path):
+    _on_path(path)
+    F, B, D, H = 2, 2, 5, 1
+    w, b, lw, lb = (t.float() for t in _params(F, D, H))
+    x = torch.randn(F, B, D)
+    jac = torch.func.jacrev(lambda x: _call(recfuse.ln_tanh_linear_relu, x, w, b, lw, lb, 0))(x)
+    ref = torch.autograd.functional.jacobian(
+        lambda x: _call(recfuse.reference.ln_tanh_linear_relu, x, w.double(), b.double(), lw.double(),
+                        lb.double(), 0), x.double())
+    assert rel_err(jac, ref) < TOLERANCE[torch.float32]
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. autocast: the dtype of the eager chain, gradients in the parameters' dtypes
+
+
+def _eager_chain(x, w, b, lw, lb):
+    return torch.relu(F_.linear(torch.tanh(F_.layer_norm(x, (x.shape[-1],), lw, lb, 1e-5)), w, b))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_autocast_output_dtype_and_gradients_match_eager(path, entry, x_dtype):
+    _on_path(path)
+    F, B, D, H = 3, 6, 12, 3
+    w64, b64, _, _ = _params(F, D, H, per_feature=False)
+    lw64 = 1 + 0.2 * torch.randn(D, dtype=torch.float64)
+    lb64 = 0.2 * torch.randn(D, dtype=torch.float64)
+    x64 = torch.randn(F, B, D, dtype=torch.float64).to(x_dtype).double()  # representable in x_dtype
+    gy = torch.randn(F, B, H, dtype=torch.float64)
+
+    def leaves(dtype):
+        return [x64.to(dtype if dtype == torch.float64 else x_dtype).requires_grad_(True)] + [
+            t.to(dtype).requires_grad_(True) for t in (w64, b64, lw64, lb64)]
+
+    ref_in = leaves(torch.float64)
+    y_ref = _eager_chain(*ref_in)
+    g_ref = torch.autograd.grad(y_ref, ref_in, gy)
+
+    eager_in = leaves(torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_eager = _eager_chain(*eager_in)
+    op_in = leaves(torch.float32)  # fp32 parameters, x in x_dtype (mixed under autocast, as eager allows)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = _call(entry, *op_in, 0)
+    assert y_eager.dtype == torch.bfloat16
+    assert y.dtype == y_eager.dtype and y.shape == y_eager.shape
+    assert rel_err(y, y_ref) < TOLERANCE[torch.bfloat16]
+    grads = torch.autograd.grad(y, op_in, gy.to(y.dtype))
+    for t, g, r in zip(op_in, grads, g_ref):
+        assert g.dtype == t.dtype
+        assert rel_err(g, r) < 2e-2
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_autocast_under_compile_matches_eager_dtype(path):
+    _on_path(path)
+    torch._dynamo.reset()
+    F, B, D, H = 2, 4, 5, 2
+    w, b, lw, lb = (t.float() for t in _params(F, D, H))
+    x = torch.randn(B, F, D)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def fn(x, w, b, lw, lb):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return recfuse.ln_tanh_linear_relu(x, w, b, ln_weight=lw, ln_bias=lb, feature_dim=1)
+
+    y = fn(x, w, b, lw, lb)
+    ref = recfuse.reference.ln_tanh_linear_relu(x.double(), w.double(), b.double(), ln_weight=lw.double(),
+                                                ln_bias=lb.double(), feature_dim=1)
+    assert y.dtype == torch.bfloat16 and rel_err(y, ref) < TOLERANCE[torch.bfloat16]
+
+
+def test_no_autocast_keeps_the_input_dtype():
+    x, w = torch.randn(2, 3, 5), torch.randn(2, 5)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        assert recfuse.ln_tanh_linear_relu(x, w).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y64 = recfuse.ln_tanh_linear_relu(x.double(), w.double())
+    assert y64.dtype == torch.float64  # autocast leaves float64 alone, as for nn.Linear
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. fp32 tanh accuracy near 0 (small LayerNorm weights)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("scale", [1e-4, 3e-4, 1e-3, 1e-2])
+@pytest.mark.parametrize("H", [1, 3, 6])
+def test_small_ln_weight_fp32_is_accurate(path, scale, H):
+    _on_path(path)
+    F, B, D = 2, 9, 12
+    w64, _, lw64, _ = _params(F, D, H, lw_scale=0.3 * scale, lw_center=scale)
+    x64 = torch.randn(F, B, D, dtype=torch.float64).float().double()
+    args64 = [t.float().double().requires_grad_(True) for t in (x64, w64, lw64)]
+    y_ref = recfuse.reference.ln_tanh_linear_relu(args64[0], args64[1], ln_weight=args64[2])
+    if y_ref.abs().sum() == 0:
+        raise AssertionError("degenerate case")
+    gy = torch.randn(y_ref.shape, dtype=torch.float64)
+    g_ref = torch.autograd.grad(y_ref, args64, gy)
+    args = [t.detach().float().requires_grad_(True) for t in args64]
+    y = recfuse.ln_tanh_linear_relu(args[0], args[1], ln_weight=args[2])
+    grads = torch.autograd.grad(y, args, gy.float())
+    err = rel_err(y, y_ref)
+    assert err < 1e-6, f"y relative error {err:.2e}"
+    for what, g, r in zip(["x", "weight", "ln_weight"], grads, g_ref):
+        err = rel_err(g, r)
+        assert err < 1e-5, f"d{what}: relative error {err:.2e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. float64: exact, gradcheck passes
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_float64_gradcheck_and_exact_forward(path, entry):
+    _on_path(path)
+    F, B, D, H = 3, 4, 5, 2
+    w, b, lw, lb = (t.requires_grad_(True) for t in _params(F, D, H))
+    x = torch.randn(B, F, D, dtype=torch.float64, requires_grad=True)
+    y = _call(entry, x, w, b, lw, lb, 1)
+    y_ref = _call(recfuse.reference.ln_tanh_linear_relu, x, w, b, lw, lb, 1)
+    assert y.dtype == torch.float64 and rel_err(y, y_ref) < 1e-12
+    assert torch.autograd.gradcheck(lambda *a: _call(entry, *a, fd=1), (x, w, b, lw, lb))
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. huge and non-finite inputs: NaN where the float32 torch composite is not finite
+
+
+def _huge_rows(F, B, D):
+    x = torch.randn(F, B, D)
+    x[0, 0, 1] = 1e30            # one huge element: fp32 variance overflows
+    x[0, 1, :4] = 1e30           # most of a row (a constant row of 1e30 is its own case below)
+    x[0, 2, :3] = torch.tensor([1e30, -1e30, 1e30])
+    x[1, 0, 2] = 3e38            # near float32 max
+    x[1, 1, 3] = float("inf")
+    x[1, 2, 0] = float("nan")
+    x[2, 3, 4] = -3e38
+    x[2, 5, :] = -float("inf")
+    return x
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("H", [1, 3, 6])
+def test_huge_and_nonfinite_rows_give_nan_where_torch_does(path, H):
+    _on_path(path)
+    F, B, D = 3, 7, 5
+    x = _huge_rows(F, B, D)
+    w, b, lw, lb = (t.float() for t in _params(F, D, H))
+    ref = batched_ln_tanh_linear_relu(x, w, b, lw, lb, 1e-5, 0)  # float32 torch composite
+    bad = ~torch.isfinite(ref)
+    assert bad.any() and not bad.all()
+    y = _call(recfuse.ln_tanh_linear_relu, x, w, b, lw, lb, 0)
+    assert torch.equal(torch.isnan(y), bad), (torch.isnan(y), bad)
+    assert torch.isfinite(y[~bad]).all()
+    ref64 = recfuse.reference.ln_tanh_linear_relu(x.double(), w.double(), b.double(), ln_weight=lw.double(),
+                                                  ln_bias=lb.double())
+    assert rel_err(y[~bad], ref64[~bad]) < TOLERANCE[torch.float32]
+    # dx: NaN on the rows whose output is NaN, right on the others (rows are independent).
+    xg = x.clone().requires_grad_(True)
+    (dx,) = torch.autograd.grad(_call(recfuse.ln_tanh_linear_relu, xg, w, b, lw, lb, 0), xg, torch.ones_like(y))
+    bad_rows = bad.any(-1)
+    assert torch.isnan(dx[bad_rows]).all(-1).all()
+    x64 = x.double().requires_grad_(True)
+    y64 = recfuse.reference.ln_tanh_linear_relu(x64, w.double(), b.double(), ln_weight=lw.double(), ln_bias=lb.double())
+    (dx64,) = torch.autograd.grad(y64, x64, torch.ones_like(y64))
+    assert rel_err(dx[~bad_rows], dx64[~bad_rows]) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_constant_huge_row_is_finite_on_the_kernels(path):
+    # A constant row of 1e30 has exactly zero variance: its LayerNorm is 0 and y = relu(w @
+    # tanh(ln_bias) + b), finite, as float64 gives. torch's float32 CPU layer_norm gives NaN
+    # there (its moments overflow), so the composite path does too; the kernels give the exact
+    # value (their two-pass variance does not overflow on it). Both are checked here.
+    _on_path(path)
+    F, B, D, H = 2, 3, 5, 2
+    x = torch.randn(F, B, D)
+    x[1, 1, :] = 1e30
+    w, b, lw, lb = (t.float() for t in _params(F, D, H))
+    y = _call(recfuse.ln_tanh_linear_relu, x, w, b, lw, lb, 0)
+    ref64 = recfuse.reference.ln_tanh_linear_relu(x.double(), w.double(), b.double(), ln_weight=lw.double(),
+                                                  ln_bias=lb.double())
+    assert torch.isfinite(ref64).all()
+    if path == "triton":
+        assert rel_err(y, ref64) < TOLERANCE[torch.float32]
+    else:
+        assert torch.isnan(y[1, 1]).all()
+        assert rel_err(y[~torch.isnan(y)], ref64[~torch.isnan(y)]) < TOLERANCE[torch.float32]
