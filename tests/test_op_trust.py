@@ -16,12 +16,35 @@ from recfuse.reference import batched_ln_tanh_linear_relu
 from op_cases import TOLERANCE, rel_err
 
 PATHS = [pytest.param("composite", id="composite"),
-         pytest.param("triton", id="triton", marks=pytest.mark.interpret)]
+         pytest.param("triton", id="triton", marks=pytest.mark.interpret),
+         # On a GPU machine: the same checks with the fused op's tensors moved to CUDA (the Triton
+         # kernels at full speed); references stay on the CPU.
+         pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                    reason="no CUDA device"))]
+
+_FUSED_ON_CUDA = False
 
 
-def _on_path(path):
+def _on_path(path, cuda_ok=True):
+    global _FUSED_ON_CUDA
+    _FUSED_ON_CUDA = path == "cuda"
+    if path == "cuda":
+        if not cuda_ok:
+            pytest.skip("this check runs on the CPU paths only")
+        return
     # The process decides the path (TRITON_INTERPRET is read at import); make sure it is this one.
     assert uses_triton(torch.device("cpu")) == (path == "triton")
+
+
+def _on_cuda(fn):
+    """`fn` with its tensor arguments moved to CUDA and its result moved back (both differentiable,
+    strides preserved), so CPU-side references and autograd leaves stay as they are."""
+
+    def call(*args, **kwargs):
+        dev = lambda t: t.to("cuda") if isinstance(t, torch.Tensor) else t  # noqa: E731
+        return fn(*[dev(a) for a in args], **{k: dev(v) for k, v in kwargs.items()}).cpu()
+
+    return call
 
 
 def _params(F, D, H, dtype=torch.float64, per_feature=True, lw_scale=0.2, lw_center=1.0, bias=True):
@@ -35,6 +58,8 @@ def _params(F, D, H, dtype=torch.float64, per_feature=True, lw_scale=0.2, lw_cen
 
 
 def _call(fn, x, w, b, lw, lb, fd, eps=1e-5):
+    if _FUSED_ON_CUDA and fn is not recfuse.reference.ln_tanh_linear_relu:
+        fn = _on_cuda(fn)
     return fn(x, w, b, ln_weight=lw, ln_bias=lb, eps=eps, feature_dim=fd)
 
 
@@ -147,7 +172,7 @@ def test_gradgradcheck_float64(path, entry):
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 @pytest.mark.parametrize("ln_shape", ["D", "FD"])
 def test_compile_dynamic_shapes_matches_reference(path, backend, ln_shape):
-    _on_path(path)
+    _on_path(path, cuda_ok=False)
     torch._dynamo.reset()
     F, D, H = 3, 5, 2
     w = torch.randn(H, D)
@@ -250,7 +275,7 @@ def _eager_chain(x, w, b, lw, lb):
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_autocast_output_dtype_and_gradients_match_eager(path, entry, x_dtype):
-    _on_path(path)
+    _on_path(path, cuda_ok=False)
     F, B, D, H = 3, 6, 12, 3
     w64, b64, _, _ = _params(F, D, H, per_feature=False)
     lw64 = 1 + 0.2 * torch.randn(D, dtype=torch.float64)
@@ -283,7 +308,7 @@ def test_autocast_output_dtype_and_gradients_match_eager(path, entry, x_dtype):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_autocast_under_compile_matches_eager_dtype(path):
-    _on_path(path)
+    _on_path(path, cuda_ok=False)
     torch._dynamo.reset()
     F, B, D, H = 2, 4, 5, 2
     w, b, lw, lb = (t.float() for t in _params(F, D, H))
@@ -328,7 +353,7 @@ def test_small_ln_weight_fp32_is_accurate(path, scale, H):
     gy = torch.randn(y_ref.shape, dtype=torch.float64)
     g_ref = torch.autograd.grad(y_ref, args64, gy)
     args = [t.detach().float().requires_grad_(True) for t in args64]
-    y = recfuse.ln_tanh_linear_relu(args[0], args[1], ln_weight=args[2])
+    y = _call(recfuse.ln_tanh_linear_relu, args[0], args[1], None, args[2], None, 0)
     grads = torch.autograd.grad(y, args, gy.float())
     err = rel_err(y, y_ref)
     assert err < 1e-6, f"y relative error {err:.2e}"
