@@ -124,7 +124,8 @@ def forward_config(D: int, H: int, dtype: torch.dtype, interpret: bool, full_til
         1
     """
     block_d = triton.next_power_of_2(D)
-    use_dot = H >= _DOT_MIN_H and 16 * block_d <= _TILE_BUDGET
+    # tl.dot needs K >= 16 on the GPU (D < 16 failed to compile on the H100): rows below that.
+    use_dot = H >= _DOT_MIN_H and 16 <= block_d and 16 * block_d <= _TILE_BUDGET
     if use_dot:
         block_h = min(64, max(16, triton.next_power_of_2(H)))
         block_b = 32 if 32 * block_d <= _TILE_BUDGET else 16
@@ -188,7 +189,7 @@ def backward_config(D: int, H: int, dtype: torch.dtype, interpret: bool) -> Opti
         True
     """
     block_d = triton.next_power_of_2(D)
-    use_dot = H >= _DOT_MIN_H
+    use_dot = H >= _DOT_MIN_H and block_d >= 16  # tl.dot needs K >= 16 on the GPU
     if use_dot:
         block_h = max(16, triton.next_power_of_2(H))
         if block_h * block_d > _BWD_MAX_WEIGHT_TILE or 16 * block_d > _TILE_BUDGET:
@@ -205,7 +206,10 @@ def backward_config(D: int, H: int, dtype: torch.dtype, interpret: bool) -> Opti
         # H100 sweeps (results/tune_h100_v2.json, v4, D=256 H=1 with full tiles): fp32 16-row
         # tiles, 8 warps, one wave, x loaded evict_first: 990 us (1023 us without the hint;
         # 4 warps, two waves: 1581 us before); 16-bit 8-row tiles, 8 warps, two waves: 515 us.
-        rows = 16 if dtype == torch.float32 else 8
+        # 16-row fp32 tiles with 2 <= H <= 4 (a [16, BLOCK_H, BLOCK_D] product tile) gave a dx
+        # ~100% off on the H100 (Triton 3.6), which the interpreter does not show; 8 rows (and
+        # 16 at H=1) check out (results/checks: gpu_trust_h100.txt). Any H up to 4 takes 8 rows.
+        rows = 16 if dtype == torch.float32 and block_h == 1 else 8
         block_b = max(1, min(rows, _TILE_BUDGET // (4 * block_d * block_h)))
         num_warps = 8 if block_b * block_d >= 2048 else 4
         waves = 1 if dtype == torch.float32 else 2

@@ -1,0 +1,201 @@
+"""Host cost of a fused call, in bare Triton launches and `torch.tanh` calls measured in the same process.
+
+At the puzzler shape (F=16 B=1024 D=256 H=1 fp32, torchrec layout: a [B, F*D] buffer viewed as
+[B, F, D], per-feature LayerNorm affine) the GPU work of a call is ~15 us, so its wall time is the
+host's: Python, argument checks, autograd bookkeeping and kernel launches. Each row is the mean wall
+time per call of a loop of calls with one synchronisation at the end (the rate a training loop can
+issue them), divided by the same for a bare launch of a one-line Triton kernel and for `torch.tanh`
+on 1k elements. Kernels per call come from the profiler.
+
+Rows: the op, `recfuse.transform` of a per-feature model and `FusedFeatureProcessor`, each as a
+forward without grad, a forward recording autograd, and a training step (forward + backward,
+parameter grads set to None before each step); the eager batched composite (`combined`) forward
+and training step as the peers. With ``--profile`` the op's training step is also profiled with
+cProfile (top functions by own time).
+
+Example:
+    $ python benchmarks/host_overhead.py --json benchmarks/results/host_overhead_h100.json
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import io
+import json
+import logging
+import platform
+import pstats
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import recfuse
+from recfuse.reference import batched_ln_tanh_linear_relu
+
+log = logging.getLogger("recfuse.bench")
+
+
+def loop_us(fn, calls: int, warmup: int = 50, repeats: int = 5) -> float:
+    """Best of `repeats` means of `calls` calls of `fn` with one synchronisation at the end."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def kernels_per_call(fn) -> int:
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+class PerFeature(nn.Module):
+    """split -> per-feature LayerNorm (affine) -> tanh -> stack -> shared Linear -> relu."""
+
+    def __init__(self, n_features: int, dim: int, out: int):
+        super().__init__()
+        self.dim = dim
+        self.lns = nn.ModuleList([nn.LayerNorm(dim) for _ in range(n_features)])
+        self.lin = nn.Linear(dim, out)
+
+    def forward(self, x):
+        parts = x.split(self.dim, dim=1)
+        return torch.relu(self.lin(torch.stack([torch.tanh(ln(p)) for ln, p in zip(self.lns, parts)], 1)))
+
+
+def bare_triton_launch():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _copy(src, dst, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+    a = torch.randn(1024, device="cuda")
+    b = torch.empty_like(a)
+    return lambda: _copy[(1,)](a, b, 1024, BLOCK=1024)
+
+
+def build_rows(F_, B, D, H, dtype):
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    buf = torch.randn(B, F_ * D, device=dev, dtype=dtype, generator=g)
+    x3 = buf.view(B, F_, D)
+    w = (torch.randn(H, D, device=dev, dtype=dtype, generator=g) / D ** 0.5).requires_grad_(True)
+    b = torch.zeros(H, device=dev, dtype=dtype).requires_grad_(True)
+    lw = torch.ones(F_, D, device=dev, dtype=dtype).requires_grad_(True)
+    lb = torch.zeros(F_, D, device=dev, dtype=dtype).requires_grad_(True)
+    params = [w, b, lw, lb]
+    model = PerFeature(F_, D, H).to(dev, dtype)
+    fused = recfuse.transform(model, (buf,))
+    ffp = recfuse.FusedFeatureProcessor([f"f{i}" for i in range(F_)], D, H, device=dev, dtype=dtype)
+
+    def op():
+        return recfuse.ln_tanh_linear_relu(x3, w, b, ln_weight=lw, ln_bias=lb, feature_dim=1)
+
+    def combined():
+        return batched_ln_tanh_linear_relu(x3, w, b, lw, lb, 1e-5, 1)
+
+    def no_grad(fn):
+        def call():
+            with torch.no_grad():
+                return fn()
+        return call
+
+    def train_step(fn, ps):
+        def call():
+            for p in ps:
+                p.grad = None
+            fn().sum().backward()
+        return call
+
+    tanh_in = torch.randn(1024, device=dev)
+    rows = {
+        "torch.tanh 1k (calibration)": lambda: torch.tanh(tanh_in),
+        "bare Triton launch": bare_triton_launch(),
+        "op forward, no grad": no_grad(op),
+        "op forward, autograd": op,
+        "op training step": train_step(op, params),
+        "transform forward, no grad": no_grad(lambda: fused(buf)),
+        "transform forward, autograd": lambda: fused(buf),
+        "transform training step": train_step(lambda: fused(buf), list(fused.parameters())),
+        "FFP forward, no grad": no_grad(lambda: ffp(buf)),
+        "FFP forward, autograd": lambda: ffp(buf),
+        "FFP training step": train_step(lambda: ffp(buf), list(ffp.parameters())),
+        "combined (eager) forward, no grad": no_grad(combined),
+        "combined (eager) training step": train_step(combined, params),
+    }
+    return rows, train_step(op, params)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--F", type=int, default=16)
+    ap.add_argument("--B", type=int, default=1024)
+    ap.add_argument("--D", type=int, default=256)
+    ap.add_argument("--H", type=int, default=1)
+    ap.add_argument("--calls", type=int, default=500)
+    ap.add_argument("--profile", action="store_true", help="cProfile the op's training step")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not torch.cuda.is_available():
+        log.error("host_overhead needs a CUDA device (it measures launch costs)")
+        return 2
+    rows, op_step = build_rows(args.F, args.B, args.D, args.H, torch.float32)
+    results = {}
+    for name, fn in rows.items():
+        us = loop_us(fn, args.calls)
+        results[name] = {"us": us, "kernels": kernels_per_call(fn)}
+    tanh_us, launch_us = results["torch.tanh 1k (calibration)"]["us"], results["bare Triton launch"]["us"]
+    lines = [f"{'call':38s} {'us/call':>9s} {'launches':>9s} {'tanh':>7s} {'kernels':>8s}"]
+    for name, r in results.items():
+        r["bare_launches"] = r["us"] / launch_us
+        r["tanh_calls"] = r["us"] / tanh_us
+        lines.append(f"{name:38s} {r['us']:9.1f} {r['bare_launches']:9.2f} {r['tanh_calls']:7.2f} {r['kernels']:8d}")
+    ratios = {
+        "transform train / combined train": results["transform training step"]["us"] / results["combined (eager) training step"]["us"],
+        "transform fwd / combined fwd (no grad)": results["transform forward, no grad"]["us"] / results["combined (eager) forward, no grad"]["us"],
+    }
+    lines += [f"{k}: {v:.2f}" for k, v in ratios.items()]
+    print("\n".join(lines))
+    prof_text = ""
+    if args.profile:
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(200):
+            op_step()
+        torch.cuda.synchronize()
+        pr.disable()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
+        prof_text = s.getvalue()
+        print(prof_text)
+    if args.json:
+        import triton
+
+        out = {"tool": "host_overhead", "date": datetime.date.today().isoformat(),
+               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "python": platform.python_version(), "shape": {"F": args.F, "B": args.B, "D": args.D, "H": args.H},
+               "rows": results, "ratios": ratios, "cprofile_op_training_step": prof_text}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
