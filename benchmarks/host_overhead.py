@@ -29,10 +29,9 @@ import pstats
 import time
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import recfuse
+from _models import PerSlice
 from recfuse.reference import batched_ln_tanh_linear_relu
 
 log = logging.getLogger("recfuse.bench")
@@ -62,20 +61,6 @@ def kernels_per_call(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-class PerFeature(nn.Module):
-    """split -> per-feature LayerNorm (affine) -> tanh -> stack -> shared Linear -> relu."""
-
-    def __init__(self, n_features: int, dim: int, out: int):
-        super().__init__()
-        self.dim = dim
-        self.lns = nn.ModuleList([nn.LayerNorm(dim) for _ in range(n_features)])
-        self.lin = nn.Linear(dim, out)
-
-    def forward(self, x):
-        parts = x.split(self.dim, dim=1)
-        return torch.relu(self.lin(torch.stack([torch.tanh(ln(p)) for ln, p in zip(self.lns, parts)], 1)))
-
-
 def bare_triton_launch():
     import triton
     import triton.language as tl
@@ -100,7 +85,7 @@ def build_rows(F_, B, D, H, dtype):
     lw = torch.ones(F_, D, device=dev, dtype=dtype).requires_grad_(True)
     lb = torch.zeros(F_, D, device=dev, dtype=dtype).requires_grad_(True)
     params = [w, b, lw, lb]
-    model = PerFeature(F_, D, H).to(dev, dtype)
+    model = PerSlice(F_, D, H).to(dev, dtype)
     fused = recfuse.transform(model, (buf,))
     ffp = recfuse.FusedFeatureProcessor([f"f{i}" for i in range(F_)], D, H, device=dev, dtype=dtype)
 

@@ -251,7 +251,7 @@ def test_a_branch_on_training_is_guarded():
 
 def test_dynamo_capture_keeps_state_dict_and_refuses_the_other_mode():
     class NeedsDynamo(nn.Module):
-        """`torch.fx` cannot trace the data-dependent `.item()`-free `torch.nonzero` size check."""
+        """`torch._check` in forward: torch.fx fails on it, so capture falls back to Dynamo."""
 
         def __init__(self):
             super().__init__()
@@ -261,7 +261,7 @@ def test_dynamo_capture_keeps_state_dict_and_refuses_the_other_mode():
 
         def forward(self, x):
             parts = x.split(D, 1)
-            for p in parts:  # fx cannot iterate `parts` without values... it can; force dynamo:
+            for p in parts:
                 torch._check(p.shape[1] == D)
             y = torch.relu(self.lin(torch.stack([torch.tanh(ln(p)) for ln, p in zip(self.lns, parts)], 1)))
             return self.bn(y.sum(-1))
@@ -500,3 +500,36 @@ def test_verify_in_train_mode_with_dropout_and_batchnorm_changes_no_state():
         if k in before:
             assert torch.equal(v, before[k]), k
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_keyed_jagged_tensor_model_with_parameter_attributes():
+    torchrec = pytest.importorskip("torchrec")
+    names = ["a", "b", "c"]
+
+    class Ranker(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ebc = torchrec.EmbeddingBagCollection(tables=[
+                torchrec.EmbeddingBagConfig(name=f"t_{n}", embedding_dim=D, num_embeddings=10, feature_names=[n])
+                for n in names], device=torch.device("cpu"))
+            self.ln_weights = nn.ParameterList([nn.Parameter(torch.rand(D) + 0.5) for _ in names])
+            self.w = nn.Parameter(x_of(H, D, seed=8))
+
+        def forward(self, kjt):
+            d = self.ebc(kjt).to_dict()
+            st = torch.stack([torch.tanh(F.layer_norm(d[n], (D,), self.ln_weights[i])) for i, n in enumerate(names)], 1)
+            return torch.relu(F.linear(st, self.w))
+
+    kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(
+        keys=names, values=torch.randint(0, 10, (9,), generator=torch.Generator().manual_seed(0)),
+        lengths=torch.tensor([1, 2, 0, 1, 1, 1, 2, 0, 1]))
+    m = Ranker()
+    fused = recfuse.transform(m, (kjt,))
+    assert count_recfuse(fused) == 1
+    assert rel(fused(kjt), m(kjt)) < TOL
+    ref = copy.deepcopy(m)
+    fused(kjt).sum().backward()
+    ref(kjt).sum().backward()
+    for name, p in ref.named_parameters():
+        if name in dict(fused.named_parameters()):
+            assert rel(dict(fused.named_parameters())[name].grad, p.grad) < 1e-4, name

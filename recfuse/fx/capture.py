@@ -199,12 +199,13 @@ class _ModeTracer(Tracer):
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):
         out = super().create_args_for_root(root_fn, is_module, concrete_args)
         if is_module:
-            leaves: list[str] = []
+            leaves: set[str] = set()
             for path, m in self.root.named_modules():
-                if any(path.startswith(p + ".") for p in leaves):
-                    continue
+                parts = path.split(".")
+                if any(".".join(parts[:i]) in leaves for i in range(1, len(parts))):
+                    continue  # inside a leaf module
                 if path and not self.proxy_every_flag and self.is_leaf_module(m, path):
-                    leaves.append(path)
+                    leaves.add(path)
                     continue  # leaf modules read their own flag when they run
                 target = f"{path}.training" if path else "training"
                 proxy = self.create_proxy("get_attr", target, (), {})
@@ -427,7 +428,7 @@ def _tensors(v: Any) -> list:
     return []
 
 
-def _insert_guards(gm: GraphModule, tracer: "_ValueTracer") -> None:
+def _insert_guards(gm: GraphModule, tracer: "_ModeTracer") -> bool:
     """Guards for what the capture specialised: a `training` flag a branch was taken on, and the
     key order of dicts the model iterated (the original follows the caller's order)."""
     graph = gm.graph
@@ -444,6 +445,7 @@ def _insert_guards(gm: GraphModule, tracer: "_ValueTracer") -> None:
         seen.add((node, keys))
         with graph.inserting_after(node):
             graph.call_function(runtime.check_key_order, (node, keys, node.name))
+    return bool(tracer.mode_guards or seen)
 
 
 def _is_constant(v: Any) -> bool:
@@ -580,10 +582,11 @@ def capture(model, example_inputs: Optional[tuple] = None) -> tuple[GraphModule,
         live = n.meta.pop(_LIVE, None)
         if example_inputs is not None and n.op != "output":
             n.meta[VAL_KEY] = _summarise(live)
-    _insert_guards(gm, tracer)
+    changed = _insert_guards(gm, tracer)
     if constants:
         _finish_concrete(gm, constants)
-    gm.recompile()
+    if changed or constants:
+        gm.recompile()
     return gm, {"how": "torch.fx", "constants": {k: v for k, v in constants.items() if not isinstance(v, nn.Module)},
                 "shapes": example_inputs is not None, "name": fn_name}
 
