@@ -479,3 +479,42 @@ def test_configs_avoid_the_gpu_failures():
     for D in (8, 16, 64, 256):
         for H in (2, 3, 4):
             assert backward_config(D, H, torch.float32, False).block_b <= 8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA kernels")
+@pytest.mark.parametrize("per_feature_ln", [False, True])
+def test_a_training_step_launches_only_the_ops_kernels(per_feature_ln):
+    """Forward: one kernel. Backward of `y.sum()`: the fill of the scalar's gradient (autograd's,
+    for the caller's loss), the fused backward and the reduction that writes every parameter
+    gradient in its final shape and dtype -- no reshapes, sums over F or casts after it."""
+    F, B, D, H = 4, 64, 32, 1
+    x = torch.randn(B, F * D, device="cuda").view(B, F, D)
+    w = torch.randn(H, D, device="cuda", requires_grad=True)
+    b = torch.zeros(H, device="cuda", requires_grad=True)
+    shape = (F, D) if per_feature_ln else (D,)
+    lw = torch.ones(shape, device="cuda", requires_grad=True)
+    lb = torch.zeros(shape, device="cuda", requires_grad=True)
+
+    def kernels(fn):
+        fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = fn()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return out, names
+
+    fwd = lambda: recfuse.ln_tanh_linear_relu(x, w, b, ln_weight=lw, ln_bias=lb, feature_dim=1)  # noqa: E731
+    _, names = kernels(fwd)
+    assert len(names) == 1, names
+
+    def step():
+        for p in (w, b, lw, lb):
+            p.grad = None
+        loss = fwd().sum()
+        torch.cuda.synchronize()
+        loss.backward()
+
+    _, names = kernels(step)
+    assert len(names) <= 1 + 1 + 3, names  # forward, the loss's sum, fill + backward + reduction
+    assert all(p.grad is not None and p.grad.dtype == p.dtype and p.grad.shape == p.shape for p in (w, b, lw, lb))

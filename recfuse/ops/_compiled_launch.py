@@ -28,7 +28,7 @@ class CompiledLaunchCache:
     """Wraps one `@triton.jit` function; call it like `fn[grid](*args, **meta)`.
 
     Example:
-        >>> launch = CompiledLaunchCache(kernels.sum_partials)  # doctest: +SKIP
+        >>> launch = CompiledLaunchCache(kernels.partials_to_grads)  # doctest: +SKIP
         >>> launch((n_blocks, groups), (partial, sums, groups, n, K), {"BLOCK_J": 8, "BLOCK_K": 256})  # doctest: +SKIP
     """
 

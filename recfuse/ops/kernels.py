@@ -8,8 +8,9 @@ Three kernels, as in Triton's layer-norm tutorial:
 * `ln_tanh_linear_relu_bwd`: one program per (chunk of rows, feature). Recomputes the normalised
   row, tanh and the relu mask from x (no activation is saved, not even y), writes dx, and accumulates per-program partial
   sums of the weight, bias and LayerNorm-affine gradients in registers.
-* `sum_partials`: the second stage of the weight-gradient reduction, a fixed-order sum over the
-  per-program partials. No float atomics anywhere, so the same inputs give the same bits.
+* `partials_to_grads`: the second stage of the weight-gradient reduction, a fixed-order sum over
+  the per-program partials that writes every parameter gradient in its final shape and dtype. No
+  float atomics anywhere, so the same inputs give the same bits.
 
 Precision: every dtype accumulates in float32. With ``USE_DOT`` the row tile is multiplied with
 ``tl.dot``: for float32 inputs ``DOT_PRECISION`` is "tf32x3" on the GPU (three TF32 products that
@@ -363,7 +364,7 @@ def ln_tanh_linear_relu_bwd(
     GY, X, W, BIAS, LNW, LNB, DX, PARTIAL, STATS,
     B, D, H, rows_per_program, stats_half,
     stride_x_f, stride_x_b, stride_x_d,
-    stride_gy_f, stride_gy_b,
+    stride_gy_f, stride_gy_b, stride_gy_h,
     stride_dx_f, stride_dx_b, stride_dx_d,
     stride_w_f, stride_w_h,
     stride_bias_f, stride_lnw_f, stride_lnb_f,
@@ -410,7 +411,8 @@ def ln_tanh_linear_relu_bwd(
             stat_ptrs, stat_ptrs + stats_half, rmask, HAS_LNW, HAS_LNB, FAST_TANH, LOAD_STATS,
             EVEN_D, EVEN_B, X_EVICT,
         )
-        gy_ptrs = GY + f * stride_gy_f + rows64[:, None] * stride_gy_b + hs[None, :]
+        # Any strides: the gradient of `y.sum()` is an expanded scalar (all strides 0), read as it is.
+        gy_ptrs = GY + f * stride_gy_f + rows64[:, None] * stride_gy_b + hs[None, :] * stride_gy_h
         if EVEN_B and BLOCK_H == 1:
             gy = tl.load(gy_ptrs).to(tl.float32)
         else:
@@ -463,23 +465,77 @@ def ln_tanh_linear_relu_bwd(
 
 
 @triton.jit
-def sum_partials(
-    PARTIAL, OUT, n_groups, n_per_group, K,
+def _store_segment(OUT, vals, ks, kmask, start, size, f, PER_FEATURE: tl.constexpr):
+    """Columns [start, start + size) of a partial row are one parameter's gradient: store them in
+    its own tensor (row f of a per-feature [F, ...] parameter), in its dtype."""
+    m = kmask & (ks >= start) & (ks < start + size)
+    off = ks - start
+    if PER_FEATURE:
+        off += f * size
+    tl.store(OUT + off, vals.to(OUT.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def partials_to_grads(
+    PARTIAL, GW, GB, GLW, GLB, F, n_per_feature, K, H, D,
+    HAS_BIAS: tl.constexpr, HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
+    W_PER_F: tl.constexpr, B_PER_F: tl.constexpr, LNW_PER_F: tl.constexpr, LNB_PER_F: tl.constexpr,
+    ANY_PER_F: tl.constexpr, ANY_SHARED: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """OUT[g, k] = sum over j < n_per_group of PARTIAL[g * n_per_group + j, k], in a fixed order.
+    """The final parameter gradients from the backward's per-program partial rows, in a fixed order.
 
-    BLOCK_J partial rows are added per step into BLOCK_J separate accumulators that are summed
-    once at the end: the rounding chain is n_per_group / BLOCK_J long instead of n_per_group.
+    PARTIAL is [F * n_per_feature, K], K = H*D weight | H bias | D ln_weight | D ln_bias. Program
+    (k block, f) sums feature f's rows into the per-feature parameters' row f; program (k block, 0)
+    also sums all rows into the shared parameters. Each gradient is written once, in its
+    parameter's shape and dtype: nothing is left for torch to reshape, sum or cast.
+    BLOCK_J rows are added per step into BLOCK_J separate accumulators summed at the end, so the
+    rounding chains are n / BLOCK_J long.
     """
-    g = tl.program_id(1).to(tl.int64)
+    f = tl.program_id(1)
     ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     js = tl.arange(0, BLOCK_J)
     kmask = ks < K
-    acc = tl.zeros([BLOCK_J, BLOCK_K], dtype=tl.float32)
-    for j0 in range(0, n_per_group, BLOCK_J):
-        jmask = (j0 + js) < n_per_group
-        rows = g * n_per_group + j0 + js
-        acc += tl.load(PARTIAL + rows[:, None] * K + ks[None, :],
-                       mask=jmask[:, None] & kmask[None, :], other=0.0)
-    tl.store(OUT + g * K + ks, tl.sum(acc, axis=0), mask=kmask)
+    HD = H * D
+    per_f = ks < 0
+    if W_PER_F:
+        per_f = per_f | (ks < HD)
+    if B_PER_F:
+        per_f = per_f | ((ks >= HD) & (ks < HD + H))
+    if LNW_PER_F:
+        per_f = per_f | ((ks >= HD + H) & (ks < HD + H + D))
+    if LNB_PER_F:
+        per_f = per_f | (ks >= HD + H + D)
+    if ANY_PER_F:
+        acc = tl.zeros([BLOCK_J, BLOCK_K], dtype=tl.float32)
+        for j0 in range(0, n_per_feature, BLOCK_J):
+            rows = (f * n_per_feature + j0 + js).to(tl.int64)
+            m = ((j0 + js) < n_per_feature)[:, None] & (kmask & per_f)[None, :]
+            acc += tl.load(PARTIAL + rows[:, None] * K + ks[None, :], mask=m, other=0.0)
+        s = tl.sum(acc, axis=0)
+        if W_PER_F:
+            _store_segment(GW, s, ks, kmask, 0, HD, f, True)
+        if HAS_BIAS and B_PER_F:
+            _store_segment(GB, s, ks, kmask, HD, H, f, True)
+        if HAS_LNW and LNW_PER_F:
+            _store_segment(GLW, s, ks, kmask, HD + H, D, f, True)
+        if HAS_LNB and LNB_PER_F:
+            _store_segment(GLB, s, ks, kmask, HD + H + D, D, f, True)
+    if ANY_SHARED:
+        if f == 0:
+            shared = kmask & (per_f == 0)
+            n = F * n_per_feature
+            acc2 = tl.zeros([BLOCK_J, BLOCK_K], dtype=tl.float32)
+            for j0 in range(0, n, BLOCK_J):
+                rows = (j0 + js).to(tl.int64)
+                m = (rows < n)[:, None] & shared[None, :]
+                acc2 += tl.load(PARTIAL + rows[:, None] * K + ks[None, :], mask=m, other=0.0)
+            t = tl.sum(acc2, axis=0)
+            if not W_PER_F:
+                _store_segment(GW, t, ks, kmask, 0, HD, 0, False)
+            if HAS_BIAS and not B_PER_F:
+                _store_segment(GB, t, ks, kmask, HD, H, 0, False)
+            if HAS_LNW and not LNW_PER_F:
+                _store_segment(GLW, t, ks, kmask, HD + H, D, 0, False)
+            if HAS_LNB and not LNB_PER_F:
+                _store_segment(GLB, t, ks, kmask, HD + H + D, D, 0, False)

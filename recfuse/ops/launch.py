@@ -32,7 +32,7 @@ _DOT_MIN_H = 5
 _launch_fwd = CompiledLaunchCache(kernels.ln_tanh_linear_relu_fwd)
 _launch_fwd_y_strided = CompiledLaunchCache(kernels.ln_tanh_linear_relu_fwd_y_strided)
 _launch_bwd = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
-_launch_sum_partials = CompiledLaunchCache(kernels.sum_partials)
+_launch_partials_to_grads = CompiledLaunchCache(kernels.partials_to_grads)
 
 
 @dataclass(frozen=True)
@@ -401,7 +401,6 @@ def _backward_kernels(cfg, precision, sizes, grad_y, x, weight, bias, ln_weight,
     lnw = ln_weight if ln_weight is None or ln_weight.stride(-1) == 1 else ln_weight.contiguous()
     lnb = ln_bias if ln_bias is None or ln_bias.stride(-1) == 1 else ln_bias.contiguous()
     bias_c = bias if bias is None or bias.stride(-1) == 1 else bias.contiguous()
-    grad_y = grad_y if grad_y.is_contiguous() else grad_y.contiguous()
     if F > 0:
         sxf, sxb = _feature_major(x, feature_dim)
         sgf, sgb = _feature_major(grad_y, feature_dim)
@@ -412,7 +411,7 @@ def _backward_kernels(cfg, precision, sizes, grad_y, x, weight, bias, ln_weight,
             dx, partial, stats if stats is not None else partial,
             B, D, H, rows_per_program, F * B,
             sxf, sxb, x.stride(2),
-            sgf, sgb,
+            sgf, sgb, grad_y.stride(2),
             sdf, sdb, dx.stride(2),
             weight_c.stride(0) if weight_c.dim() == 3 else 0, weight_c.stride(-2),
             _param_stride(bias_c, 2), _param_stride(lnw, 2), _param_stride(lnb, 2),
@@ -426,37 +425,34 @@ def _backward_kernels(cfg, precision, sizes, grad_y, x, weight, bias, ln_weight,
             EVEN_B=SPECIALIZE_FULL_TILES and B > 0 and B % rows_per_program == 0, X_EVICT=cfg.x_evict,
             BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
         ), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    per_feature = [weight.dim() == 3,
+    per_feature = (weight.dim() == 3,
                    bias is not None and bias.dim() == 2,
                    ln_weight is not None and ln_weight.dim() == 2,
-                   ln_bias is not None and ln_bias.dim() == 2]
-    all_shared = not any(per_feature)
-    groups = 1 if all_shared else F
-    sums = torch.empty((groups, K), dtype=torch.float32, device=x.device)
+                   ln_bias is not None and ln_bias.dim() == 2)
+
+    def grad_of(p):
+        # A fresh tensor per gradient (a custom op's outputs may not alias each other), in the
+        # parameter's dtype and contiguous shape: autograd takes it as .grad without a copy.
+        return x.new_empty((0,)) if p is None else torch.empty_like(p, memory_format=torch.contiguous_format)
+
+    gw, gb, glw, glb = grad_of(weight), grad_of(bias), grad_of(ln_weight), grad_of(ln_bias)
     if F > 0:
-        block_k = 256
-        _launch_sum_partials((triton.cdiv(K, block_k), groups), (partial, sums, groups, (F * P) // groups, K),
-                             dict(BLOCK_J=8, BLOCK_K=block_k))
+        block_k = 128
+        # Shared parameters only: their sums are all made by the feature-0 programs.
+        _launch_partials_to_grads((triton.cdiv(K, block_k), F if any(per_feature) else 1), (
+            partial, gw, gb if bias is not None else gw, glw if ln_weight is not None else gw,
+            glb if ln_bias is not None else gw, F, P, K, H, D,
+        ), dict(
+            HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
+            W_PER_F=per_feature[0], B_PER_F=per_feature[1], LNW_PER_F=per_feature[2],
+            LNB_PER_F=per_feature[3], ANY_PER_F=any(per_feature), ANY_SHARED=not all(per_feature),
+            BLOCK_J=8, BLOCK_K=block_k,
+        ))
     else:
-        sums.zero_()
-
-    def grad_of(p, start, size, shape_per_feature):
-        if p is None:
-            return x.new_empty((0,))
-        seg = sums[:, start:start + size]
-        if p.dim() == len(shape_per_feature) + 1:  # per-feature parameter: [F, ...]
-            g = seg.reshape((F,) + shape_per_feature)
-        else:
-            g = (seg if all_shared else seg.sum(0, keepdim=True)).reshape(shape_per_feature)
-        # A copy: a custom op's outputs may not alias each other.
-        return g.to(p.dtype, copy=True)
-
+        for g in (gw, gb, glw, glb):
+            g.zero_()
     if D == 1:
         # LayerNorm over one element is constant in x: dx is exactly zero. Computed, it is an
         # ulp of rounding (the kernel's two uses of dxhat may round apart) times eps**-0.5.
         dx.zero_()
-    gw = grad_of(weight, 0, H * D, (H, D))
-    gb = grad_of(bias, H * D, H, (H,))
-    glw = grad_of(ln_weight, H * D + H, D, (D,))
-    glb = grad_of(ln_bias, H * D + H + D, D, (D,))
     return dx, gw, gb, glw, glb

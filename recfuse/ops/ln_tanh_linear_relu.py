@@ -219,7 +219,7 @@ def _backward(ctx, grad_y, backward_fn=_bwd_op):
         grads = _differentiable_backward(grad_y, x, weight, bias, ln_weight, ln_bias, ctx.eps, ctx.feature_dim)
         return grads + (None, None)
     gx, gw, gb, glw, glb = backward_fn(
-        grad_y.contiguous(), x, weight, bias, ln_weight, ln_bias, ctx.eps, ctx.feature_dim
+        grad_y, x, weight, bias, ln_weight, ln_bias, ctx.eps, ctx.feature_dim
     )
     return (
         gx,

@@ -1,0 +1,114 @@
+"""CUDA graphs in training: a transformed model and FusedFeatureProcessor under
+`torch.compile(mode="reduce-overhead")` and `torch.cuda.make_graphed_callables` give the eager
+training step's outputs and gradients (GPU only)."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import recfuse
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+F, B, D, H = 8, 64, 32, 4
+
+
+class PerFeature(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lns = nn.ModuleList([nn.LayerNorm(D) for _ in range(F)])
+        self.lin = nn.Linear(D, H)
+
+    def forward(self, x):
+        parts = x.split(D, dim=1)
+        return torch.relu(self.lin(torch.stack([torch.tanh(ln(p)) for ln, p in zip(self.lns, parts)], 1)))
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+def models():
+    torch.manual_seed(0)
+    x = torch.randn(B, F * D, device="cuda")
+    per_feature = PerFeature().cuda()
+    with torch.no_grad():
+        for ln in per_feature.lns:
+            ln.weight.uniform_(0.5, 1.5)
+            ln.bias.uniform_(-0.5, 0.5)
+    ffp = recfuse.FusedFeatureProcessor([f"f{i}" for i in range(F)], D, H, device="cuda")
+    return x, {"transform": recfuse.transform(per_feature, (x,)), "ffp": ffp}
+
+
+def eager_steps(model, xs, gys):
+    out = []
+    for x, gy in zip(xs, gys):
+        for p in model.parameters():
+            p.grad = None
+        x = x.clone().requires_grad_(True)
+        y = model(x)
+        (y * gy).sum().backward()
+        out.append((y.detach().clone(), x.grad.clone(), [p.grad.clone() for p in model.parameters()]))
+    return out
+
+
+def check_against_eager(name, wrapped, model, xs, gys):
+    ref_model = copy.deepcopy(model)
+    want = eager_steps(ref_model, xs, gys)
+    got = eager_steps_wrapped(wrapped, model, xs, gys)
+    for step, ((y0, dx0, g0), (y1, dx1, g1)) in enumerate(zip(want, got)):
+        assert rel(y1, y0) < 1e-5, (name, step, "y")
+        assert rel(dx1, dx0) < 1e-4, (name, step, "dx")
+        for a, b in zip(g1, g0):
+            assert rel(a, b) < 1e-4, (name, step, "param grad")
+
+
+def eager_steps_wrapped(fn, model, xs, gys):
+    out = []
+    for x, gy in zip(xs, gys):
+        for p in model.parameters():
+            p.grad = None
+        x = x.clone().requires_grad_(True)
+        y = fn(x)
+        (y * gy).sum().backward()
+        out.append((y.detach().clone(), x.grad.clone(), [p.grad.clone() for p in model.parameters()]))
+    return out
+
+
+def inputs(x, n=4):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    return [torch.randn(x.shape, device="cuda", generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("which", ["transform", "ffp"])
+def test_compile_reduce_overhead_training_matches_eager(which):
+    x, ms = models()
+    model = ms[which]
+    xs = inputs(x)
+    with torch.no_grad():
+        shape = model(x).shape
+    g = torch.Generator(device="cuda").manual_seed(2)
+    gys = [torch.randn(shape, device="cuda", generator=g) for _ in xs]
+    compiled = torch.compile(model, mode="reduce-overhead")
+    check_against_eager(which, compiled, model, xs, gys)
+
+
+@pytest.mark.parametrize("which", ["transform", "ffp"])
+def test_make_graphed_callables_training_matches_eager(which):
+    x, ms = models()
+    model = ms[which]
+    xs = inputs(x)
+    with torch.no_grad():
+        shape = model(x).shape
+    g = torch.Generator(device="cuda").manual_seed(2)
+    gys = [torch.randn(shape, device="cuda", generator=g) for _ in xs]
+    ref = copy.deepcopy(model)
+    graphed = torch.cuda.make_graphed_callables(model, (x.clone().requires_grad_(True),))
+    want = eager_steps(ref, xs, gys)
+    got = eager_steps_wrapped(graphed, model, xs, gys)
+    for step, ((y0, dx0, g0), (y1, dx1, g1)) in enumerate(zip(want, got)):
+        assert rel(y1, y0) < 1e-5, (which, step, "y")
+        assert rel(dx1, dx0) < 1e-4, (which, step, "dx")
+        for a, b in zip(g1, g0):
+            assert rel(a, b) < 1e-4, (which, step, "param grad")
