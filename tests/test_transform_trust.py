@@ -533,3 +533,16 @@ def test_keyed_jagged_tensor_model_with_parameter_attributes():
     for name, p in ref.named_parameters():
         if name in dict(fused.named_parameters()):
             assert rel(dict(fused.named_parameters())[name].grad, p.grad) < 1e-4, name
+
+
+def test_transformed_model_under_bf16_autocast_matches_the_original_dtype():
+    m = PerFeatureLinear()
+    x = x_of(B, NF * D)
+    fused = recfuse.transform(m, (x,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        yo, yf = m(x), fused(x)
+    assert yf.dtype == yo.dtype == torch.bfloat16
+    assert rel(yf.float(), yo.float()) < 2e-2
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused(x).float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in fused.parameters())
