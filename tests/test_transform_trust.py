@@ -546,3 +546,49 @@ def test_transformed_model_under_bf16_autocast_matches_the_original_dtype():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         fused(x).float().sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in fused.parameters())
+
+
+# -- hooks: a fused module would not run them, a new parameter would not get their gradients --------
+
+
+def test_forward_hooks_on_a_per_feature_module_keep_it_unfused():
+    m = PerFeatureLinear()
+    seen = []
+    m.lns[1].register_forward_hook(lambda mod, inp, out: seen.append(out.detach().clone()))
+    x = x_of(B, NF * D)
+    fused = recfuse.transform(m, (x,))
+    ref = copy.deepcopy(m)
+    seen.clear()
+    y = fused(x)
+    assert len(seen) == 1 and rel(seen[0], ref.lns[1](x[:, D:2 * D])) < TOL
+    assert rel(y, ref(x)) < TOL
+
+
+def test_gradient_hooks_on_per_feature_parameters_keep_firing():
+    m = PerFeatureLinear()
+    ref = copy.deepcopy(m)  # deepcopy drops tensor hooks: register them on both
+    for model in (m, ref):
+        for lin in model.lins:
+            lin.weight.register_hook(lambda g: g * 0.5)  # e.g. a scaled or clipped gradient
+        model.lns[0].bias.register_hook(lambda g: g * 3.0)
+    x = x_of(B, NF * D)
+    fused = recfuse.transform(m, (x,))
+    assert count_recfuse(fused) == 1
+    fused(x).sum().backward()
+    m(x).sum().backward()
+    for name in ("lins.0.weight", "lins.2.weight", "lns.0.bias"):
+        assert rel(fused.get_parameter(name).grad, m.get_parameter(name).grad) < 1e-5, name
+    for p in list(fused.parameters()) + list(m.parameters()):
+        p.grad = None
+    assert_same_training(ref, fused, x)
+
+
+def test_forward_hooks_on_the_model_run_on_the_result():
+    m = PerFeatureLinear()
+    calls = []
+    m.register_forward_hook(lambda mod, inp, out: calls.append(out.shape))
+    x = x_of(B, NF * D)
+    fused = recfuse.transform(m, (x,))
+    calls.clear()
+    fused(x)
+    assert calls == [torch.Size([B, NF, H])]

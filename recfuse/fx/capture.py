@@ -513,6 +513,7 @@ def capture(model, example_inputs: Optional[tuple] = None) -> tuple[GraphModule,
     example_inputs = tuple(example_inputs) if example_inputs is not None else None
     if isinstance(model, nn.Module):
         root = copy.deepcopy(model)
+        _copy_tensor_hooks(model, root)
         sig = inspect.signature(root.forward)
         fn_name = type(model).__name__ + ".forward"
     elif callable(model):
@@ -541,6 +542,8 @@ def capture(model, example_inputs: Optional[tuple] = None) -> tuple[GraphModule,
     adopted: list[str] = []
     if root is None:
         module_args = {k: copy.deepcopy(v) for k, v in constants.items() if isinstance(v, nn.Module)}
+        for k, v in module_args.items():
+            _copy_tensor_hooks(constants[k], v)
         root = _wrap_function(model, params, module_args)
         # Globals are called by identity from the function's code: registered as they are for the
         # trace, replaced by copies in the result (which owns its parameters, as for arguments).
@@ -575,9 +578,12 @@ def capture(model, example_inputs: Optional[tuple] = None) -> tuple[GraphModule,
     graph._tracer_cls = None  # a loaded copy re-traces its code with a plain Tracer
     gm = TransformedGraphModule(root, graph, class_name=getattr(model, "__name__", type(root).__name__))
     gm.training = root.training
+    _carry_hooks(root, gm)
     for attr in adopted:
         if attr in gm._modules:
-            gm._modules[attr] = copy.deepcopy(gm._modules[attr])
+            original = gm._modules[attr]
+            gm._modules[attr] = copy.deepcopy(original)
+            _copy_tensor_hooks(original, gm._modules[attr])
     for n in gm.graph.nodes:
         live = n.meta.pop(_LIVE, None)
         if example_inputs is not None and n.op != "output":
@@ -643,6 +649,7 @@ def _capture_dynamo(root: nn.Module, values, constants, fn_name, fx_error) -> tu
     graph._tracer_cls = None
     result = TransformedGraphModule(gm, graph, class_name=type(root).__name__)
     result.training = mode
+    _carry_hooks(root, result)
     _keep_state(result, root)
     if mode_dependent:
         first = next(n for n in graph.nodes if n.op != "placeholder")
@@ -654,6 +661,33 @@ def _capture_dynamo(root: nn.Module, values, constants, fn_name, fx_error) -> tu
                             f"trace it, which fixes dropout/BatchNorm behaviour at capture time"))
         result.recompile()
     return result, {"how": "torch._dynamo.export", "constants": {}, "shapes": True, "name": fn_name}
+
+
+def _copy_tensor_hooks(model: nn.Module, copied: nn.Module) -> None:
+    """Gradient hooks of the model's parameters and buffers on their deep copies (deepcopy drops
+    tensor hooks; a transformed model must still scale, clip or log the same gradients)."""
+    pairs = zip(itertools.chain(model.parameters(), model.buffers()),
+                itertools.chain(copied.parameters(), copied.buffers()))
+    for t, c in pairs:
+        for hook in (getattr(t, "_backward_hooks", None) or {}).values():
+            c.register_hook(hook)
+        for hook in (getattr(t, "_post_accumulate_grad_hooks", None) or {}).values():
+            c.register_post_accumulate_grad_hook(hook)
+
+
+_MODULE_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                      "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
+
+
+def _carry_hooks(root: nn.Module, gm: nn.Module) -> None:
+    """Forward hooks registered on the model itself run on the result too (called with it)."""
+    for name in _MODULE_HOOK_DICTS:
+        hooks = getattr(root, name, None)
+        if hooks:
+            getattr(gm, name).update(hooks)
+    if root._backward_hooks or getattr(root, "_backward_pre_hooks", None):
+        raise RecfuseError("the model has full backward hooks (register_full_backward_hook); recfuse.transform "
+                           "cannot carry them over. Register them on the transformed module instead.")
 
 
 def _keep_state(gm: GraphModule, root: nn.Module) -> None:

@@ -462,7 +462,11 @@ class _Emitter:
         # One stacked tensor has one requires_grad: with frozen and trainable rows mixed, the
         # originals stay the parameters and are stacked in the graph on each call.
         mixed = len({t.requires_grad for t in tensors if t is not None}) > 1
-        if self.ctx.stack_params_once and not mixed and all(r.attr is not None for r in refs):
+        # Gradient hooks on a per-feature parameter (clipping, logging) must keep firing: its
+        # gradient must keep flowing to it, which an in-graph stack does and a new parameter not.
+        hooked = any(t is not None and (getattr(t, "_backward_hooks", None) or
+                                        getattr(t, "_post_accumulate_grad_hooks", None)) for t in tensors)
+        if self.ctx.stack_params_once and not (mixed or hooked) and all(r.attr is not None for r in refs):
             stacked = torch.stack([t.detach() for t in tensors]).clone()
             name = _unique_attr(root, f"recfuse_g{self.gid}_{role}")
             if all(isinstance(t, nn.Parameter) for t in tensors):

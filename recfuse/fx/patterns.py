@@ -122,6 +122,11 @@ def _param_ref(a) -> Optional[ParamRef]:
     return ParamRef()  # a constant tensor baked into the code: cannot be referenced, never batched
 
 
+def _has_hooks(mod: nn.Module) -> bool:
+    return bool(mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks
+                or getattr(mod, "_backward_pre_hooks", None))
+
+
 def classify(node: Node, root: Optional[nn.Module]) -> Optional[OpInfo]:
     """Normal form of `node` if it is a per-slice op recfuse can batch, else None.
 
@@ -139,6 +144,8 @@ def classify(node: Node, root: Optional[nn.Module]) -> Optional[OpInfo]:
             return None
         if not node.args or not isinstance(node.args[0], Node) or node.kwargs or len(node.args) != 1:
             return None
+        if _has_hooks(mod):
+            return None  # a batched rewrite would never call the module, so its hooks would not run
         x = node.args[0]
         if type(mod) is nn.LayerNorm:
             return OpInfo("layer_norm", node, x, (("eps", float(mod.eps)), ("shape", tuple(mod.normalized_shape))),
