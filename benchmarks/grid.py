@@ -1,0 +1,467 @@
+"""Grid benchmark of `recfuse.ln_tanh_linear_relu` against its memory floor, over the DESIGN.md grid.
+
+The targets in /work/shared/DESIGN.md hold over a grid of shapes, not one shape; this tool sweeps it:
+
+* layout: ``BFD`` = a [B, F*D] buffer viewed as [B, F, D] (feature_dim=1, torchrec's KeyedTensor),
+  ``FBD`` = a contiguous [F, B, D] tensor (feature_dim=0);
+* D (embedding width), H (Linear out features, shared [H, D] weight with an [H] bias), dtype;
+* LayerNorm affine: ``per_feature`` ([F, D] ln_weight and ln_bias) or ``none``;
+* F is fixed (``--features``, 64) and B is chosen so that x is about ``--x-mb`` MB (a multiple of 64).
+
+Per point, on CUDA: the op's forward (no grad) and training step (forward + ``y.backward(gy)`` with
+x, weight, bias and the LayerNorm parameters requiring grad, every ``.grad`` set to None first) as
+``triton.testing.do_bench`` medians; their floors, the bytes a perfect kernel must move over the
+device-copy bandwidth measured in this run (``dst.copy_(src)`` on a buffer of x's size, 2 x size
+bytes moved): forward = x + y, training step = x + y + x again + grad_y + dx; the % of floor
+(floor / measured); CUDA kernels per call (torch.profiler); the extra peak memory of one training
+step; the max error of the forward against the float64 composite on the first ``--check-rows``
+rows of the batch (recorded, not asserted); and on every ``--peer-every``-th point the peer,
+``torch.compile`` of the batched composite (`recfuse.reference.batched_ln_tanh_linear_relu`),
+forward and training step. Compiling the peer takes seconds per point (a fresh static compile per
+shape) and dominates the run time when it is on; ``--peer-every 0`` turns it off.
+
+Run time on an H100 (from a 16-point run, cold Triton and Inductor caches): a point costs ~0.2 s
+of measurement (do_bench rep 40 ms) plus 1-5 s compiling the op's kernels for a new (D, H,
+dtype, affine, layout) specialisation, ~2 s on average; a peer point adds 4-6 s of
+torch.compile (11 s for the first). Full default grid, 224 points: ~5-8 min with
+``--peer-every 0``, ~13 min with the default peer on 75 points; a second run with a warm Triton
+cache measures the op in ~1-2 min.
+
+Failures (an OOM, a kernel that does not compile, a peer that does not compile) are recorded in
+the point's ``errors`` and shown in the table; the run goes on. ``--max-seconds`` stops between
+points once the budget is spent and marks the rest as skipped; Ctrl-C does the same.
+
+Outputs: a tqdm progress bar on stderr, a summary table at the end, and with ``--save DIR`` the
+files ``grid_<gpu>.json`` (env + every point), ``grid_<gpu>.txt`` (the table) and
+``grid_<gpu>.png`` (heatmaps of % of floor: one row of panels per affine mode, one panel per
+layout x dtype x {fwd, train}, D down and H across). ``--device cpu`` is a smoke run
+(``time.perf_counter`` medians instead of do_bench, kernels = 0, tiny x).
+
+Example:
+    $ python benchmarks/grid.py --save benchmarks/results
+    $ python benchmarks/grid.py --dims 64 256 --hs 1 16 --dtypes bf16 --peer-every 0 --x-mb 128
+    $ python benchmarks/grid.py --device cpu --x-mb 0.5 --dims 32 48 --hs 1 4 --dtypes fp32 --save /tmp/gridtest
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import itertools
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+import recfuse
+from recfuse.reference import batched_ln_tanh_linear_relu
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LAYOUTS = ("BFD", "FBD")
+AFFINES = ("per_feature", "none")
+EPS = 1e-5
+
+
+# ----------------------------------------------------------------------------------------- timing
+def make_bench(device: str, warmup_ms: float, rep_ms: float):
+    """A function fn -> median microseconds per call: do_bench on CUDA, perf_counter on the CPU."""
+    if device == "cuda":
+        import triton.testing
+
+        def bench(fn):
+            return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
+        return bench
+
+    def bench(fn):
+        t_end = time.perf_counter() + warmup_ms / 1e3
+        fn()
+        while time.perf_counter() < t_end:
+            fn()
+        times = []
+        t_end = time.perf_counter() + rep_ms / 1e3
+        while len(times) < 3 or time.perf_counter() < t_end:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e6
+    return bench
+
+
+def kernels_per_call(fn, device: str) -> int:
+    """CUDA events (kernels, memsets, copies) of one call of `fn`, after one unprofiled call."""
+    if device != "cuda":
+        return 0
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def extra_peak_mb(fn, device: str):
+    """Peak memory one call of `fn` allocates above what was allocated before it (MB), CUDA only."""
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def copy_bandwidth(nbytes: int, device: str, bench) -> dict:
+    src = torch.randn(max(1, nbytes // 4), device=device)
+    dst = torch.empty_like(src)
+    us = bench(lambda: dst.copy_(src))
+    moved = 2 * src.numel() * src.element_size()
+    del src, dst
+    return {"copy_bytes": moved // 2, "copy_us": us, "copy_GBps": moved / (us * 1e-6) / 1e9}
+
+
+# ------------------------------------------------------------------------------------------ points
+def grid_points(args) -> list[dict]:
+    points = []
+    for layout, dt, affine, D, H in itertools.product(args.layouts, args.dtypes, args.affine, args.dims, args.hs):
+        elem = DTYPES[dt].itemsize
+        F = args.features
+        B = max(64, round(args.x_mb * 2**20 / (F * D * elem) / 64) * 64)
+        points.append({"layout": layout, "dtype": dt, "affine": affine, "D": D, "H": H, "F": F, "B": B,
+                       "x_MB": F * B * D * elem / 2**20})
+    for i, p in enumerate(points):
+        p["index"] = i
+        p["peer"] = bool(args.peer_every) and i % args.peer_every == 0
+    return points
+
+
+def make_inputs(p: dict, device: str):
+    """x (the 3D view the op reads), its leaf buffer, feature_dim, params [w, b, lw, lb], grad_y."""
+    g = torch.Generator(device=device).manual_seed(1000 + p["index"])
+    dtype, F, B, D, H = DTYPES[p["dtype"]], p["F"], p["B"], p["D"], p["H"]
+
+    def rnd(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, device=device, generator=g) * scale + shift).to(dtype)
+
+    if p["layout"] == "BFD":
+        buf = rnd(B, F * D)
+        x, fdim, y_shape = buf.view(B, F, D), 1, (B, F, H)
+    else:
+        buf = rnd(F, B, D)
+        x, fdim, y_shape = buf, 0, (F, B, H)
+    w, b = rnd(H, D, scale=D ** -0.5), rnd(H, scale=0.1)
+    if p["affine"] == "per_feature":
+        lw, lb = rnd(F, D, scale=0.1, shift=1.0), rnd(F, D, scale=0.1)
+    else:
+        lw = lb = None
+    gy = rnd(*y_shape)
+    return buf, x, fdim, [w, b, lw, lb], gy
+
+
+def measure_point(p: dict, args, bench, copy_GBps: float, deadline: float) -> None:
+    """Fill `p` with the measurements of one grid point; errors go to p["errors"][section]."""
+    dev = args.device
+    buf, x, fdim, (w, b, lw, lb), gy = make_inputs(p, dev)
+    params = [t for t in (w, b, lw, lb) if t is not None]
+    for t in params:
+        t.requires_grad_(True)
+    view = (lambda t: t.view(p["B"], p["F"], p["D"])) if p["layout"] == "BFD" else (lambda t: t)
+    xg = buf.detach().clone().requires_grad_(True)
+    leaves = [xg] + params
+    x_bytes = x.numel() * x.element_size()
+    y_bytes = gy.numel() * gy.element_size()
+    p["floor_fwd_us"] = (x_bytes + y_bytes) / (copy_GBps * 1e9) * 1e6
+    p["floor_train_us"] = (x_bytes + y_bytes + x_bytes + y_bytes + x_bytes) / (copy_GBps * 1e9) * 1e6
+    errors = p.setdefault("errors", {})
+
+    def op(xx):
+        return recfuse.ln_tanh_linear_relu(xx, w, b, ln_weight=lw, ln_bias=lb, eps=EPS, feature_dim=fdim)
+
+    def fwd():
+        with torch.no_grad():
+            return op(x)
+
+    def train_step(fn):
+        def step():
+            for t in leaves:
+                t.grad = None
+            fn(view(xg)).backward(gy)
+        return step
+
+    def run(section, body):
+        try:
+            body()
+        except Exception as e:  # noqa: BLE001 - one failing point or peer must not end the grid
+            errors[section] = f"{type(e).__name__}: {e}"[:400]
+            if dev == "cuda":
+                try:  # after a sticky CUDA error these raise too; the next points record it
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+                except Exception:  # noqa: BLE001
+                    pass
+
+    def forward():
+        y = fwd()  # first call: compiles the kernels (not timed)
+        n = min(args.check_rows, p["B"])
+        rows = (slice(0, n),) if fdim == 1 else (slice(None), slice(0, n))
+        d = lambda t: None if t is None else t.detach().double()  # noqa: E731
+        ref = batched_ln_tanh_linear_relu(x[rows].double(), d(w), d(b), d(lw), d(lb), EPS, fdim)
+        err = (y[rows].double() - ref).abs()
+        p["max_rel_err"] = (err.max() / ref.abs().max().clamp_min(1e-30)).item()
+        p["rel_err_l2"] = (err.norm() / ref.norm().clamp_min(1e-30)).item()
+        del y, ref, err
+        p["fwd_us"] = bench(fwd)
+        p["fwd_pct_floor"] = 100 * p["floor_fwd_us"] / p["fwd_us"]
+        p["fwd_kernels"] = kernels_per_call(fwd, dev)
+
+    def training():
+        step = train_step(op)
+        step()
+        for t in leaves:
+            t.grad = None
+        p["train_extra_peak_MB"] = extra_peak_mb(step, dev)
+        p["train_us"] = bench(step)
+        p["train_pct_floor"] = 100 * p["floor_train_us"] / p["train_us"]
+        p["train_kernels"] = kernels_per_call(step, dev)
+
+    def peer():
+        torch._dynamo.reset()  # a fresh static compile per point: no recompile limit, no dynamic shapes
+        t0 = time.perf_counter()
+
+        def composite(xx, w_, b_, lw_, lb_):
+            return batched_ln_tanh_linear_relu(xx, w_, b_, lw_, lb_, EPS, fdim)
+        cfwd = torch.compile(composite, dynamic=False)
+        ctrain = torch.compile(composite, dynamic=False)
+
+        def peer_fwd():
+            with torch.no_grad():
+                return cfwd(x, w, b, lw, lb)
+        peer_fwd()
+        p["peer_fwd_us"] = bench(peer_fwd)
+        step = train_step(lambda xx: ctrain(xx, w, b, lw, lb))
+        step()
+        p["peer_compile_s"] = time.perf_counter() - t0
+        p["peer_train_us"] = bench(step)
+        p["peer_fwd_pct_floor"] = 100 * p["floor_fwd_us"] / p["peer_fwd_us"]
+        p["peer_train_pct_floor"] = 100 * p["floor_train_us"] / p["peer_train_us"]
+        p["train_speedup_vs_peer"] = p["peer_train_us"] / p["train_us"] if "train_us" in p else None
+
+    run("forward", forward)
+    run("train", training)
+    if p["peer"]:
+        if time.perf_counter() < deadline:
+            run("peer", peer)
+        else:
+            p["peer_skipped"] = "time budget spent"
+    for t in leaves:
+        t.grad = None
+
+
+# ------------------------------------------------------------------------------------------ output
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA H200' -> 'h200'; otherwise a slug of the name."""
+    m = re.search(r"\b([A-Za-z]{1,2}\d{2,4}[A-Za-z]?)\b", name.replace("NVIDIA", ""))
+    if m:
+        return m.group(1).lower()
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
+
+
+def _f(v, fmt, width):
+    return f"{v:{width}{fmt}}" if isinstance(v, (int, float)) and v is not None and not math.isnan(v) else f"{'-':>{width}}"
+
+
+def table(points: list[dict], env: dict) -> str:
+    lines = [
+        f"recfuse grid on {env['device_name']} ({env['device']}), torch {env['torch']}, triton {env['triton']}, "
+        f"{env['date']}; copy {env['copy_GBps']:.0f} GB/s on {env['copy_bytes'] / 2**20:.4g} MB; "
+        f"F={env['args']['features']}, x ~{env['args']['x_mb']} MB",
+        "% = floor / measured (forward floor: x + y bytes; training step: 3 x + 2 y bytes; over copy BW). "
+        "peer = torch.compile(batched composite); peer x = peer train / op train.",
+        f"{'layout':>6} {'dtype':>5} {'affine':>11} {'D':>4} {'H':>3} {'B':>7} | {'fwd us':>8} {'fwd %':>5} | "
+        f"{'train us':>8} {'trn %':>5} | {'kern f/t':>8} {'peak MB':>8} {'max err':>8} | "
+        f"{'peer fwd':>8} {'peer trn':>8} {'peer x':>6} | note",
+    ]
+    for p in points:
+        kern = f"{p.get('fwd_kernels', '-')}/{p.get('train_kernels', '-')}"
+        note = "; ".join(f"{k}: {v}" for k, v in p.get("errors", {}).items())
+        note = note or p.get("skipped", "") or p.get("peer_skipped", "")
+        lines.append(
+            f"{p['layout']:>6} {p['dtype']:>5} {p['affine']:>11} {p['D']:>4} {p['H']:>3} {p['B']:>7} | "
+            f"{_f(p.get('fwd_us'), '.1f', 8)} {_f(p.get('fwd_pct_floor'), '.0f', 5)} | "
+            f"{_f(p.get('train_us'), '.1f', 8)} {_f(p.get('train_pct_floor'), '.0f', 5)} | "
+            f"{kern:>8} {_f(p.get('train_extra_peak_MB'), '.0f', 8)} {_f(p.get('max_rel_err'), '.1e', 8)} | "
+            f"{_f(p.get('peer_fwd_us'), '.1f', 8)} {_f(p.get('peer_train_us'), '.1f', 8)} "
+            f"{_f(p.get('train_speedup_vs_peer'), '.2f', 6)} | {note[:120]}")
+    lines += ["", *targets_summary(points)]
+    return "\n".join(lines)
+
+
+def targets_summary(points: list[dict]) -> list[str]:
+    """DESIGN.md targets: fwd >= 90% and train >= 80% of floor (x >= 64 MB; H <= 16 fp32, <= 64 16-bit)."""
+    scope = [p for p in points if p["x_MB"] >= 64 and p["H"] <= (16 if p["dtype"] == "fp32" else 64)]
+    out = []
+    for key, goal in (("fwd_pct_floor", 90), ("train_pct_floor", 80)):
+        got = [p for p in scope if key in p]
+        ok = [p for p in got if p[key] >= goal]
+        worst = min(got, key=lambda p: p[key], default=None)
+        w = (f"; worst {worst[key]:.0f}% at {worst['layout']} {worst['dtype']} {worst['affine']} "
+             f"D={worst['D']} H={worst['H']}") if worst else ""
+        out.append(f"target {key} >= {goal}%: {len(ok)}/{len(got)} measured points in scope "
+                   f"(x >= 64 MB, H <= 16 fp32 / 64 16-bit){w}")
+    peers = [p for p in points if p.get("train_speedup_vs_peer")]
+    if peers:
+        ok = [p for p in peers if p["train_speedup_vs_peer"] >= 2]
+        out.append(f"target train >= 2x torch.compile: {len(ok)}/{len(peers)} peer points")
+    n_err = sum(1 for p in points if p.get("errors"))
+    n_skip = sum(1 for p in points if p.get("skipped"))
+    out.append(f"{len(points)} points: {n_err} with errors, {n_skip} skipped")
+    return out
+
+
+def heatmap(points: list[dict], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    affines = [a for a in AFFINES if any(p["affine"] == a for p in points)]
+    cols = [(lay, dt, kind) for lay in LAYOUTS for dt in DTYPES for kind in ("fwd", "train")
+            if any(p["layout"] == lay and p["dtype"] == dt for p in points)]
+    dims = sorted({p["D"] for p in points})
+    hs = sorted({p["H"] for p in points})
+    fig, axes = plt.subplots(len(affines), len(cols), squeeze=False, sharey=True, layout="constrained",
+                             figsize=(1.5 + max(1.6, 0.5 * len(hs)) * len(cols),
+                                      1.0 + max(1.8, 0.35 * len(dims) + 0.6) * len(affines)))
+    cmap = plt.get_cmap("RdYlGn").copy()
+    cmap.set_bad("0.85")
+    im = None
+    for r, aff in enumerate(affines):
+        for c, (lay, dt, kind) in enumerate(cols):
+            ax = axes[r][c]
+            grid = np.full((len(dims), len(hs)), np.nan)
+            for p in points:
+                if (p["layout"], p["dtype"], p["affine"]) == (lay, dt, aff) and f"{kind}_pct_floor" in p:
+                    grid[dims.index(p["D"]), hs.index(p["H"])] = p[f"{kind}_pct_floor"]
+            im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=100, aspect="auto")
+            for i, j in itertools.product(range(len(dims)), range(len(hs))):
+                v = grid[i, j]
+                ax.text(j, i, "x" if np.isnan(v) else f"{v:.0f}", ha="center", va="center", fontsize=7)
+            ax.set_xticks(range(len(hs)), [str(h) for h in hs], fontsize=7)
+            ax.set_yticks(range(len(dims)), [str(d) for d in dims], fontsize=7)
+            ax.tick_params(labelleft=c == 0)
+            if r == len(affines) - 1:
+                ax.set_xlabel("H", fontsize=8)
+            if c == 0:
+                ax.set_ylabel(f"affine={aff}\nD", fontsize=8)
+            ax.set_title(f"{lay} {dt} {kind}", fontsize=8)
+    fig.suptitle(title + "  (% of floor; grey x = not measured)", fontsize=9)
+    fig.colorbar(im, ax=axes, shrink=0.8, label="% of floor")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(save: str, slug: str, env: dict, points: list[dict], final: bool) -> None:
+    os.makedirs(save, exist_ok=True)
+    stem = os.path.join(save, f"grid_{slug}")
+    with open(stem + ".json", "w") as fh:
+        json.dump({"env": env, "points": points}, fh, indent=1)
+    if final:
+        with open(stem + ".txt", "w") as fh:
+            fh.write(table(points, env) + "\n")
+        heatmap(points, stem + ".png", f"recfuse grid, {env['device_name']}, {env['date'][:10]}")
+
+
+# -------------------------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    ap.add_argument("--dims", nargs="+", type=int, default=[32, 48, 64, 128, 160, 256, 512])
+    ap.add_argument("--hs", nargs="+", type=int, default=[1, 4, 16, 64])
+    ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["fp32", "bf16"])
+    ap.add_argument("--affine", nargs="+", choices=AFFINES, default=list(AFFINES))
+    ap.add_argument("--x-mb", type=float, default=256.0, help="size of x per point in MB (contract: 64-512)")
+    ap.add_argument("--features", type=int, default=64, help="F, fixed; B follows from --x-mb")
+    ap.add_argument("--warmup", type=float, default=10.0, help="do_bench warmup, ms")
+    ap.add_argument("--rep", type=float, default=40.0, help="do_bench rep, ms per measurement")
+    ap.add_argument("--peer-every", type=int, default=3, help="torch.compile peer on every Nth point; 0 = never")
+    ap.add_argument("--check-rows", type=int, default=256, help="batch rows checked against float64")
+    ap.add_argument("--save", default=None, help="directory for grid_<gpu>.json/.txt/.png")
+    ap.add_argument("--max-seconds", type=float, default=None, help="stop between points after this long")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    deadline = t_start + args.max_seconds if args.max_seconds else float("inf")
+    dev = args.device
+    if dev == "cuda":
+        assert torch.cuda.is_available(), "--device cuda needs a GPU (use --device cpu for a smoke run)"
+        import triton
+        name, triton_version = torch.cuda.get_device_name(), triton.__version__
+    else:
+        try:
+            import triton
+            triton_version = triton.__version__
+        except ImportError:
+            triton_version = None
+        name = f"cpu {platform.processor() or platform.machine()}"
+    slug = gpu_slug(name) if dev == "cuda" else "cpu"
+    bench = make_bench(dev, args.warmup, args.rep)
+    copy_bench = make_bench(dev, args.warmup, max(args.rep, 100.0))
+    bw = copy_bandwidth(int(args.x_mb * 2**20), dev, copy_bench)
+    env = {"device": dev, "device_name": name, "torch": torch.__version__, "triton": triton_version,
+           "python": platform.python_version(), "recfuse": recfuse.__version__,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
+           "args": vars(args), **bw}
+    points = grid_points(args)
+    print(f"{len(points)} points on {name}; copy {bw['copy_GBps']:.0f} GB/s; "
+          f"peer on {sum(p['peer'] for p in points)} of them", file=sys.stderr)
+
+    bar = tqdm(points, file=sys.stderr, unit="pt", dynamic_ncols=True)
+    stop = None
+    for p in bar:
+        if stop is None and time.perf_counter() >= deadline:
+            stop = f"skipped: --max-seconds {args.max_seconds:g} spent"
+        if stop:
+            p["skipped"] = stop
+            continue
+        bar.set_postfix_str(f"{p['layout']} {p['dtype']} {p['affine']} D={p['D']} H={p['H']}")
+        t0 = time.perf_counter()
+        try:
+            measure_point(p, args, bench, bw["copy_GBps"], deadline)
+        except KeyboardInterrupt:
+            stop = "skipped: interrupted"
+            p["skipped"] = stop
+        except Exception as e:  # noqa: BLE001 - e.g. OOM while building the inputs
+            p.setdefault("errors", {})["point"] = f"{type(e).__name__}: {e}"[:400]
+        p["point_s"] = time.perf_counter() - t0
+        gc.collect()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+        if args.save:
+            write_outputs(args.save, slug, env, points, final=False)
+    bar.close()
+
+    if dev == "cuda" and not stop:
+        env["copy_GBps_end"] = copy_bandwidth(int(args.x_mb * 2**20), dev, copy_bench)["copy_GBps"]
+    env["total_s"] = time.perf_counter() - t_start
+    print(table(points, env))
+    print(f"total {env['total_s']:.0f} s", file=sys.stderr)
+    if args.save:
+        write_outputs(args.save, slug, env, points, final=True)
+        print(f"wrote {os.path.join(args.save, f'grid_{slug}')}.json/.txt/.png", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
