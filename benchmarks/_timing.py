@@ -1,4 +1,4 @@
-"""Wall time per call with a host synchronisation after each call, shared by the GPU scripts."""
+"""Timing helpers shared by the benchmark tools: wall time with a sync per call, CUDA kernels per call."""
 from __future__ import annotations
 
 import time
@@ -20,3 +20,18 @@ def wall_us_with_sync(fn, calls: int = 200, warmup: int = 20) -> float:
         fn()
         torch.cuda.synchronize()
     return (time.perf_counter() - t0) / calls * 1e6
+
+
+def kernels_per_call(fn) -> int:
+    """CUDA events (kernels, memsets, copies) of one call of `fn`, after one unprofiled call.
+
+    Example:
+        >>> kernels_per_call(lambda: torch.relu(x))  # doctest: +SKIP
+        1
+    """
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)

@@ -63,6 +63,9 @@ from tqdm import tqdm
 import recfuse
 from recfuse.reference import batched_ln_tanh_linear_relu
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _timing  # noqa: E402
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LAYOUTS = ("BFD", "FBD")
 AFFINES = ("per_feature", "none")
@@ -95,15 +98,8 @@ def make_bench(device: str, warmup_ms: float, rep_ms: float):
 
 
 def kernels_per_call(fn, device: str) -> int:
-    """CUDA events (kernels, memsets, copies) of one call of `fn`, after one unprofiled call."""
-    if device != "cuda":
-        return 0
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    """CUDA events of one call of `fn` (0 on the CPU)."""
+    return _timing.kernels_per_call(fn) if device == "cuda" else 0
 
 
 def extra_peak_mb(fn, device: str):

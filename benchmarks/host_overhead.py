@@ -32,6 +32,7 @@ import torch
 
 import recfuse
 from _models import PerSlice
+from _timing import kernels_per_call
 from recfuse.reference import batched_ln_tanh_linear_relu
 
 log = logging.getLogger("recfuse.bench")
@@ -50,15 +51,6 @@ def loop_us(fn, calls: int, warmup: int = 50, repeats: int = 5) -> float:
         torch.cuda.synchronize()
         best = min(best, (time.perf_counter() - t0) / calls * 1e6)
     return best
-
-
-def kernels_per_call(fn) -> int:
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def bare_triton_launch():

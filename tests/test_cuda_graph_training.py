@@ -41,22 +41,21 @@ def models():
     return x, {"transform": recfuse.transform(per_feature, (x,)), "ffp": ffp}
 
 
-def eager_steps(model, xs, gys):
+def training_steps(call, model, xs, gys):
+    """Outputs, dx and parameter grads of one step per input, running `call` (the model or a
+    graphed/compiled wrapper of it)."""
     out = []
     for x, gy in zip(xs, gys):
         for p in model.parameters():
             p.grad = None
         x = x.clone().requires_grad_(True)
-        y = model(x)
+        y = call(x)
         (y * gy).sum().backward()
         out.append((y.detach().clone(), x.grad.clone(), [p.grad.clone() for p in model.parameters()]))
     return out
 
 
-def check_against_eager(name, wrapped, model, xs, gys):
-    ref_model = copy.deepcopy(model)
-    want = eager_steps(ref_model, xs, gys)
-    got = eager_steps_wrapped(wrapped, model, xs, gys)
+def assert_same_steps(name, got, want):
     for step, ((y0, dx0, g0), (y1, dx1, g1)) in enumerate(zip(want, got)):
         assert rel(y1, y0) < 1e-5, (name, step, "y")
         assert rel(dx1, dx0) < 1e-4, (name, step, "dx")
@@ -64,38 +63,13 @@ def check_against_eager(name, wrapped, model, xs, gys):
             assert rel(a, b) < 1e-4, (name, step, "param grad")
 
 
-def eager_steps_wrapped(fn, model, xs, gys):
-    out = []
-    for x, gy in zip(xs, gys):
-        for p in model.parameters():
-            p.grad = None
-        x = x.clone().requires_grad_(True)
-        y = fn(x)
-        (y * gy).sum().backward()
-        out.append((y.detach().clone(), x.grad.clone(), [p.grad.clone() for p in model.parameters()]))
-    return out
-
-
 def inputs(x, n=4):
     g = torch.Generator(device="cuda").manual_seed(1)
     return [torch.randn(x.shape, device="cuda", generator=g) for _ in range(n)]
 
 
-@pytest.mark.parametrize("which", ["transform", "ffp"])
-def test_compile_reduce_overhead_training_matches_eager(which):
-    x, ms = models()
-    model = ms[which]
-    xs = inputs(x)
-    with torch.no_grad():
-        shape = model(x).shape
-    g = torch.Generator(device="cuda").manual_seed(2)
-    gys = [torch.randn(shape, device="cuda", generator=g) for _ in xs]
-    compiled = torch.compile(model, mode="reduce-overhead")
-    check_against_eager(which, compiled, model, xs, gys)
-
-
-@pytest.mark.parametrize("which", ["transform", "ffp"])
-def test_make_graphed_callables_training_matches_eager(which):
+def case(which):
+    """(model, an example input, inputs and output gradients of 4 steps, the eager steps' results)."""
     x, ms = models()
     model = ms[which]
     xs = inputs(x)
@@ -104,11 +78,18 @@ def test_make_graphed_callables_training_matches_eager(which):
     g = torch.Generator(device="cuda").manual_seed(2)
     gys = [torch.randn(shape, device="cuda", generator=g) for _ in xs]
     ref = copy.deepcopy(model)
+    return model, x, xs, gys, training_steps(ref, ref, xs, gys)
+
+
+@pytest.mark.parametrize("which", ["transform", "ffp"])
+def test_compile_reduce_overhead_training_matches_eager(which):
+    model, _, xs, gys, want = case(which)
+    compiled = torch.compile(model, mode="reduce-overhead")
+    assert_same_steps(which, training_steps(compiled, model, xs, gys), want)
+
+
+@pytest.mark.parametrize("which", ["transform", "ffp"])
+def test_make_graphed_callables_training_matches_eager(which):
+    model, x, xs, gys, want = case(which)
     graphed = torch.cuda.make_graphed_callables(model, (x.clone().requires_grad_(True),))
-    want = eager_steps(ref, xs, gys)
-    got = eager_steps_wrapped(graphed, model, xs, gys)
-    for step, ((y0, dx0, g0), (y1, dx1, g1)) in enumerate(zip(want, got)):
-        assert rel(y1, y0) < 1e-5, (which, step, "y")
-        assert rel(dx1, dx0) < 1e-4, (which, step, "dx")
-        for a, b in zip(g1, g0):
-            assert rel(a, b) < 1e-4, (which, step, "param grad")
+    assert_same_steps(which, training_steps(graphed, model, xs, gys), want)
