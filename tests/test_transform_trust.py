@@ -592,3 +592,12 @@ def test_forward_hooks_on_the_model_run_on_the_result():
     calls.clear()
     fused(x)
     assert calls == [torch.Size([B, NF, H])]
+
+
+def test_save_load_of_a_model_with_string_annotations():
+    from recfuse.puzzler import SplitStack  # its module uses `from __future__ import annotations`
+
+    m = SplitStack(D, 1)
+    x = x_of(B * NF * D)
+    again = roundtrip(recfuse.transform(m, (x, B, D)))
+    assert rel(again(x, B, D), m(x, B, D)) < TOL

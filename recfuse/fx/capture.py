@@ -575,7 +575,12 @@ def capture(model, example_inputs: Optional[tuple] = None) -> tuple[GraphModule,
                 f"use torch.where/torch.cond instead of a Python `if` on a tensor."
             ) from None
         return _capture_dynamo(root, values, constants, fn_name, e)
-    graph._tracer_cls = None  # a loaded copy re-traces its code with a plain Tracer
+    graph._tracer_cls = None  # a loaded copy re-traces its code with RebuildTracer
+    for n in graph.nodes:
+        if isinstance(n.type, str):
+            # A string annotation (`from __future__ import annotations`) becomes a str-valued
+            # global of the generated code, which torch.save cannot write as an import.
+            n.type = None
     gm = TransformedGraphModule(root, graph, class_name=getattr(model, "__name__", type(root).__name__))
     gm.training = root.training
     _carry_hooks(root, gm)

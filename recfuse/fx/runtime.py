@@ -15,6 +15,18 @@ from torch.fx.node import has_side_effect
 
 from ..errors import RecfuseError
 
+__all__ = [
+    "check_training_mode",
+    "check_key_order",
+    "check_module_argument",
+    "slices_view",
+    "gather_slices",
+    "rows_view",
+    "feature_affine",
+    "feature_linear",
+    "from_batched",
+]
+
 def _graph_leaf(fn):
     """Called with a Proxy (torch.load re-traces a saved module's code), record one node of this
     helper instead of tracing into it: its body branches on sizes that a Proxy does not know."""
@@ -98,7 +110,6 @@ def check_key_order(d, keys: tuple, name: str) -> None:
             f"{{k: d[k] for k in {list(keys)!r}}}), or transform with example inputs in this order.")
 
 
-__all__ = ["check_training_mode", "check_key_order", "check_module_argument", "slices_view", "gather_slices", "rows_view", "feature_affine", "feature_linear", "from_batched"]
 
 
 @_graph_leaf

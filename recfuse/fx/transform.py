@@ -184,7 +184,7 @@ def transform(model, example_inputs: Optional[tuple] = None, *, verify: bool = F
     if verify:
         if example_inputs is None:
             raise RecfuseError("verify=True needs example_inputs")
-        globals()["verify"](model, gm, example_inputs)
+        _verify_transform(model, gm, example_inputs)
     return gm
 
 
@@ -278,6 +278,9 @@ def verify(model, transformed: nn.Module, example_inputs: tuple, *, rtol: float 
     holder = nn.ModuleList([m for m in (model, transformed, *example_inputs) if isinstance(m, nn.Module)])
     with _StateSnapshot(holder, example_inputs):
         return _verify(model, transformed, example_inputs, rtol, atol)
+
+
+_verify_transform = verify  # `transform`'s own `verify` argument shadows the function's name
 
 
 def _verify(model, transformed, example_inputs, rtol, atol) -> float:
