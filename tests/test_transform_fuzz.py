@@ -301,7 +301,11 @@ class Case:
                 err_fused = float((a.double() - g64).abs().max())
                 err_orig = float((b.double() - g64).abs().max())
                 scale = float(g64.abs().max())
-                if err_fused <= max(4 * err_orig, GRAD_TOL * scale):
+                # The natural scale of these gradients is that of the cotangent (weights ~1): an
+                # absolute 1e-6 of it is ~10 fp32 ulps, what reordered rounding leaves after the
+                # cancellation (seen: 1.2e-7 on a gradient of 1.7e-5, BatchNorm over B=2).
+                cot_scale = max(float(c.abs().max()) for c in cot)
+                if err_fused <= max(4 * err_orig, GRAD_TOL * scale, 1e-6 * cot_scale):
                     continue
             assert r <= GRAD_TOL, f"{mode} grad of input {i}: relative difference {r:.3g} > {GRAD_TOL:g} ({absdiff(a, b)})"
 
