@@ -60,9 +60,11 @@ import fnmatch
 import json
 import logging
 import math
+import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -516,6 +518,26 @@ def _cuda_events_us(step, repeats: int = 50) -> float:
     return statistics.median(times) * 1e3
 
 
+@contextlib.contextmanager
+def _quiet_c_output():
+    """Send the process's C-level stdout and stderr (file descriptors 1 and 2) to a temp file."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
 def kernels_per_call(step, device, calls: int = 3) -> tuple[float, str]:
     """(count per call, what was counted) from torch.profiler over `calls` calls."""
     from torch.autograd import DeviceType
@@ -525,7 +547,8 @@ def kernels_per_call(step, device, calls: int = 3) -> tuple[float, str]:
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     _sync(device)
-    with profile(activities=activities) as prof:
+    # The CPU profiler prints "USDT ... profiler_stop" lines from C code; keep them out of the table.
+    with _quiet_c_output(), profile(activities=activities) as prof:
         for _ in range(calls):
             step()
         _sync(device)

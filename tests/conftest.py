@@ -1,9 +1,20 @@
 """Shared test set-up: interpreter-marked tests run only in a process started with
-TRITON_INTERPRET=1 (`make test-interpret`), because Triton reads that variable when it compiles."""
+TRITON_INTERPRET=1 (`make test-interpret`), because Triton reads that variable when it compiles.
+
+The suite runs the op's CPU path on the eager composite (compiling each parameter variant with
+Inductor would cost seconds per test); tests/test_cpu_compiled.py switches the compiled path on
+with `recfuse.ops.cpu_backend("compiled")`. Set RECFUSE_CPU_BACKEND=compiled to run everything
+compiled (subprocesses the tests start inherit the variable)."""
 import os
 
-import pytest
-import torch
+os.environ.setdefault("RECFUSE_CPU_BACKEND", "eager")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import recfuse  # noqa: E402
+
+recfuse.ops.set_cpu_backend(os.environ["RECFUSE_CPU_BACKEND"])
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 

@@ -5,7 +5,10 @@ this file registers the custom op that torch.fx, torch.compile and torch.export 
 
 Dispatch:
 * CUDA tensors -> Triton kernels (`launch.py`).
-* CPU tensors  -> the batched torch composite (`reference.batched_ln_tanh_linear_relu`), except
+* CPU tensors  -> the batched torch composite (`reference.batched_ln_tanh_linear_relu`) and the
+  analytic backward `_composite_backward`, compiled by Inductor (C++) per parameter variant on the
+  public function's eager path (`_cpu_compiled`; ``RECFUSE_CPU_BACKEND=eager`` or
+  `set_cpu_backend` / `cpu_backend` switch to the eager composite), except
   with ``TRITON_INTERPRET=1`` in the environment, where they run the Triton kernels under Triton's
   interpreter (how CI, which has no GPU, tests the kernels).
 * float64 on any device -> the composite (the kernels compute in float32; float64 is exact).
@@ -26,6 +29,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .._checks import check_op_args
+from . import _cpu_compiled
 from ..reference import batched_ln_tanh_linear_relu
 
 __all__ = ["ln_tanh_linear_relu", "uses_triton"]
@@ -69,13 +73,21 @@ def _fwd_op(
     return _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
 
 
-def _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=False):
-    """y, or with ``save_stats`` (y, per-row mean/rstd for the backward; None on the composite)."""
+def _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=False, eager_entry=False):
+    """y, or with ``save_stats`` (y, per-row mean/rstd for the backward; None on the composite).
+
+    ``eager_entry``: called from the public function's real-tensor eager path, where CPU tensors
+    may run the Inductor-compiled composite (`_cpu_compiled`); the custom op's impl never does.
+    """
     if x.dtype is not torch.float64 and uses_triton(x.device):
         from . import launch
 
         return launch.forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=save_stats)
-    y = batched_ln_tanh_linear_relu(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    y = None
+    if eager_entry and x.device.type == "cpu":
+        y = _cpu_compiled.forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    if y is None:
+        y = batched_ln_tanh_linear_relu(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
     return (y, None) if save_stats else y
 
 
@@ -105,11 +117,15 @@ def _bwd_op(
     return _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
 
 
-def _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats=None):
+def _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats=None, eager_entry=False):
     if x.dtype is not torch.float64 and uses_triton(x.device):
         from . import launch
 
         return launch.backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats)
+    if eager_entry and x.device.type == "cpu":
+        grads = _cpu_compiled.backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+        if grads is not None:
+            return grads
     return _composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
 
 
@@ -250,7 +266,7 @@ class _EagerLnTanhLinearRelu(torch.autograd.Function):
         args = (x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
         # The kernel keeps each row's mean and rstd (8 bytes a row) so that the backward skips
         # two of its five row reductions.
-        y, ctx.stats = _forward_impl(*args, save_stats=True)
+        y, ctx.stats = _forward_impl(*args, save_stats=True, eager_entry=True)
         _setup_context(ctx, args, y)
         return y
 
@@ -258,7 +274,7 @@ class _EagerLnTanhLinearRelu(torch.autograd.Function):
     def backward(ctx, grad_y):
         stats = ctx.stats
         ctx.stats = None
-        return _backward(ctx, grad_y, backward_fn=functools.partial(_backward_impl, stats=stats))
+        return _backward(ctx, grad_y, backward_fn=functools.partial(_backward_impl, stats=stats, eager_entry=True))
 
 
 # torch.func transforms wrap tensors in ways the kernels and the ctx-in-forward autograd.Function
@@ -416,7 +432,7 @@ def ln_tanh_linear_relu(
             return batched_ln_tanh_linear_relu(x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim))
         if not (torch.is_grad_enabled() and _any_requires_grad(x, weight, bias, ln_weight, ln_bias)):
             # Inference: no autograd node to build (Function.apply alone is ~15 us a call).
-            return _forward_impl(x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim))
+            return _forward_impl(x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim), eager_entry=True)
         return _EagerLnTanhLinearRelu.apply(x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim))
     return torch.ops.recfuse.ln_tanh_linear_relu(
         x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim)
