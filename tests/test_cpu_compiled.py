@@ -157,7 +157,7 @@ def test_switch_api():
 
 
 @pytest.mark.parametrize("value,expected", [("eager", "eager"), ("compiled", "compiled"), (" Compiled ", "compiled"),
-                                            ("", "compiled"), (None, "compiled")])
+                                            ("", "eager"), (None, "eager")])
 def test_environment_variable(monkeypatch, value, expected):
     """What `recfuse.ops` reads from RECFUSE_CPU_BACKEND at import (the function it calls)."""
     if value is None:
@@ -170,4 +170,4 @@ def test_environment_variable(monkeypatch, value, expected):
 def test_environment_variable_unknown_value_warns(monkeypatch):
     monkeypatch.setenv("RECFUSE_CPU_BACKEND", "fast")
     with pytest.warns(UserWarning, match="RECFUSE_CPU_BACKEND"):
-        assert _cpu_compiled._backend_from_env() == "compiled"
+        assert _cpu_compiled._backend_from_env() == "eager"
