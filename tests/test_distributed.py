@@ -45,7 +45,7 @@ def init_gloo(rank: int, port: int) -> None:
 # A rank that waits longer than this for the other one fails (gloo's default is 30 minutes,
 # which would hang CI); the whole spawn gets SPAWN_TIMEOUT_S.
 RANK_TIMEOUT_S = 120
-SPAWN_TIMEOUT_S = 300
+SPAWN_TIMEOUT_S = 150  # a run takes ~10-30 s here; a hang (rare, cause unknown) is retried sooner
 
 
 def spawn(worker, *args) -> None:
