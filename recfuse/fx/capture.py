@@ -243,6 +243,9 @@ class RebuildTracer(_ModeTracer):
     proxy_every_flag = True
 
 
+TransformedGraphModule.rebuild_tracer = RebuildTracer
+
+
 class _ValueTracer(_ModeTracer):
     def __init__(self, placeholder_values: Optional[dict[str, Any]] = None):
         super().__init__()

@@ -75,6 +75,9 @@ class TransformedGraphModule(GraphModule):
         (True, 'TransformedGraphModule')
     """
 
+    # The tracer torch.load re-traces the saved code with; capture sets it (it owns the tracers).
+    rebuild_tracer = None
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         map_original_keys(self, state_dict, prefix, missing_keys)
@@ -92,9 +95,7 @@ class TransformedGraphModule(GraphModule):
         _, (body, import_block) = super().__reduce__()
         for k in TRANSIENT_ATTRS:
             body.pop(k, None)
-        from .capture import RebuildTracer
-
         # Loading re-traces the saved code; this tracer keeps `self.training` reads as reads.
-        body["_tracer_cls"] = RebuildTracer
+        body["_tracer_cls"] = self.rebuild_tracer
         cls = next(c for c in type(self).__mro__ if "<locals>" not in c.__qualname__)
         return (_rebuild, (cls, body, import_block))

@@ -142,7 +142,7 @@ def _make_forward(eps: float, feature_dim: int) -> Callable:
 
 
 def _make_backward(eps: float, feature_dim: int) -> Callable:
-    from .ln_tanh_linear_relu import _composite_backward
+    from .composite import composite_backward as _composite_backward
 
     def backward(grad_y, x, weight, bias, ln_weight, ln_bias):
         return _composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)

@@ -380,7 +380,7 @@ def _grad_like(x: torch.Tensor) -> torch.Tensor:
 
 
 def _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, why, key):
-    from .ln_tanh_linear_relu import _composite_backward
+    from .composite import composite_backward as _composite_backward
 
     D, H = key[0], key[1]
     level = logging.DEBUG if key in _WARNED else logging.WARNING  # once per shape, not per step

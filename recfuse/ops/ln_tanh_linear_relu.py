@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from .._checks import check_op_args
 from . import _cpu_compiled
 from ..reference import batched_ln_tanh_linear_relu
+from .composite import _empty, composite_backward as _composite_backward
 
 __all__ = ["ln_tanh_linear_relu", "uses_triton"]
 
@@ -50,10 +51,6 @@ def uses_triton(device: torch.device) -> bool:
 
 # Read once, as Triton does: an environ lookup per call was ~4 us of the op's host overhead.
 _TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _empty(x: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((0,))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,62 +124,6 @@ def _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim
         if grads is not None:
             return grads
     return _composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
-
-
-def _composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
-    """Analytic backward of the chain on whole tensors (CPU path), float32 for low precision.
-
-    Recomputes the normalised rows, tanh and the pre-relu z from x (nothing but the inputs is kept
-    from forward), the same algorithm the Triton backward kernel runs per row tile.
-    """
-    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-
-    def fm(t):  # features first: [F, B, ...]
-        t = t.to(compute)
-        return t if feature_dim == 0 else t.transpose(0, 1)
-
-    xf, gy = fm(x), fm(grad_y)
-    mean = xf.mean(-1, keepdim=True)
-    xc = xf - mean
-    var = (xc * xc).mean(-1, keepdim=True)
-    # NaN where the variance overflowed, as the kernels give (not rstd = 0 and a finite dx).
-    rstd = torch.rsqrt(var + eps) + (var - var)
-    xhat = xc * rstd
-    lw = None if ln_weight is None else ln_weight.to(compute)
-    lw_b = None if lw is None else (lw.unsqueeze(1) if lw.dim() == 2 else lw)
-    a = xhat if lw_b is None else xhat * lw_b
-    if ln_bias is not None:
-        lb = ln_bias.to(compute)
-        a = a + (lb.unsqueeze(1) if lb.dim() == 2 else lb)
-    t = torch.tanh(a)
-    w = weight.to(compute)
-    z = torch.bmm(t, w.transpose(1, 2)) if w.dim() == 3 else torch.matmul(t, w.t())
-    if bias is not None:
-        b = bias.to(compute)
-        z = z + (b.unsqueeze(1) if b.dim() == 2 else b)
-    dz = torch.where(z > 0, gy, torch.zeros((), dtype=compute))
-    if w.dim() == 3:
-        dt = torch.bmm(dz, w)
-        gw = torch.bmm(dz.transpose(1, 2), t)
-    else:
-        dt = torch.matmul(dz, w)
-        gw = torch.einsum("fbh,fbd->hd", dz, t)
-    da = dt * (1 - t * t)
-
-    def reduce_param(g_fbk, p):  # sum over B, and over F when the parameter is shared
-        if p is None:
-            return _empty(x)
-        g = g_fbk.sum(1)
-        return (g if p.dim() == 2 else g.sum(0)).to(p.dtype)
-
-    gb = reduce_param(dz, bias)
-    glw = reduce_param(da * xhat, ln_weight)
-    glb = reduce_param(da, ln_bias)
-    dxhat = da if lw_b is None else da * lw_b
-    gx = rstd * (dxhat - dxhat.mean(-1, keepdim=True) - xhat * (dxhat * xhat).mean(-1, keepdim=True))
-    gx = gx if feature_dim == 0 else gx.transpose(0, 1)
-    # In x's strides, like the kernel's dx (and the fake impl).
-    return torch.empty_like(x).copy_(gx), gw.to(weight.dtype), gb, glw, glb
 
 
 @_bwd_op.register_fake
