@@ -1,354 +1,343 @@
-"""Sweep kernel block configs on the GPU and break down the host overhead of one op call.
+"""The kernel tuner: measure launch configs per (D, H, dtype) on this GPU and write its table.
 
-Prints, per problem, the GPU time (do_bench median) of each forward and backward configuration
-and the best one; then the per-call host cost of each layer of the op (argument checks, the
-custom-op dispatch, the Triton launch). Results feed the heuristics in `recfuse/ops/launch.py`.
+For every shape of the sweep (the grid benchmark's D x H x dtype; torchrec layout, a [B, F*D]
+buffer viewed as [B, F, D], shared [H, D] weight with an [H] bias, per-feature LayerNorm affine,
+x about ``--x-mb`` MB) the tuner times candidate configs of the forward kernel (no grad) and of
+the backward (fused kernel + reduction, reading the forward's saved row stats as a training step
+does) with ``triton.testing.do_bench``, and keeps the fastest candidate whose outputs match the
+torch composite in float32 (relative error in norm 2e-5 for float32, 2e-2 for bf16; a config that
+compiles into wrong numbers is rejected, not kept). The winners go to
+``recfuse/ops/tuned/<gpu>.json``, which `recfuse.ops.configs` reads; the heuristic's own time is
+measured beside them so the table says what it gained.
 
-Usage (GPU): python benchmarks/tune_kernels.py --json benchmarks/results/tune_h100.json
+Compiling dominates (a few seconds per candidate); candidates are compiled first by
+``--workers`` processes in parallel (Triton's on-disk cache then serves the timing process),
+then timed one by one in this process. Progress on stderr, a summary table at the end.
+
+Example:
+    $ python benchmarks/tune_kernels.py --save                 # whole sweep, writes the table
+    $ python benchmarks/tune_kernels.py --dims 256 --hs 1 16 --dtypes bf16 --kinds backward
+    $ python benchmarks/tune_kernels.py --device cpu --dims 32 --hs 1 --dtypes fp32   # smoke run (interpreter)
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import datetime
 import itertools
 import json
+import logging
+import os
+import subprocess
+import sys
 import time
 
 import torch
 import triton
-import triton.testing
 
-import recfuse
-from recfuse._checks import check_op_args
-from recfuse.ops import launch
+from recfuse.ops import configs, launch
+from recfuse.ops.composite import composite_backward
+from recfuse.reference import batched_ln_tanh_linear_relu
 
-from _timing import wall_us_with_sync
+log = logging.getLogger("recfuse.tune")
 
-PROBLEMS = [  # F, B, D, H, dtype
-    (128, 8192, 256, 1, torch.float32),
-    (128, 8192, 256, 1, torch.bfloat16),
-    (16, 1024, 256, 1, torch.float32),
-    (128, 8192, 256, 16, torch.float32),
-    (128, 8192, 256, 16, torch.bfloat16),
-    (128, 8192, 256, 64, torch.float32),
-    (128, 8192, 256, 64, torch.bfloat16),
-]
-# The backward sweep covers the training-step shapes of the benchmark.
-BACKWARD_PROBLEMS = [p for p in PROBLEMS if p[0] == 128 and (p[3] == 1 or p[4] == torch.bfloat16)]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Relative error in norm (||out - ref|| / ||ref||): a relu mask that flips where z is within
+# rounding of 0 moves single elements by O(1) (so a max-error test rejects correct kernels) but
+# not the norm; a miscompiled tile does.
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-def bench(fn, rep=100):
-    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median") * 1e3
-
-
-def inputs(F, B, D, H, dtype):
-    x = torch.randn(B, F * D, device="cuda", dtype=dtype).view(B, F, D)
-    w = torch.randn(H, D, device="cuda", dtype=dtype) / D ** 0.5
-    b = torch.randn(H, device="cuda", dtype=dtype) * 0.1
-    return x, w, b
-
-
-def copy_us(F, B, D, H, dtype):
-    """A device-to-device copy of as many bytes as the forward moves (x + y): the bandwidth bar."""
-    src = torch.randn(F * B * (D + H), device="cuda", dtype=dtype)
-    dst = torch.empty_like(src)
-    return bench(lambda: dst.copy_(src))
-
-
-def _timed(fn, ref):
-    try:
-        out = fn()
-        out = out if isinstance(out, tuple) else (out,)
-        refs = ref if isinstance(ref, tuple) else (ref,)
-        err = max(((a.float() - r.float()).norm() / r.float().norm().clamp_min(1e-12)).item()
-                  for a, r in zip(out[:3], refs[:3]))
-        return {"us": bench(fn), "err_vs_default": err}
-    except Exception as e:  # noqa: BLE001 - an invalid config is a row, not a crash
-        return {"us": None, "error": str(e)[:80]}
-
-
-def forward_variants(base, dtype, B):
-    if base.use_dot:
-        rows = (16, 32, 64) if dtype == torch.float32 else (32, 64, 128)
-        return [launch.KernelConfig(bb, base.block_d, base.block_h, True, nw)
-                for bb in rows for nw in (4, 8)]
-    rows = (4, 8, 16) if dtype == torch.float32 else (8, 16, 32)
-    evicts = ("", "evict_first") if B >= 8192 else ("",)  # a small x stays in L2 anyway
-    return [launch.KernelConfig(bb, base.block_d, base.block_h, False, nw, x_evict=ev)
-            for bb in rows for nw in (1, 2, 4) for ev in evicts]
-
-
-def sweep_forward(F, B, D, H, dtype):
-    x, w, b = inputs(F, B, D, H, dtype)
-    ref = launch.forward(x, w, b, None, None, 0.0, 1)
-    base = launch.forward_config(D, H, dtype, False)
+def shapes(args) -> list[dict]:
     out = []
-    orig = launch.forward_config
-    for cfg in forward_variants(base, dtype, B):
-        launch.forward_config = lambda *a, _c=cfg, **k: _c
-        try:
-            row = _timed(lambda: launch.forward(x, w, b, None, None, 0.0, 1), ref)
-        finally:
-            launch.forward_config = orig
-        out.append({"config": str(cfg), **row})
-    return base, out
-
-
-def backward_variants(base):
-    if base.use_dot:
-        return [launch.BackwardConfig(bb, base.block_d, base.block_h, True, nw, waves=wv)
-                for bb in (16, 32) for nw in (4, 8) for wv in (1, 2)]
-    grid = [launch.BackwardConfig(bb, base.block_d, base.block_h, False, nw, waves=wv)
-            for bb in (8, 16, 32) for nw in (4, 8) for wv in (1, 2, 4)]
-    return grid + [dataclasses.replace(c, x_evict="evict_first") for c in grid if c.waves == 1 and c.num_warps == 8]
-
-
-def sweep_backward(F, B, D, H, dtype):
-    x, w, b = inputs(F, B, D, H, dtype)
-    gy = torch.randn(B, F, H, device="cuda", dtype=dtype)
-    _, stats = launch.forward(x, w, b, None, None, 0.0, 1, save_stats=True)
-    ref = launch.backward(gy, x, w, b, None, None, 0.0, 1, stats)
-    base = launch.backward_config(D, H, dtype, False)
-    out = []
-    orig = launch.backward_config
-    for cfg in backward_variants(base):
-        launch.backward_config = lambda *a, _c=cfg, **k: _c
-        try:
-            # With the forward's saved row stats, as the eager training step runs it.
-            row = _timed(lambda: launch.backward(gy, x, w, b, None, None, 0.0, 1, stats), ref)
-        finally:
-            launch.backward_config = orig
-        out.append({"config": str(cfg), **row})
-    return base, out
-
-
-def _without_compiled_launch(fn):
-    launch._launch_fwd.enabled = False
-    try:
-        return fn()
-    finally:
-        launch._launch_fwd.enabled = True
-
-
-def host_overhead():
-    F, B, D, H = 16, 1024, 256, 1
-    x, w, b = inputs(F, B, D, H, torch.float32)
-
-    layers = {
-        "check_op_args": lambda: check_op_args(x, w, b, None, None, 0.0, 1),
-        "launch.forward": lambda: launch.forward(x, w, b, None, None, 0.0, 1),
-        "launch.forward via JITFunction.run": lambda: _without_compiled_launch(
-            lambda: launch.forward(x, w, b, None, None, 0.0, 1)),
-        "torch.ops.recfuse (custom op)": lambda: torch.ops.recfuse.ln_tanh_linear_relu(x, w, b, None, None, 0.0, 1),
-        "recfuse.ln_tanh_linear_relu": lambda: recfuse.ln_tanh_linear_relu(x, w, b, eps=0.0, feature_dim=1),
-        "torch.empty (reference)": lambda: torch.empty(B, F, H, device="cuda"),
-        "torch relu (one aten kernel)": lambda: torch.relu(x),
-    }
-    out = {}
-    for name, fn in layers.items():
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        n = 2000
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        host = (time.perf_counter() - t0) / n * 1e6
-        wall = wall_us_with_sync(fn, warmup=0)
-        out[name] = {"host_us_per_call": host, "wall_us_with_sync": wall}
-        print(f"{name:>32}: host {host:7.1f} us/call, wall with sync {wall:7.1f} us", flush=True)
-    out["compiled_launch_cache_entries"] = len(launch._launch_fwd.kernels)
-    print("compiled launch cache entries (forward):", out["compiled_launch_cache_entries"], flush=True)
+    for dt, D, H in itertools.product(args.dtypes, args.dims, args.hs):
+        dtype = DTYPES[dt]
+        B = max(64, int(args.x_mb * 2 ** 20 / (args.features * D * dtype.itemsize)) // 64 * 64)
+        out.append(dict(F=args.features, B=B, D=D, H=H, dtype=dt))
     return out
 
 
-DOT_FORWARD_PROBLEMS = [  # the tl.dot forward shapes, plus H=1 to check that the tile loop costs nothing
-    (128, 8192, 256, 16, torch.float32),
-    (128, 8192, 256, 64, torch.float32),
-    (128, 8192, 256, 32, torch.float32),
-    (128, 8192, 256, 16, torch.bfloat16),
-    (128, 8192, 256, 64, torch.bfloat16),
-    (128, 8192, 256, 32, torch.bfloat16),
-    (128, 8192, 256, 1, torch.float32),
-    (128, 8192, 256, 1, torch.bfloat16),
-]
-
-
-# --wide: also 16-warp tiles. --chunked: only the default and K-chunked configs.
-WIDE = False
-CHUNKED = False
-
-
-def chunked_variants(base, dtype):
-    """The default and K-chunked tiles (block_k columns at a time), one program per tile or
-    persistent. The grid is the neighbourhood of the first sweep's winners
-    (dot_forward_chunked_h100.txt: fp32 64 rows/4 warps/64 columns, bf16 H=16 persistent)."""
+def forward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.ForwardConfig]:
+    full = D == triton.next_power_of_2(D)
+    base = configs.heuristic_forward(D, H, dtype, full)
     out = [base]
-    if dtype == torch.float32:
-        out += [dataclasses.replace(base, block_b=bb, num_warps=nw, block_k=bk, persistent=0, tile_stages=1)
-                for bb in (64, 128) for nw in (4, 8) for bk in (32, 64)]
-        out += [dataclasses.replace(base, block_b=bb, num_warps=4, block_k=64, persistent=p, tile_stages=2)
-                for bb in (64, 128) for p in (1, 2)]
-        return out
-    return out + [dataclasses.replace(base, block_b=bb, num_warps=nw, block_k=bk, persistent=p, tile_stages=st)
-                  for bb, nw in ((64, 4), (128, 4), (128, 8)) for bk in (32, 64)
-                  for p, st in ((0, 1), (1, 2), (1, 3))]
+    block_d = base.block_d
+    row_block_h = min(triton.next_power_of_2(H), 4)
+    for block_b, warps in itertools.product((4, 8, 16, 32), (1, 2, 4, 8)):
+        per_thread = block_b * block_d * row_block_h / (warps * 32)
+        if H <= 4 and 4 <= per_thread <= 16 and block_b * block_d * row_block_h <= 2 * configs.TILE_BUDGET:
+            out.append(configs.ForwardConfig(block_b, block_d, row_block_h, False, warps))
+    if block_d >= 16 and H >= 2 and 16 * block_d <= configs.TILE_BUDGET:
+        block_h = max(16, min(64, triton.next_power_of_2(H)))
+        chunk = min(32 if block_h <= 16 else 64, block_d // 2) if full and H <= block_h else 0
+        shapes = [(64, 4, 0), (32, 4, 0)] + ([(64, 4, 1), (64, 8, 1)] if H > 4 else [])
+        for (block_b, warps, persistent), block_k in itertools.product(shapes, dict.fromkeys((0, chunk))):
+            if block_b * block_d <= 4 * configs.TILE_BUDGET:
+                out.append(configs.ForwardConfig(block_b, block_d, block_h, True, warps, persistent=persistent,
+                                                 tile_stages=2 if persistent else 1, block_k=block_k))
+    return list(dict.fromkeys(out))
 
 
-def persistent_variants(base, dtype):
-    """The default, one program per tile (32-row tiles), and persistent programs with 1-3 tiles
-    of x in flight (8 warps: 4 never won the first sweep, dot_forward_h100.json)."""
-    if not base.use_dot:
-        return [base]
-    if CHUNKED:
-        return chunked_variants(base, dtype)
-    single = dataclasses.replace(base, block_b=32, num_warps=4 if dtype == torch.float32 else 8,
-                                 persistent=0, tile_stages=1)
-    out = [base] + ([single] if single != base else [])
-    if dtype == torch.float32:
-        # 3xTF32 spills (ncu: 255 registers, local memory traffic): smaller row tiles, and
-        # narrower H blocks looped over (the weight's hi/lo operands take fewer registers).
-        out += [dataclasses.replace(single, num_warps=8, persistent=p, tile_stages=st)
-                for p, st in ((1, 1), (1, 2), (2, 2))]
-        out += [dataclasses.replace(single, block_b=16, num_warps=nw) for nw in (2, 4)]
-        out += [dataclasses.replace(single, block_b=16, num_warps=4, persistent=2, tile_stages=2)]
-        if WIDE:
-            out += [dataclasses.replace(single, block_b=bb, num_warps=16, persistent=p, tile_stages=st)
-                    for bb in (32, 64) for p, st in ((0, 1), (1, 2))]
-        for bh in (16, 32):
-            if bh < base.block_h:
-                out += [dataclasses.replace(single, block_h=bh, block_b=bb, num_warps=4)
-                        for bb in (16, 32)]
-        return out
-    out += [dataclasses.replace(base, block_b=bb, num_warps=8, persistent=p, tile_stages=st)
-            for bb in (64, 128) for p, st in ((1, 2), (1, 3), (2, 3))]
-    if WIDE:
-        # 16 warps: the same tile over twice the threads, half the registers a thread (ncu: 2
-        # warps per scheduler at 8 warps and 194 registers, latency-bound).
-        out += [dataclasses.replace(base, block_b=bb, num_warps=16, persistent=p, tile_stages=st)
-                for bb in (64, 128, 256) for p, st in ((1, 2), (1, 3), (2, 2))]
-    return out
+def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.BackwardConfig]:
+    """Compiled variants x programs per SM; the heuristic's own config first."""
+    base = configs.heuristic_backward(D, H, dtype)
+    if base is None:
+        return []
+    out = [base]
+    paths = [base.use_dot]
+    if 2 <= H <= 4 and D >= 16:
+        paths.append(True)  # the tensor-core product, H padded to 16, against the broadcast sum
+    for use_dot in dict.fromkeys(paths):
+        rows = ((16, 32) if H > 4 else (16,)) if use_dot else (4, 8, 16)
+        for block_b, warps, stages, pps in itertools.product(rows, (4, 8), (1, 2), (2, 4, 8, 16)):
+            cfg = configs.heuristic_backward(D, H, dtype, use_dot=use_dot, block_b=block_b, num_warps=warps,
+                                             num_stages=stages, programs_per_sm=pps)
+            if cfg is not None and configs._backward_fits(cfg, D, H) and cfg.block_b == block_b:
+                out.append(cfg)
+    return list(dict.fromkeys(out))
 
 
-def sweep_dot_forward(only=None, skip=0):
-    """GPU time of persistent forward configs against one program per tile, per problem."""
-    out = []
-    for F, B, D, H, dtype in DOT_FORWARD_PROBLEMS[skip:only]:
-        x, w, b = inputs(F, B, D, H, dtype)
-        ref = launch.forward(x, w, b, None, None, 0.0, 1)
-        base = launch.forward_config(D, H, dtype, False)
-        orig = launch.forward_config
-        rows = []
-        for cfg in persistent_variants(base, dtype):
-            launch.forward_config = lambda *a, _c=cfg, **k: _c
-            try:
-                rows.append({"config": str(cfg), **_timed(lambda: launch.forward(x, w, b, None, None, 0.0, 1), ref)})
-            finally:
-                launch.forward_config = orig
-        copy = copy_us(F, B, D, H, dtype)
-        default_us = next((r["us"] for r in rows if r["config"] == str(base)), None)
-        print(f"dot forward {F},{B},{D},{H} {dtype}: copy {copy:.1f} us; default {default_us} us ({base})", flush=True)
-        for r in sorted((r for r in rows if r.get("us")), key=lambda r: r["us"])[:5]:
-            print(f"    {r['us']:8.1f} us = {100 * copy / r['us']:5.1f}% of copy  err {r['err_vs_default']:.1e}"
-                  f"  {r['config']}", flush=True)
-        bad = [r for r in rows if not r.get("us")]
-        if bad:
-            print(f"    {len(bad)} configs failed, e.g. {bad[0]}", flush=True)
-        out.append({"problem": [F, B, D, H, str(dtype)], "default": str(base), "copy_us": copy, "rows": rows})
-        del x, w, b, ref
-        torch.cuda.empty_cache()
-    return out
+def make_inputs(p: dict, device: str, seed: int = 0):
+    F, B, D, H, dtype = p["F"], p["B"], p["D"], p["H"], DTYPES[p["dtype"]]
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, device=device, generator=g) * scale + shift).to(dtype)
+
+    x = rnd(B, F * D).view(B, F, D)
+    return dict(x=x, w=rnd(H, D, scale=D ** -0.5), b=rnd(H, scale=0.1, shift=0.1),
+                lw=rnd(F, D, scale=0.2, shift=1.0), lb=rnd(F, D, scale=0.2), gy=rnd(B, F, H))
 
 
-AB_PROBLEMS = [  # (kind, F, B, D, H, dtype): the default config with and without full-tile kernels
-    ("forward", 128, 8192, 256, 1, torch.float32),
-    ("forward", 128, 8192, 256, 1, torch.bfloat16),
-    ("forward", 128, 8192, 256, 64, torch.bfloat16),
-    ("backward", 128, 8192, 256, 1, torch.float32),
-    ("backward", 128, 8192, 256, 16, torch.bfloat16),
-]
+def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
 
 
-def ab_full_tiles():
-    """GPU time of the default configs with EVEN_D/EVEN_B on and off, in one process."""
-    out = []
-    for kind, F, B, D, H, dtype in AB_PROBLEMS:
-        x, w, b = inputs(F, B, D, H, dtype)
-        if kind == "forward":
-            fn = lambda: launch.forward(x, w, b, None, None, 0.0, 1)  # noqa: E731
-        else:
-            gy = torch.randn(B, F, H, device="cuda", dtype=dtype)
-            _, stats = launch.forward(x, w, b, None, None, 0.0, 1, save_stats=True)
-            fn = lambda: launch.backward(gy, x, w, b, None, None, 0.0, 1, stats)  # noqa: E731
-        row = {"kind": kind, "problem": [F, B, D, H, str(dtype)]}
-        for flag in (True, False, True):  # on, off, on again: the spread of two identical runs
-            launch.SPECIALIZE_FULL_TILES = flag
-            key = "full_tiles_us" if flag else "masked_us"
-            row.setdefault(key, []).append(bench(fn))
-        launch.SPECIALIZE_FULL_TILES = True
-        out.append(row)
-        print(f"A/B {kind} {F},{B},{D},{H} {dtype}: full tiles "
-              + " / ".join(f"{t:.1f}" for t in row["full_tiles_us"]) + f" us, masked {row['masked_us'][0]:.1f} us",
-              flush=True)
-        torch.cuda.empty_cache()
-    return out
+def references(t: dict) -> dict:
+    """float32 composite forward and gradients (inputs upcast), the tuner's check."""
+    f32 = {k: v.float() for k, v in t.items()}
+    y = batched_ln_tanh_linear_relu(f32["x"], f32["w"], f32["b"], f32["lw"], f32["lb"], 1e-5, 1)
+    grads = composite_backward(f32["gy"], f32["x"], f32["w"], f32["b"], f32["lw"], f32["lb"], 1e-5, 1)
+    return {"y": y, "grads": grads}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json")
-    ap.add_argument("--skip-backward", action="store_true")
-    ap.add_argument("--ab-full-tiles", action="store_true",
-                    help="only compare the default configs with and without the full-tile kernels")
-    ap.add_argument("--only", type=int, default=None, help="with --dot-forward: the first N problems")
-    ap.add_argument("--skip", type=int, default=0, help="with --dot-forward: skip the first N problems")
-    ap.add_argument("--wide", action="store_true", help="with --dot-forward: add 16-warp configs")
-    ap.add_argument("--chunked", action="store_true", help="with --dot-forward: default vs K-chunked configs")
-    ap.add_argument("--dot-forward", action="store_true",
-                    help="only sweep persistent forward configs (tile loop, x loads in flight)")
-    args = ap.parse_args()
-    if args.dot_forward:
-        global WIDE, CHUNKED
-        WIDE, CHUNKED = args.wide, args.chunked
-        result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                  "dot_forward": sweep_dot_forward(args.only, args.skip)}
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(result, fh, indent=1)
-        return
-    if args.ab_full_tiles:
-        result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                  "ab_full_tiles": ab_full_tiles()}
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(result, fh, indent=1)
-        return
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "host_overhead": host_overhead(), "forward": [], "backward": []}
-    for kind, sweep, problems in (("forward", sweep_forward, PROBLEMS),
-                                  ("backward", None if args.skip_backward else sweep_backward, BACKWARD_PROBLEMS)):
-        if sweep is None:
+def forward_call(t: dict, cfg, stats: bool = False):
+    with configs.override(forward=cfg):
+        plan = launch.forward_plan(t["x"], t["w"], t["b"], t["lw"], t["lb"], 1e-5, 1, save_stats=stats)
+    return lambda: plan(t["x"], t["w"], t["b"], t["lw"], t["lb"])
+
+
+def backward_call(t: dict, cfg, stats):
+    with configs.override(backward=cfg):
+        plan = launch.backward_plan(t["gy"], t["x"], t["w"], t["b"], t["lw"], t["lb"], 1e-5, 1, stats)
+    load = stats if plan.meta["LOAD_STATS"] else None
+    return lambda: plan(t["gy"], t["x"], t["w"], t["b"], t["lw"], t["lb"], load)
+
+
+def check(kind: str, out, ref: dict, dtype) -> float:
+    if kind == "forward":
+        return _rel_err(out[0], ref["y"])
+    return max(_rel_err(g, r) for g, r in zip(out, ref["grads"]) if g.numel())
+
+
+def compile_worker(plan_path: str, shard: int, n_shards: int) -> int:
+    """Run every candidate of this shard once (compiling it into Triton's cache); errors are the
+    timing process's to report."""
+    with open(plan_path) as f:
+        work = json.load(f)
+    for i, item in enumerate(work):
+        if i % n_shards != shard:
             continue
-        for F, B, D, H, dtype in problems:
-            base, rows = sweep(F, B, D, H, dtype)
-            ok = sorted((r for r in rows if r.get("us")), key=lambda r: r["us"])
-            copy = copy_us(F, B, D, H, dtype)
-            default_us = next((r["us"] for r in rows if r["config"] == str(base)), None)
-            print(f"{kind} {F},{B},{D},{H} {dtype}: copy of x+y {copy:.1f} us; default {base}"
-                  f" {default_us if default_us is None else round(default_us, 1)} us", flush=True)
-            for r in ok[:4]:
-                print(f"    {r['us']:8.1f} us  err {r['err_vs_default']:.1e}  {r['config']}", flush=True)
-            bad = [r for r in rows if not r.get("us")]
-            if bad:
-                print(f"    {len(bad)} configs failed, e.g. {bad[0]}", flush=True)
-            result[kind].append({"problem": [F, B, D, H, str(dtype)], "default": str(base), "copy_us": copy,
-                                 "rows": rows})
-            torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
+        p, kind = item["shape"], item["kind"]
+        t = make_inputs(p, "cuda")
+        stats = forward_call(t, configs.heuristic_forward(p["D"], p["H"], DTYPES[p["dtype"]]), True)()[1]
+        for entry in item["candidates"]:
+            try:
+                cfg = _config(kind, p, entry)
+                (forward_call(t, cfg) if kind == "forward" else backward_call(t, cfg, stats))()
+            except Exception:  # noqa: BLE001
+                pass
+        del t
+        torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    return 0
+
+
+def _config(kind: str, p: dict, entry: dict):
+    D, H, dtype = p["D"], p["H"], DTYPES[p["dtype"]]
+    if kind == "forward":
+        block_h = max(16, min(64, triton.next_power_of_2(H))) if entry["use_dot"] else min(triton.next_power_of_2(H), 4)
+        return configs.ForwardConfig(block_d=triton.next_power_of_2(D), block_h=block_h, **entry)
+    return configs.heuristic_backward(D, H, dtype, **entry)
+
+
+def precompile(work: list, n_workers: int, out_dir: str) -> float:
+    t0 = time.perf_counter()
+    path = os.path.join(out_dir, "tune_plan.json")
+    with open(path, "w") as f:
+        json.dump(work, f)
+    procs = [subprocess.Popen([sys.executable, __file__, "--compile-worker", path, str(i), str(n_workers)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(n_workers)]
+    for pr in procs:
+        pr.wait()
+    return time.perf_counter() - t0
+
+
+def tune_shape(p: dict, kinds, bench, copy_gbps: float, progress) -> list[dict]:
+    D, H, dtype = p["D"], p["H"], DTYPES[p["dtype"]]
+    t = make_inputs(p, "cuda" if torch.cuda.is_available() else "cpu")
+    ref = references(t)
+    full = D == triton.next_power_of_2(D)
+    base_fwd = configs.heuristic_forward(D, H, dtype, full)
+    stats = forward_call(t, base_fwd, True)()[1]
+    x_bytes, y_bytes = t["x"].numel() * t["x"].element_size(), t["gy"].numel() * t["gy"].element_size()
+    floors = {"forward": (x_bytes + y_bytes) / copy_gbps / 1e3, "backward": (2 * x_bytes + y_bytes) / copy_gbps / 1e3}
+    results = []
+    for kind in kinds:
+        cands = forward_candidates(D, H, dtype) if kind == "forward" else backward_candidates(D, H, dtype)
+        if t["x"].device.type == "cpu":
+            cands = cands[:3]
+        rows = []
+        for cfg in cands:
+            row = {"config": configs.config_to_entry(cfg)}
+            try:
+                fn = forward_call(t, cfg) if kind == "forward" else backward_call(t, cfg, stats)
+                err = check(kind, fn(), ref, dtype)
+                row["err"] = err
+                if not err <= TOLERANCE[dtype]:
+                    row["rejected"] = f"relative error {err:.1e}"
+                else:
+                    row["us"] = bench(fn)
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is a row
+                row["rejected"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+            rows.append(row)
+            progress()
+        timed = [r for r in rows if "us" in r]
+        reasons = sorted({r["rejected"] for r in rows if "rejected" in r})
+        if reasons:
+            log.info("tune: %s D=%d H=%d %s: %d of %d candidates rejected: %s", kind, D, H, p["dtype"],
+                     sum(1 for r in rows if "rejected" in r), len(rows), "; ".join(reasons[:3]))
+        if not timed:
+            continue
+        best = min(timed, key=lambda r: r["us"])
+        base = rows[0]
+        results.append(dict(kind=kind, D=D, H=H, dtype=str(dtype).replace("torch.", ""), full_tiles=full,
+                            config=best["config"], us=best["us"], pct_floor=100 * floors[kind] / best["us"],
+                            heuristic_us=base.get("us"), candidates=len(rows),
+                            rejected=sum(1 for r in rows if "rejected" in r)))
+    del t, ref
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dims", type=int, nargs="+", default=[32, 48, 64, 128, 160, 256, 512])
+    ap.add_argument("--hs", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    ap.add_argument("--kinds", nargs="+", default=["forward", "backward"], choices=["forward", "backward"])
+    ap.add_argument("--features", type=int, default=64)
+    ap.add_argument("--x-mb", type=float, default=256.0)
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--rep", type=float, default=25.0, help="do_bench rep, ms")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--save", nargs="?", const=configs.TUNED_DIR, help="write <dir>/<gpu>.json (default: the package's table dir)")
+    ap.add_argument("--merge", action="store_true", help="keep the saved table's entries for shapes not in this run")
+    ap.add_argument("--compile-worker", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.compile_worker:
+        return compile_worker(args.compile_worker[0], int(args.compile_worker[1]), int(args.compile_worker[2]))
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.device == "cpu":  # a smoke run of the tuner itself under the interpreter: tiny, few configs
+        args.x_mb, args.features = min(args.x_mb, 0.01), 2
+    cuda = args.device == "cuda" and torch.cuda.is_available()
+    if args.device == "cuda" and not cuda:
+        log.error("tune_kernels: no CUDA device (use --device cpu for a smoke run under TRITON_INTERPRET=1)")
+        return 2
+    pts = shapes(args)
+    if cuda:
+        bench = lambda fn: triton.testing.do_bench(fn, warmup=5, rep=args.rep, return_mode="median") * 1e3  # noqa: E731
+        src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        copy_gbps = 2 * src.numel() / (bench(lambda: dst.copy_(src)) * 1e-6) / 1e9
+        del src, dst
+        work = []
+        for p in pts:
+            D, H, dtype = p["D"], p["H"], DTYPES[p["dtype"]]
+            if "forward" in args.kinds:
+                work.append({"shape": p, "kind": "forward",
+                             "candidates": [configs.config_to_entry(c) for c in forward_candidates(D, H, dtype)]})
+            if "backward" in args.kinds:
+                work.append({"shape": p, "kind": "backward",
+                             "candidates": list({json.dumps(e, sort_keys=True): e for e in (
+                                 {k: v for k, v in configs.config_to_entry(c).items() if k != "programs_per_sm"}
+                                 for c in backward_candidates(D, H, dtype))}.values())})
+        n_compile = sum(len(w["candidates"]) for w in work)
+        log.info("tune: %d shapes, %d kernel variants to compile with %d workers", len(pts), n_compile, args.workers)
+        out_dir = os.environ.get("OUT", "/tmp")
+        log.info("tune: compiled in %.0f s", precompile(work, args.workers, out_dir))
+    else:
+        def bench(fn, reps=3):
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t0) * 1e6)
+            return sorted(ts)[len(ts) // 2]
+        copy_gbps = 10.0
+    def n_candidates(p, kind):
+        n = len((forward_candidates if kind == "forward" else backward_candidates)(p["D"], p["H"], DTYPES[p["dtype"]]))
+        return n if cuda else min(n, 3)
+
+    total = sum(n_candidates(p, kind) for p in pts for kind in args.kinds)
+    try:
+        from tqdm import tqdm
+        bar = tqdm(total=total, file=sys.stderr, desc="tune", unit="cfg")
+        progress = lambda: bar.update(1)  # noqa: E731
+    except ImportError:
+        bar, progress = None, (lambda: None)
+    t0 = time.perf_counter()
+    entries = []
+    for p in pts:
+        entries += tune_shape(p, args.kinds, bench, copy_gbps, progress)
+    if bar is not None:
+        bar.close()
+    lines = [f"{'kind':9s} {'dtype':9s} {'D':>4s} {'H':>3s} | {'best us':>9s} {'% floor':>7s} {'heur us':>9s} {'gain':>5s} | config"]
+    for e in entries:
+        gain = e["heuristic_us"] / e["us"] if e["heuristic_us"] else float("nan")
+        knobs = " ".join(f"{k}={v}" for k, v in e["config"].items())
+        lines.append(f"{e['kind']:9s} {e['dtype']:9s} {e['D']:4d} {e['H']:3d} | {e['us']:9.1f} {e['pct_floor']:7.1f} "
+                     f"{e['heuristic_us'] or float('nan'):9.1f} {gain:5.2f} | {knobs}")
+    gpu = torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)"
+    header = (f"recfuse tuner on {gpu}, torch {torch.__version__}, triton {triton.__version__}, "
+              f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; copy {copy_gbps:.0f} GB/s; "
+              f"{time.perf_counter() - t0:.0f} s timing")
+    print(header)
+    print("\n".join(lines))
+    if args.save and cuda:
+        slug = configs.gpu_slug(gpu)
+        path = os.path.join(args.save, slug + ".json")
+        old = []
+        if args.merge and os.path.exists(path):
+            with open(path) as f:
+                saved = json.load(f)
+            done = {(e["kind"], e["D"], e["H"], e["dtype"]) for e in entries}
+            old = [dict(e, kind=kind) for kind in ("forward", "backward") for e in saved.get(kind, [])
+                   if (kind, e["D"], e["H"], e["dtype"]) not in done]
+        table = {"gpu": gpu, "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
+                 "torch": torch.__version__, "triton": triton.__version__,
+                 "date": datetime.date.today().isoformat(), "copy_GBps": round(copy_gbps),
+                 "setup": f"BFD layout, F={args.features}, x ~{args.x_mb:g} MB, shared weight + bias, per-feature LN affine"}
+        for kind in ("forward", "backward"):
+            table[kind] = [{k: v for k, v in e.items() if k != "kind"} for e in old + entries if e["kind"] == kind]
+        os.makedirs(args.save, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(table, f, indent=1)
+        with open(os.path.join(args.save, slug + ".txt"), "w") as f:
+            f.write(header + "\n" + "\n".join(lines) + "\n")
+        log.info("tune: wrote %s", path)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -119,3 +119,65 @@ def check_op_args(
             if not _shape_is(t, (D,), (F, D)):
                 raise ValueError(f"{name} must be [D={D}] or [F={F}, D={D}], got shape {_shape(t)}")
     return OpShape(F=F, B=B, D=D, H=H, feature_dim=feature_dim, per_feature_weight=per_feature)
+
+
+def tensor_signature(t: Optional[torch.Tensor]):
+    """What a kernel launch depends on in a tensor besides its data: shape, strides, dtype, device
+    and the 16-byte alignment of its data pointer (Triton specialises pointers on it)."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15
+
+
+def call_signature(x, weight, bias, ln_weight, ln_bias, eps, feature_dim) -> tuple:
+    """The key under which a call's validation and launch plan are cached: two calls with equal
+    signatures differ only in their data. Real tensors only (fake tensors have no data pointer).
+
+    Example:
+        >>> import torch
+        >>> x = torch.randn(2, 4, 8)
+        >>> a = call_signature(x, torch.randn(1, 8), None, None, None, 1e-5, 0)
+        >>> a == call_signature(x + 1, torch.randn(1, 8), None, None, None, 1e-5, 0)
+        True
+        >>> a == call_signature(x[:, :3], torch.randn(1, 8), None, None, None, 1e-5, 0)
+        False
+    """
+    return (tensor_signature(x), tensor_signature(weight), tensor_signature(bias),
+            tensor_signature(ln_weight), tensor_signature(ln_bias), eps, feature_dim)
+
+
+class ValidatedSignatures:
+    """Signatures whose arguments passed `check_op_args`: a call with a known signature skips the
+    checks (they depend on nothing else), any other call is checked, with the same errors.
+    Bounded: past `limit` signatures the set starts over.
+
+    Example:
+        >>> import torch
+        >>> seen = ValidatedSignatures()
+        >>> x, w = torch.randn(2, 4, 8), torch.randn(1, 8)
+        >>> seen.check(x, w, None, None, None, 1e-5, 0) == seen.check(x, w, None, None, None, 1e-5, 0)
+        True
+        >>> seen.check(x, torch.randn(1, 7), None, None, None, 1e-5, 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: weight must be [H, D=8] (or [F=2, H, D=8]), got shape [1, 7]
+    """
+
+    def __init__(self, limit: int = 4096):
+        self.limit = limit
+        self.known: set = set()
+
+    def check(self, x, weight, bias, ln_weight, ln_bias, eps, feature_dim) -> Optional[tuple]:
+        """The call's signature after validating it once (None if it has none: not all tensors)."""
+        try:
+            key = call_signature(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+            if key in self.known:
+                return key
+        except (AttributeError, TypeError, RuntimeError):  # not tensors: the checks say what is wrong
+            key = None
+        check_op_args(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+        if key is not None:
+            if len(self.known) >= self.limit:
+                self.known.clear()
+            self.known.add(key)
+        return key

@@ -3,13 +3,11 @@
 `make test-interpret` runs these; on a CUDA machine `tests/gpu_check.py` runs the same cases on the
 GPU at realistic sizes. Grids stay small: the interpreter runs numpy per program.
 """
-import dataclasses
-
 import pytest
 import torch
 
 import recfuse
-from recfuse.ops import launch
+from recfuse.ops import configs, launch
 from op_cases import Case, check_against_float64, check_nan_parity, make_inputs, run_op
 
 pytestmark = pytest.mark.interpret
@@ -44,44 +42,38 @@ def test_kernels_match_float64_reference(case, dtype):
 
 
 @pytest.mark.parametrize("case, even", [(EVEN_ROW_CASE, True), (EVEN_DOT_CASE, True), (CASES[0], False)], ids=str)
-def test_full_tiles_take_the_maskless_kernels(monkeypatch, case, even):
+def test_full_tiles_take_the_maskless_kernels(case, even):
     # The cases above check the numbers; this checks that they cover both specialisations.
-    seen = []
-    for name in ("_launch_fwd", "_launch_fwd_y_strided", "_launch_bwd"):
-        original = getattr(launch, name)
-        monkeypatch.setattr(launch, name, lambda grid, args, meta, _o=original, **kw: (
-            seen.append((meta["EVEN_D"], meta["EVEN_B"])), _o(grid, args, meta, **kw))[1])
-    run_op(recfuse.ln_tanh_linear_relu, make_inputs(case), torch.float32, case)
+    with launch.trace_launches() as launches:
+        run_op(recfuse.ln_tanh_linear_relu, make_inputs(case), torch.float32, case)
+    seen = [(meta["EVEN_D"], meta["EVEN_B"]) for _, _, meta, _ in launches]
     assert len(seen) == 2 and all(flags == (even, even) for flags in seen), seen
 
 
 @pytest.mark.parametrize("case, dtype, programs, block_k", [
     (PERSISTENT_16BIT_CASE, torch.bfloat16, 1, 16), (PERSISTENT_CHUNKED_CASE, torch.bfloat16, 2, 64),
     (CHUNKED_FP32_CASE, torch.float32, 1, 32)], ids=str)
-def test_dot_forward_defaults_take_the_persistent_and_chunked_paths(monkeypatch, case, dtype, programs, block_k):
+def test_dot_forward_defaults_take_the_persistent_and_chunked_paths(case, dtype, programs, block_k):
     # The float64 comparison above checks the numbers; this checks which paths those cases take:
     # the grid (several tiles per persistent program) and the columns per chunk.
-    seen = []
-    original = launch._launch_fwd
-    monkeypatch.setattr(launch, "_launch_fwd", lambda grid, args, meta, **kw: (
-        seen.append((grid, meta["PERSISTENT"], meta["BLOCK_B"], meta["BLOCK_K"])), original(grid, args, meta, **kw))[1])
-    run_op(recfuse.ln_tanh_linear_relu, make_inputs(case), dtype, case)
+    with launch.trace_launches() as launches:
+        run_op(recfuse.ln_tanh_linear_relu, make_inputs(case), dtype, case)
+    seen = [(grid, meta["PERSISTENT"], meta["BLOCK_B"], meta["BLOCK_K"])
+            for kind, grid, meta, _ in launches if kind == "forward"]
     (grid, persistent, block_b, k), = seen
     assert grid[0] == programs and k == block_k, seen
     assert persistent == (dtype != torch.float32) and (case.B // block_b == 3 or not persistent), seen
 
 
 @pytest.mark.parametrize("feature_dim, strided_copy", [(0, True), (1, False)])
-def test_contiguous_y_rows_with_saved_stats_take_the_unspecialised_kernel(monkeypatch, feature_dim, strided_copy):
+def test_contiguous_y_rows_with_saved_stats_take_the_unspecialised_kernel(feature_dim, strided_copy):
     # H=1 in [F, B, D] layout with a backward to follow: y rows are contiguous (stride 1), which
     # Triton would specialise on (a slow kernel on the H100); the copy compiled without it runs.
     case = Case(2, 16, 8, 1, feature_dim=feature_dim)
-    seen = []
-    for name in ("_launch_fwd", "_launch_fwd_y_strided"):
-        original = getattr(launch, name)
-        monkeypatch.setattr(launch, name, lambda grid, args, meta, _o=original, _n=name, **kw: (
-            seen.append(_n), _o(grid, args, meta, **kw))[1])
-    check_against_float64(case, torch.float32)
+    with launch.trace_launches() as launches:
+        check_against_float64(case, torch.float32)
+    seen = ["_launch_fwd" if specialised else "_launch_fwd_y_strided"
+            for kind, _, _, specialised in launches if kind == "forward"]
     assert seen == ["_launch_fwd_y_strided" if strided_copy else "_launch_fwd"], seen
 
 
@@ -95,19 +87,14 @@ CHUNKED_CASES = [  # (case, forced config changes): the K-chunked forward, 16 co
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case, changes", CHUNKED_CASES, ids=str)
-def test_k_chunked_forward_matches_float64(monkeypatch, case, changes, dtype):
+def test_k_chunked_forward_matches_float64(case, changes, dtype):
     # Chunk by chunk statistics (Chan's combination) and dots; the backward is the usual kernel.
-    original = launch.forward_config
+    def chunked(D, H, dt, full_tiles=True):
+        return configs.heuristic_forward(D, H, dt, full_tiles, block_k=16, **changes)
 
-    def chunked(D, H, dt, interpret, full_tiles=True):
-        return dataclasses.replace(original(D, H, dt, interpret, full_tiles), block_k=16, **changes)
-
-    seen = []
-    fwd = launch._launch_fwd
-    monkeypatch.setattr(launch, "forward_config", chunked)
-    monkeypatch.setattr(launch, "_launch_fwd", lambda grid, args, meta, **kw: (
-        seen.append(meta["BLOCK_K"]), fwd(grid, args, meta, **kw))[1])
-    check_against_float64(case, dtype)
+    with configs.override(forward=chunked), launch.trace_launches() as launches:
+        check_against_float64(case, dtype)
+    seen = [meta["BLOCK_K"] for kind, _, meta, _ in launches if kind == "forward"]
     assert seen == [16], seen
 
 
@@ -166,5 +153,5 @@ def test_empty_batch_and_zero_grad_parameters():
 
 def test_backward_falls_back_beyond_kernel_tile():
     # H * D past the backward kernel's register tile: the composite backward takes over.
-    assert launch.backward_config(1024, 64, torch.float32, True) is None
+    assert configs.backward_config(1024, 64, torch.float32, "cpu") is None
     check_against_float64(Case(1, 2, 1024, 64, ln="none"), torch.float32)

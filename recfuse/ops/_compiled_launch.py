@@ -62,8 +62,40 @@ class CompiledLaunchCache:
             stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
             compiled[tuple(grid) + (1,) * (3 - len(grid))](*full, stream=stream)  # it indexes grid[2]
         except Exception as err:  # noqa: BLE001 - any launcher mismatch falls back, loudly
-            log.warning("recfuse: direct launch of %s failed (%s: %s); using JITFunction.run from now on",
-                        getattr(jit, "__name__", jit), type(err).__name__, err)
-            self.enabled = False
-            self.kernels.clear()
+            self._disable(err)
             jit[grid](*args, **meta, **options)
+
+    def _disable(self, err: Exception) -> None:
+        log.warning("recfuse: direct launch of %s failed (%s: %s); using JITFunction.run from now on",
+                    getattr(self.jit_fn, "__name__", self.jit_fn), type(err).__name__, err)
+        self.enabled = False
+        self.kernels.clear()
+
+    def bind(self, grid: tuple, args: Sequence, meta: dict, n_tensors: int, **options):
+        """A launcher of the kernel already compiled for these arguments, taking only their first
+        `n_tensors` (the tensors; every other argument is fixed), or None if there is none.
+
+        A launch plan binds once per call signature: the call then costs the C launch and a
+        stream lookup, with no argument walk. If the launch fails, the cache switches itself off
+        and the launch goes through `JITFunction.run`.
+        """
+        if not (self.enabled and args[0].device.type == "cuda"):
+            return None
+        compiled = self.kernels.get(self._key(args, meta, options))
+        if compiled is None:
+            return None
+        tail = list(args[n_tensors:])
+        tail.extend(meta[name] for name in self.arg_names[len(args):])
+        runner = compiled[tuple(grid) + (1,) * (3 - len(grid))]
+        device_index = args[0].device.index
+        current_stream = torch._C._cuda_getCurrentRawStream
+        jit, fixed = self.jit_fn, tuple(args[n_tensors:])
+
+        def launch(*tensors):
+            try:
+                runner(*tensors, *tail, stream=current_stream(device_index))
+            except Exception as err:  # noqa: BLE001 - a launcher mismatch falls back, loudly
+                self._disable(err)
+                jit[grid](*tensors, *fixed, **meta, **options)
+
+        return launch

@@ -1,230 +1,106 @@
 """Tensors -> kernel launches for `recfuse::ln_tanh_linear_relu` (forward and backward).
 
-Everything here is plain torch bookkeeping: strides (x is read in place, so a [B, F*D] buffer
-viewed as [B, F, D] costs no copy), block sizes, the grid, output allocation and the second stage
-of the weight-gradient reduction. The maths lives in `kernels.py`.
+A call's *signature* (shapes, strides, dtypes, devices and 16-byte alignment of every tensor,
+which parameters are present, eps, feature_dim) fixes everything but the data pointers: the
+config (`configs.py`), the grid, every integer argument and constexpr of the kernels, and the
+compiled kernel. The first call of a signature builds a plan with all of that; later calls look
+the plan up, allocate the outputs and launch. Inside a `configs.override` block plans are built
+fresh and not kept, so a forced config is what runs.
+
+x is read in place (a [B, F*D] buffer viewed as [B, F, D] costs no copy); the maths lives in
+`kernels.py`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import logging
-from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from . import kernels
+from .._checks import call_signature as signature, tensor_signature as _tensor_signature
+from . import configs, kernels
 from ._compiled_launch import CompiledLaunchCache
 
 log = logging.getLogger("recfuse")
-
-# Register budget of one program, in fp32 elements of its largest tile. Past it Triton spills.
-_TILE_BUDGET = 16384
-# The backward keeps all of H in one tile (dx needs the whole dz @ W); beyond this it falls back.
-_BWD_MAX_WEIGHT_TILE = 16384
-_DOT_MIN_H = 5
-
 
 _launch_fwd = CompiledLaunchCache(kernels.ln_tanh_linear_relu_fwd)
 _launch_fwd_y_strided = CompiledLaunchCache(kernels.ln_tanh_linear_relu_fwd_y_strided)
 _launch_bwd = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
 _launch_partials_to_grads = CompiledLaunchCache(kernels.partials_to_grads)
 
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """Block sizes and code path chosen for one (D, H, dtype) problem."""
-
-    block_b: int
-    block_d: int
-    block_h: int
-    use_dot: bool
-    num_warps: int
-    # Cache policy of the loads of x: "" (default) or "evict_first" (x is streamed once).
-    x_evict: str = ""
-    # Forward only. 0: one program per row tile. n > 0: persistent programs, about n per SM over
-    # all features, each walking its feature's row tiles with `tile_stages` tiles of x in flight.
-    persistent: int = 0
-    tile_stages: int = 1
-    # Forward tl.dot path only: columns normalised and multiplied at a time (0: the whole row).
-    block_k: int = 0
-
-
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
               torch.float64: tl.float64}
 
-
-def _fp32_dot_precision(x: torch.Tensor) -> str:
-    # Plain TF32 costs ~1e-3 relative error; 3xTF32 keeps float32 accuracy at tensor-core speed.
-    # The interpreter (CPU) computes dots in numpy float32 and knows only "ieee".
-    return "ieee" if x.device.type == "cpu" else FP32_DOT_PRECISION
+# fp32 tl.dot on CUDA: plain TF32 costs ~1e-3 relative error; 3xTF32 keeps float32 accuracy at
+# tensor-core speed. The interpreter (CPU) computes dots in numpy float32 and knows only "ieee".
+_FP32_DOT_PRECISION = "tf32x3"
 
 
-# Precision of fp32 tl.dot on CUDA ("tf32x3" or "ieee" = FMA); a module switch for the tuner.
-FP32_DOT_PRECISION = "tf32x3"
+# A list while a `trace_launches` block is open: every plan launch appends (kind, grid, meta, ...).
+_TRACE: Optional[list] = None
 
 
-def _bwd_dot_precision(x: torch.Tensor) -> str:
-    """Backward dots take fp32 operands for every input dtype, in 3xTF32: measured on the H100,
-    one TF32 pass left bf16 H=16 dx at 1.2e-2 relative error (dx = rstd * a cancelling
-    projection amplifies it), over the 1e-2 budget."""
-    return _fp32_dot_precision(x)
+@contextlib.contextmanager
+def trace_launches():
+    """Record the launches made inside the block, to check which kernel path a shape takes.
+
+    Yields a list that fills with ``("forward", grid, meta, y_row_stride_specialised)`` and
+    ``("backward", grid, meta, cfg)`` tuples; an observation seam, it changes nothing that runs.
+
+    Example:
+        >>> import torch
+        >>> with trace_launches() as seen:  # doctest: +SKIP
+        ...     forward(torch.randn(2, 4, 8), torch.randn(1, 8), None, None, None, 1e-5, 0)
+        >>> seen[0][2]["BLOCK_D"]  # doctest: +SKIP
+        8
+    """
+    global _TRACE
+    outer, _TRACE = _TRACE, []
+    try:
+        yield _TRACE
+    finally:
+        _TRACE = outer
 
 
-def _fast_tanh(x: torch.Tensor, backward: bool = False) -> bool:
+def _fp32_dot_precision(device_type: str) -> str:
+    return "ieee" if device_type == "cpu" else _FP32_DOT_PRECISION
+
+
+def _fast_tanh(dtype: torch.dtype, device_type: str, backward: bool = False) -> bool:
     """MUFU tanh.approx for 16-bit inputs on CUDA; fp32 keeps the exact exp form (1e-5 target).
 
     The fp16 backward keeps the exact form too: dx is a cancelling projection that amplifies
-    the approximation's ~5e-4 relative error, and on the H100 fp16 dx at H=64 came out at
-    5.6e-3 relative error against the 5e-3 budget (bf16's budget is 1e-2).
+    the approximation's ~5e-4 relative error past fp16's budget (measured at H=64 on the H100).
     """
-    if backward and x.dtype == torch.float16:
+    if backward and dtype == torch.float16:
         return False
-    return x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16) and FAST_TANH_16BIT
+    return device_type == "cuda" and dtype in (torch.bfloat16, torch.float16)
 
 
-# Module switch so benchmarks can measure the exact tanh on 16-bit inputs too.
-FAST_TANH_16BIT = True
-
-# Module switch for the A/B of the forward with y rows contiguous and saved stats (see kernels).
-UNSPECIALIZE_Y_STRIDE_1 = True
-
-# Module switch so benchmarks can compare the masked kernels on full tiles (A/B of EVEN_D/EVEN_B).
-SPECIALIZE_FULL_TILES = True
-
-
-def _dot_args(x: torch.Tensor) -> dict:
+def _dot_args(dtype: torch.dtype, device_type: str) -> dict:
     """DOT_DTYPE / DOT_PRECISION constexprs of the forward kernel for x's dtype and device."""
-    if x.device.type == "cpu":  # Triton interpreter: numpy has no bf16 matmul
+    if device_type == "cpu":  # Triton interpreter: numpy has no bf16 matmul
         return {"DOT_DTYPE": tl.float32, "DOT_PRECISION": "ieee"}
-    return {"DOT_DTYPE": _TL_DTYPES[x.dtype], "DOT_PRECISION": _fp32_dot_precision(x)}
+    return {"DOT_DTYPE": _TL_DTYPES[dtype], "DOT_PRECISION": _fp32_dot_precision(device_type)}
 
 
-@functools.lru_cache(maxsize=None)
-def forward_config(D: int, H: int, dtype: torch.dtype, interpret: bool, full_tiles: bool = True) -> KernelConfig:
-    """Pick block sizes for the forward kernel; cached, so a call costs one dict lookup.
-
-    From the H100 sweeps (benchmarks/tune_kernels.py, results/tune_h100_v1.json, v4,
-    dot_forward_h100): the row-reduction path wants small tiles, one warp per 2048 elements
-    (8 rows of 256: fp32 366 us, bf16 193 us at F=128 B=8192 D=256, against 370 / 246 us with
-    two warps). The tl.dot path with full tiles (H <= BLOCK_H) normalises and multiplies 32 or
-    64 columns at a time (K-chunked: the 3xTF32 operands of whole 256-column rows spilled), in
-    fp32 one program per 64-row tile (H=16 635 us, H=64 942 us against 1151 / 1931 us with
-    whole rows), in 16-bit with persistent programs keeping 2-3 tiles in flight (bf16 H=16
-    215 us, H=64 300 us); 16-bit H=32 keeps persistent whole-row tiles (259 us)
-    (results/dot_forward_v2_h100.txt, dot_forward_chunked_v2_h100.txt). Masked tiles and
-    H > 64 keep one program per tile with whole rows.
-
-    Example:
-        >>> forward_config(256, 1, torch.float32, False).num_warps
-        1
-    """
-    block_d = triton.next_power_of_2(D)
-    # tl.dot needs K >= 16 on the GPU (D < 16 failed to compile on the H100): rows below that.
-    use_dot = H >= _DOT_MIN_H and 16 <= block_d and 16 * block_d <= _TILE_BUDGET
-    if use_dot:
-        block_h = min(64, max(16, triton.next_power_of_2(H)))
-        block_b = 32 if 32 * block_d <= _TILE_BUDGET else 16
-        num_warps = 4 if dtype == torch.float32 and block_h <= 16 else 8
-        if full_tiles and H <= block_h:
-            if dtype == torch.float32:
-                # K-chunked, 64-row tiles: H=16 635 us (32 columns at a time), H=32 764 us,
-                # H=64 942 us (64 columns) against 1151 / 1412 / 1931 us with whole rows, whose
-                # 3xTF32 operands spilled (dot_forward_chunked_v2_h100.txt).
-                block_k = min(32 if block_h <= 16 else 64, block_d)
-                return KernelConfig(64, block_d, block_h, True, 4, block_k=block_k)
-            if block_h <= 16 or block_h > 32:
-                # 16-bit: persistent, 64 columns at a time: H=16 215 us, H=64 300 us against
-                # 251 / 309-314 us with whole rows; at H=32 whole rows stay ahead (259 vs 269 us).
-                return KernelConfig(64, block_d, block_h, True, 4, persistent=1,
-                                    tile_stages=3 if block_h <= 16 else 2, block_k=min(64, block_d))
-            # Tiles in flight live in shared memory beside the dot's operands (the H100 has
-            # 227 KB): 3 x 64 KB fit at D=256, not at D=512.
-            return KernelConfig(min(64, _X_STAGE_BYTES // (2 * block_d)), block_d, block_h, True, 8,
-                                persistent=1, tile_stages=3 if block_d <= 256 else 2)
-        if dtype == torch.float32 and block_h == 32:
-            # 3xTF32 spills registers (ncu: 255 a thread, local-memory traffic); 16-row tiles
-            # spill less: H=32 1.39 ms against 3.1 ms persistent and 5.1 ms with 32 rows.
-            return KernelConfig(16, block_d, block_h, True, 4)
-        # Masked, 128-row 16-bit tiles measured 777 us (ab_full_tiles_h100.txt) against
-        # 478-517 us for 32 rows (tune_h100_v2/v3).
-        return KernelConfig(block_b, block_d, block_h, True, num_warps)
-    block_h = min(triton.next_power_of_2(H), 4)
-    block_b = max(1, 2048 // (block_d * block_h))
-    if full_tiles:
-        num_warps = max(1, min(8, block_b * block_d * block_h // 2048))
-    else:
-        # With masks the one-warp tile measured 684 us (ab_full_tiles_h100.txt), two warps
-        # 400 us (the masked kernel before the full-tile specialisation).
-        num_warps = max(2, min(8, block_b * block_d * block_h // 1024))
-    return KernelConfig(block_b, block_d, block_h, use_dot, num_warps)
+def _num_sms(device: torch.device) -> int:
+    """SMs of a CUDA device; the interpreter counts 2, so its tests walk several tiles a program."""
+    if device.type != "cuda":
+        return 2
+    return _SMS.get(device.index) or _SMS.setdefault(device.index, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-# (D, H, dtype, device type) whose persistent forward config did not fit the device.
-_FWD_NOT_PERSISTENT: set = set()
-
-# Bytes of x one tile in flight may take in shared memory (16-bit persistent forward, 3 stages).
-_X_STAGE_BYTES = 64 * 1024
+_SMS: dict = {}
 
 
-@dataclass(frozen=True)
-class BackwardConfig(KernelConfig):
-    """Backward blocks, how many waves of programs over the SMs share the rows, and the
-    software-pipelining depth of the row loop (fp32 dot tiles overflow shared memory at 3)."""
-
-    waves: int = 1
-    num_stages: int = 1
-
-
-@functools.lru_cache(maxsize=None)
-def backward_config(D: int, H: int, dtype: torch.dtype, interpret: bool) -> Optional[BackwardConfig]:
-    """Block sizes for the backward kernel, or None when (D, H) is too large for it.
-
-    Example:
-        >>> backward_config(256, 16, torch.bfloat16, False).use_dot
-        True
-    """
-    block_d = triton.next_power_of_2(D)
-    use_dot = H >= _DOT_MIN_H and block_d >= 16  # tl.dot needs K >= 16 on the GPU
-    if use_dot:
-        block_h = max(16, triton.next_power_of_2(H))
-        if block_h * block_d > _BWD_MAX_WEIGHT_TILE or 16 * block_d > _TILE_BUDGET:
-            return None
-        # H100 sweep (results/tune_h100_v2.json): fp32 at H=16 D=256 runs 4.1 ms with 16-row
-        # tiles over two waves and 11.9 ms with 32-row tiles (register spills of the 3xTF32 split).
-        block_b = 16
-        num_warps = 8 if block_h * block_d > 4096 or dtype == torch.float32 else 4
-        waves = 2 if dtype == torch.float32 else 1
-    else:
-        block_h = triton.next_power_of_2(H)
-        if block_h * block_d > _BWD_MAX_WEIGHT_TILE:
-            return None
-        # H100 sweeps (results/tune_h100_v2.json, v4, D=256 H=1 with full tiles): fp32 16-row
-        # tiles, 8 warps, one wave, x loaded evict_first: 990 us (1023 us without the hint;
-        # 4 warps, two waves: 1581 us before); 16-bit 8-row tiles, 8 warps, two waves: 515 us.
-        # 16-row fp32 tiles with 2 <= H <= 4 (a [16, BLOCK_H, BLOCK_D] product tile) gave a dx
-        # ~100% off on the H100 (Triton 3.6), which the interpreter does not show; 8 rows (and
-        # 16 at H=1) check out (results/checks: gpu_trust_h100.txt). Any H up to 4 takes 8 rows.
-        rows = 16 if dtype == torch.float32 and block_h == 1 else 8
-        block_b = max(1, min(rows, _TILE_BUDGET // (4 * block_d * block_h)))
-        num_warps = 8 if block_b * block_d >= 2048 else 4
-        waves = 1 if dtype == torch.float32 else 2
-        x_evict = "evict_first" if dtype == torch.float32 else ""
-        return BackwardConfig(block_b, block_d, block_h, use_dot, num_warps, x_evict, waves=waves)
-    return BackwardConfig(block_b, block_d, block_h, use_dot, num_warps, waves=waves)
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _device_index(x: torch.Tensor) -> int:
-    return x.device.index if x.device.index is not None else torch.cuda.current_device()
+def _config_device(device: torch.device):
+    return "cpu" if device.type == "cpu" else (device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _feature_major(t: torch.Tensor, feature_dim: int) -> tuple[int, int]:
@@ -245,47 +121,100 @@ def _sizes(x: torch.Tensor, weight: torch.Tensor, feature_dim: int) -> tuple[int
     return F, B, x.shape[2], weight.shape[-2]
 
 
-def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=False):
-    """Run the fused forward kernel; returns y in x's layout with D replaced by H.
+def _contiguous_rows(p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return p if p is None or p.stride(-1) == 1 else p.contiguous()
 
-    With ``save_stats`` returns ``(y, stats)``: stats is [2, F, B] fp32, every row's LayerNorm
-    mean and rstd, for `backward` to read instead of recomputing (8 bytes a row: O(F*B)).
+
+# ---------------------------------------------------------------------------------------------
+# forward
+
+
+@dataclasses.dataclass
+class ForwardPlan:
+    """Everything a forward call of one signature needs but its tensors.
+
+    ``grid``, ``meta`` and ``num_warps`` are what the kernel is launched with; tests read them to
+    check which path a shape takes.
+    """
+
+    cfg: configs.ForwardConfig
+    launcher: CompiledLaunchCache
+    grid: tuple
+    ints: tuple  # every non-tensor runtime argument, in kernel order after the 7 tensors
+    meta: dict
+    num_warps: int
+    y_shape: tuple
+    stats_shape: Optional[tuple]
+    bound: Optional[Callable] = None  # the compiled kernel, bound after the first launch
+
+    def __call__(self, x, weight, bias, ln_weight, ln_bias):
+        y = x.new_empty(self.y_shape)
+        stats = x.new_empty(self.stats_shape, dtype=torch.float32) if self.stats_shape is not None else None
+        if y.numel() == 0:
+            return y, stats
+        dummy = weight  # never read: the HAS_* flags are False for absent parameters
+        tensors = (x, weight, bias if bias is not None else dummy, ln_weight if ln_weight is not None else dummy,
+                   ln_bias if ln_bias is not None else dummy, y, stats if stats is not None else dummy)
+        if _TRACE is not None:
+            _TRACE.append(("forward", self.grid, self.meta, self.launcher is _launch_fwd))
+        if self.bound is not None:
+            self.bound(*tensors)
+        else:
+            args = tensors + self.ints
+            self.launcher(self.grid, args, self.meta, num_warps=self.num_warps)
+            self.bound = self.launcher.bind(self.grid, args, self.meta, len(tensors), num_warps=self.num_warps)
+        return y, stats
+
+
+def forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=False) -> ForwardPlan:
+    """The launch plan of a forward call (built on a signature's first call, then cached).
+
+    Parameters must have contiguous rows (stride 1 in their last dim), as `forward` ensures.
 
     Example:
-        >>> y = forward(x, w, None, None, None, 1e-5, 0)  # doctest: +SKIP
+        >>> import torch
+        >>> plan = forward_plan(torch.randn(3, 64, 256), torch.randn(1, 256), None, None, None, 1e-5, 0)
+        >>> plan.meta["BLOCK_D"], plan.grid[1]
+        (256, 3)
     """
+    if configs.override_active():
+        return _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats)
+    key = signature(x, weight, bias, ln_weight, ln_bias, eps, feature_dim) + (save_stats,)
+    plan = _FORWARD_PLANS.get(key)
+    if plan is None:
+        plan = _FORWARD_PLANS[key] = _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
+                                                         save_stats)
+    return plan
+
+
+_FORWARD_PLANS: dict = {}
+# (D, H, dtype, device type) whose persistent forward config did not fit the device.
+_FWD_NOT_PERSISTENT: set = set()
+
+
+def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats) -> ForwardPlan:
     F, B, D, H = _sizes(x, weight, feature_dim)
-    y = x.new_empty((F, B, H) if feature_dim == 0 else (B, F, H))
-    stats = x.new_empty((2, F, B), dtype=torch.float32) if save_stats else None
-    if y.numel() == 0:
-        return (y, stats) if save_stats else y
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    params = [p if p is None or p.stride(-1) == 1 else p.contiguous() for p in (bias, ln_weight, ln_bias)]
-    bias, ln_weight, ln_bias = params
-    cfg = forward_config(D, H, x.dtype, x.device.type == "cpu")
-    even_d = SPECIALIZE_FULL_TILES and D == cfg.block_d
-    even_b = SPECIALIZE_FULL_TILES and B > 0 and B % cfg.block_b == 0
+    dev = x.device
+    cfg = configs.forward_config(D, H, x.dtype, _config_device(dev))
+    even_d = D == cfg.block_d
+    even_b = B > 0 and B % cfg.block_b == 0
     if not (even_d and even_b):
         # Masked tiles have their own config. EVEN_B, computed for the full-tile block_b, then
         # errs only towards masking (a smaller block_b divides B whenever the larger one does).
-        cfg = forward_config(D, H, x.dtype, x.device.type == "cpu", full_tiles=False)
-    sxf, sxb = _feature_major(x, feature_dim)
-    syf, syb = _feature_major(y, feature_dim)
-    dummy = weight  # never read: the HAS_* flags are False for absent parameters
-    if cfg.persistent and (D, H, x.dtype, x.device.type) in _FWD_NOT_PERSISTENT:
+        cfg = configs.forward_config(D, H, x.dtype, _config_device(dev), full_tiles=False)
+    if cfg.persistent and (D, H, x.dtype, dev.type) in _FWD_NOT_PERSISTENT:
         cfg = dataclasses.replace(cfg, persistent=0, tile_stages=1)
+    y_shape = (F, B, H) if feature_dim == 0 else (B, F, H)
+    # y's strides follow from its shape (a fresh contiguous tensor).
+    syf, syb = (B * H, H) if feature_dim == 0 else (H, F * H)
     n_tiles = triton.cdiv(B, cfg.block_b)
     persistent = cfg.persistent > 0 and H <= cfg.block_h
     if persistent:
-        # The interpreter counts 2 "SMs", so its tests walk several tiles per program too.
-        sms = _num_sms(_device_index(x)) if x.device.type == "cuda" else 2
-        grid = (max(1, min(n_tiles, triton.cdiv(cfg.persistent * sms, F))), F)
+        grid = (max(1, min(n_tiles, triton.cdiv(cfg.persistent * _num_sms(dev), max(F, 1)))), F)
     else:
         grid = (n_tiles, F)
-    args = (
-        x, weight, bias if bias is not None else dummy,
-        ln_weight if ln_weight is not None else dummy, ln_bias if ln_bias is not None else dummy, y,
-        stats if save_stats else dummy,
+    sxf, sxb = _feature_major(x, feature_dim)
+    ints = (
         B, D, H, F * B,
         sxf, sxb, x.stride(2),
         weight.stride(0) if weight.dim() == 3 else 0, weight.stride(-2),
@@ -293,79 +222,122 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=Fa
         syf, syb,
         float(eps),
     )
+    chunked = cfg.block_k and cfg.use_dot and even_d and H <= cfg.block_h
     meta = dict(
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
-        USE_DOT=cfg.use_dot, **_dot_args(x), FAST_TANH=_fast_tanh(x), SAVE_STATS=save_stats,
-        EVEN_D=even_d, EVEN_B=even_b, X_EVICT=cfg.x_evict,
+        USE_DOT=cfg.use_dot, **_dot_args(x.dtype, dev.type), FAST_TANH=_fast_tanh(x.dtype, dev.type),
+        SAVE_STATS=save_stats, EVEN_D=even_d, EVEN_B=even_b, X_EVICT=cfg.x_evict,
         PERSISTENT=persistent, TILE_STAGES=cfg.tile_stages,
         BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
-        BLOCK_K=cfg.block_k if cfg.block_k and cfg.use_dot and even_d and H <= cfg.block_h else cfg.block_d,
+        BLOCK_K=cfg.block_k if chunked else cfg.block_d,
     )
-    launcher = _launch_fwd_y_strided if save_stats and syb == 1 and UNSPECIALIZE_Y_STRIDE_1 else _launch_fwd
+    # With saved stats and contiguous y rows (H=1, [F, B, 1]) Triton's "== 1" specialisation of
+    # the y row stride compiled to a slow store layout on the H100; that case takes the copy of
+    # the kernel compiled without it (benchmarks/NOTES.md).
+    launcher = _launch_fwd_y_strided if save_stats and syb == 1 else _launch_fwd
+    return ForwardPlan(cfg, launcher, grid, ints, meta, cfg.num_warps, y_shape,
+                       (2, F, B) if save_stats else None)
+
+
+def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=False, key=None):
+    """Run the fused forward kernel; returns y in x's layout with D replaced by H.
+
+    With ``save_stats`` returns ``(y, stats)``: stats is [2, F, B] fp32, every row's LayerNorm
+    mean and rstd, for `backward` to read instead of recomputing (8 bytes a row: O(F*B)).
+    ``key``: the call's `signature`, when the caller has it already.
+
+    Example:
+        >>> import torch
+        >>> y = forward(torch.randn(3, 64, 256), torch.randn(1, 256), None, None, None, 1e-5, 0)  # doctest: +SKIP
+    """
+    if key is not None and not configs.override_active():
+        plan = _FORWARD_PLANS.get(key + (save_stats,))
+        if plan is not None:  # a stored plan's parameters had contiguous rows, so these do too
+            y, stats = plan(x, weight, bias, ln_weight, ln_bias)
+            return (y, stats) if save_stats else y
+    weight = _contiguous_rows(weight)
+    bias, ln_weight, ln_bias = _contiguous_rows(bias), _contiguous_rows(ln_weight), _contiguous_rows(ln_bias)
+    plan = forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats)
     try:
-        launcher(grid, args, meta, num_warps=cfg.num_warps)
+        y, stats = plan(x, weight, bias, ln_weight, ln_bias)
     except OutOfResources as err:
-        if not persistent:
+        if not plan.meta["PERSISTENT"]:
             raise
         # Found at compile time, before anything ran: the tiles in flight do not fit this
         # device's shared memory. One program per tile needs one tile's worth.
+        D, H = x.shape[2], weight.shape[-2]
         log.warning("recfuse: forward D=%d H=%d %s: %s; using one program per tile", D, H, x.dtype, err)
         _FWD_NOT_PERSISTENT.add((D, H, x.dtype, x.device.type))
+        _FORWARD_PLANS.clear()
         return forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats)
     return (y, stats) if save_stats else y
 
 
-def _programs_per_feature(x: torch.Tensor, F: int, B: int, block_b: int, waves: int = 1) -> int:
-    n_tiles = triton.cdiv(B, block_b)
-    if x.device.type == "cuda":
-        # A wave or two over the SMs; more programs only add partial rows to reduce.
-        target = waves * _num_sms(_device_index(x))
-    else:
-        target = 2
-    return max(1, min(n_tiles, triton.cdiv(target, F)))
+# ---------------------------------------------------------------------------------------------
+# backward
 
 
-def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats=None):
-    """Gradients (dx, dweight, dbias, dln_weight, dln_bias); empty tensors for absent parameters.
+@dataclasses.dataclass
+class BackwardPlan:
+    """Everything a backward call of one signature needs but its tensors: the fused backward
+    kernel's grid, arguments and constexprs, and the reduction kernel's."""
 
-    ``stats``: the [2, F, B] mean/rstd a ``forward(..., save_stats=True)`` returned, read
-    instead of recomputed; None recomputes them from x.
+    cfg: configs.BackwardConfig
+    grid: tuple
+    ints: tuple
+    meta: dict
+    partial_shape: tuple
+    reduce_grid: tuple
+    reduce_ints: tuple
+    reduce_meta: dict
+    zero_dx: bool
+    bound: Optional[Callable] = None  # the two compiled kernels, bound after the first launch
+    bound_reduce: Optional[Callable] = None
 
-    Two or three launches: the fused backward kernel (dx and per-program partial sums), the
-    fixed-order reduction of the partials over programs, and for parameters shared across
-    features a sum over F of the small per-feature sums.
+    def __call__(self, grad_y, x, weight, bias, ln_weight, ln_bias, stats):
+        # dx in x's own strides: when x is a view (a [B, F*D] buffer seen as [F, B, D]),
+        # autograd's view backward hands the base's gradient over without a copy of x's size.
+        dx = torch.empty_like(x)
+        partial = torch.empty(self.partial_shape, dtype=torch.float32, device=x.device)
+        # A fresh tensor per gradient (a custom op's outputs may not alias each other), in the
+        # parameter's dtype and contiguous shape: autograd takes it as .grad without a copy.
+        gw = torch.empty_like(weight, memory_format=torch.contiguous_format)
+        gb = _empty_or_like(bias, x)
+        glw = _empty_or_like(ln_weight, x)
+        glb = _empty_or_like(ln_bias, x)
+        if self.grid[1] == 0:  # F == 0
+            for g in (gw, gb, glw, glb):
+                g.zero_()
+            return dx, gw, gb, glw, glb
+        if _TRACE is not None:
+            _TRACE.append(("backward", self.grid, self.meta, self.cfg))
+        tensors = (grad_y, x, weight, bias if bias is not None else weight,
+                   ln_weight if ln_weight is not None else weight, ln_bias if ln_bias is not None else weight,
+                   dx, partial, stats if stats is not None else partial)
+        reduce_tensors = (partial, gw, gb if bias is not None else gw, glw if ln_weight is not None else gw,
+                          glb if ln_bias is not None else gw)
+        if self.bound is not None and self.bound_reduce is not None:
+            self.bound(*tensors)
+            self.bound_reduce(*reduce_tensors)
+        else:
+            options = dict(num_warps=self.cfg.num_warps, num_stages=self.cfg.num_stages)
+            _launch_bwd(self.grid, tensors + self.ints, self.meta, **options)
+            _launch_partials_to_grads(self.reduce_grid, reduce_tensors + self.reduce_ints, self.reduce_meta)
+            self.bound = _launch_bwd.bind(self.grid, tensors + self.ints, self.meta, len(tensors), **options)
+            self.bound_reduce = _launch_partials_to_grads.bind(
+                self.reduce_grid, reduce_tensors + self.reduce_ints, self.reduce_meta, len(reduce_tensors))
+        if self.zero_dx:
+            # LayerNorm over one element is constant in x: dx is exactly zero. Computed, it is an
+            # ulp of rounding (the kernel's two uses of dxhat may round apart) times eps**-0.5.
+            dx.zero_()
+        return dx, gw, gb, glw, glb
 
-    Example:
-        >>> gx, gw, gb, glw, glb = backward(gy, x, w, None, None, None, 1e-5, 0)  # doctest: +SKIP
-    """
-    F, B, D, H = _sizes(x, weight, feature_dim)
-    cfg = backward_config(D, H, x.dtype, x.device.type == "cpu")
-    unfit_key = (D, H, x.dtype, weight.dim(), x.device.type)
-    if cfg is None or unfit_key in _BWD_UNFIT:
-        return _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
-                                          "the backward kernel does not cover", unfit_key)
-    if cfg.use_dot:
-        # Not yet for the tl.dot backward: on the H100 it gave dx 3e-3 off at H=16 fp32 with the
-        # saved stats (11/11 checks pass recomputing them), which the interpreter does not show.
-        # Under investigation; the row-reduction path (H < 5, the puzzler's H=1) uses them.
-        stats = None
-    precision = _BWD_PRECISION.get(unfit_key, _bwd_dot_precision(x))
-    try:
-        return _backward_kernels(cfg, precision, (F, B, D, H), grad_y, x, weight, bias, ln_weight, ln_bias,
-                                 eps, feature_dim, stats)
-    except OutOfResources as err:
-        # Found at compile time, before anything ran: fp32 H=64 D=256 3xTF32 tiles need more
-        # shared memory than an H100 has (hi/lo copies of the weight in two layouts). Plain fp32
-        # FMA dots keep one copy; past that the composite does this shape.
-        if precision != "ieee":
-            log.warning("recfuse: backward D=%d H=%d %s: %s; retrying with fp32 FMA dots", D, H, x.dtype, err)
-            _BWD_PRECISION[unfit_key] = "ieee"
-            return backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats)
-        _BWD_UNFIT.add(unfit_key)
-        return _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
-                                          f"the backward kernel ran out of resources ({err}) for", unfit_key)
+
+def _empty_or_like(p, x):
+    return x.new_empty((0,)) if p is None else torch.empty_like(p, memory_format=torch.contiguous_format)
 
 
+_BACKWARD_PLANS: dict = {}
 # Keyed by (D, H, dtype, weight rank, device type): shapes whose backward kernel does not fit
 # this device at all, and shapes that fit only with plain fp32 dots.
 _BWD_UNFIT: set = set()
@@ -373,10 +345,122 @@ _BWD_PRECISION: dict = {}
 _WARNED: set = set()
 
 
-def _grad_like(x: torch.Tensor) -> torch.Tensor:
-    """dx in x's own strides: when x is a view (a [B, F*D] buffer seen as [F, B, D]), autograd's
-    view backward then hands the base's gradient over without a copy of x's size."""
-    return torch.empty_like(x)
+def backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats=None) -> Optional[BackwardPlan]:
+    """The launch plan of a backward call, or None where the composite backward does the shape.
+
+    Example:
+        >>> import torch
+        >>> x, w = torch.randn(3, 64, 256), torch.randn(1, 256)
+        >>> plan = backward_plan(torch.randn(3, 64, 1), x, w, None, None, None, 1e-5, 0)
+        >>> plan.meta["USE_DOT"], plan.grid[1]
+        (False, 3)
+    """
+    if configs.override_active():
+        return _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats)
+    key = (_tensor_signature(grad_y),) + signature(x, weight, bias, ln_weight, ln_bias, eps, feature_dim) + (
+        stats is not None,)
+    plan = _BACKWARD_PLANS.get(key)
+    if plan is None:
+        plan = _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats)
+        if plan is not None:
+            _BACKWARD_PLANS[key] = plan
+    return plan
+
+
+def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats):
+    F, B, D, H = _sizes(x, weight, feature_dim)
+    dev = x.device
+    cfg = configs.backward_config(D, H, x.dtype, _config_device(dev))
+    unfit_key = (D, H, x.dtype, weight.dim(), dev.type)
+    if cfg is None or unfit_key in _BWD_UNFIT:
+        return None
+    if cfg.use_dot:
+        # Not yet for the tl.dot backward: on the H100 it gave dx 3e-3 off at H=16 fp32 with the
+        # saved stats (recomputed, every check passes), which the interpreter does not show.
+        stats = None
+    K = configs.partial_row_size(D, H)
+    P = configs.programs_per_feature(cfg, F, B, D, H, x.numel() * x.element_size(), _num_sms(dev)) if B > 0 else 1
+    rows_per_program = triton.cdiv(triton.cdiv(max(B, 1), P), cfg.block_b) * cfg.block_b
+    P = triton.cdiv(max(B, 1), rows_per_program)
+    sxf, sxb = _feature_major(x, feature_dim)
+    sgf, sgb = _feature_major(grad_y, feature_dim)
+    # dx = empty_like(x): x's strides when x is dense (non-overlapping and dense), else contiguous.
+    dx_strides = torch.empty_like(x, device="meta").stride()
+    sdf, sdb = (dx_strides[0], dx_strides[1]) if feature_dim == 0 else (dx_strides[1], dx_strides[0])
+    ints = (
+        B, D, H, rows_per_program, F * B,
+        sxf, sxb, x.stride(2),
+        sgf, sgb, grad_y.stride(2),
+        sdf, sdb, dx_strides[2],
+        weight.stride(0) if weight.dim() == 3 else 0, weight.stride(-2),
+        _param_stride(bias, 2), _param_stride(ln_weight, 2), _param_stride(ln_bias, 2),
+        K,
+        float(eps), 1.0 / D if D else 0.0,
+    )
+    meta = dict(
+        HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
+        USE_DOT=cfg.use_dot, BWD_DOT_PRECISION=_BWD_PRECISION.get(unfit_key, _fp32_dot_precision(dev.type)),
+        FAST_TANH=_fast_tanh(x.dtype, dev.type, backward=True),
+        LOAD_STATS=stats is not None,
+        EVEN_D=D == cfg.block_d, EVEN_B=B > 0 and B % rows_per_program == 0, X_EVICT=cfg.x_evict,
+        BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
+    )
+    per_feature = (weight.dim() == 3,
+                   bias is not None and bias.dim() == 2,
+                   ln_weight is not None and ln_weight.dim() == 2,
+                   ln_bias is not None and ln_bias.dim() == 2)
+    block_k = 128
+    # Shared parameters only: their sums are all made by the feature-0 programs.
+    reduce_grid = (triton.cdiv(K, block_k), F if any(per_feature) else 1)
+    reduce_meta = dict(
+        HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
+        W_PER_F=per_feature[0], B_PER_F=per_feature[1], LNW_PER_F=per_feature[2],
+        LNB_PER_F=per_feature[3], ANY_PER_F=any(per_feature), ANY_SHARED=not all(per_feature),
+        BLOCK_J=8, BLOCK_K=block_k,
+    )
+    return BackwardPlan(cfg, (P, F), ints, meta, (F * P, K), reduce_grid, (F, P, K, H, D), reduce_meta,
+                        zero_dx=D == 1)
+
+
+def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats=None, key=None):
+    """Gradients (dx, dweight, dbias, dln_weight, dln_bias); empty tensors for absent parameters.
+
+    ``stats``: the [2, F, B] mean/rstd a ``forward(..., save_stats=True)`` returned, read
+    instead of recomputed; None recomputes them from x.
+
+    Two launches: the fused backward kernel (dx and per-program partial sums) and the
+    fixed-order reduction of the partials that writes every parameter gradient in its final
+    shape and dtype. ``key``: the forward call's `signature`, when the caller has it already.
+
+    Example:
+        >>> gx, gw, gb, glw, glb = backward(gy, x, w, None, None, None, 1e-5, 0)  # doctest: +SKIP
+    """
+    if key is not None and not configs.override_active():
+        plan = _BACKWARD_PLANS.get((_tensor_signature(grad_y),) + key + (stats is not None,))
+        if plan is not None:
+            return plan(grad_y, x, weight, bias, ln_weight, ln_bias, stats if plan.meta["LOAD_STATS"] else None)
+    weight = _contiguous_rows(weight)
+    bias, ln_weight, ln_bias = _contiguous_rows(bias), _contiguous_rows(ln_weight), _contiguous_rows(ln_bias)
+    plan = backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats)
+    D, H = x.shape[2], weight.shape[-2]
+    unfit_key = (D, H, x.dtype, weight.dim(), x.device.type)
+    if plan is None:
+        return _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
+                                          "the backward kernel does not cover", unfit_key)
+    try:
+        return plan(grad_y, x, weight, bias, ln_weight, ln_bias, stats if plan.meta["LOAD_STATS"] else None)
+    except OutOfResources as err:
+        # Found at compile time, before anything ran: fp32 H=64 D=256 3xTF32 tiles need more
+        # shared memory than an H100 has (hi/lo copies of the weight in two layouts). Plain fp32
+        # FMA dots keep one copy; past that the composite does this shape.
+        _BACKWARD_PLANS.clear()
+        if plan.meta["BWD_DOT_PRECISION"] != "ieee":
+            log.warning("recfuse: backward D=%d H=%d %s: %s; retrying with fp32 FMA dots", D, H, x.dtype, err)
+            _BWD_PRECISION[unfit_key] = "ieee"
+            return backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats)
+        _BWD_UNFIT.add(unfit_key)
+        return _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
+                                          f"the backward kernel ran out of resources ({err}) for", unfit_key)
 
 
 def _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, why, key):
@@ -387,72 +471,3 @@ def _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps,
     _WARNED.add(key)
     log.log(level, "recfuse: %s D=%d, H=%d, %s; using the torch composite backward", why, D, H, x.dtype)
     return _composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
-
-
-def _backward_kernels(cfg, precision, sizes, grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats):
-    F, B, D, H = sizes
-    dx = _grad_like(x)
-    K = H * D + H + 2 * D
-    P = _programs_per_feature(x, F, B, cfg.block_b, cfg.waves) if B > 0 else 1
-    rows_per_program = triton.cdiv(triton.cdiv(max(B, 1), P), cfg.block_b) * cfg.block_b
-    P = triton.cdiv(max(B, 1), rows_per_program)
-    partial = torch.empty((F * P, K), dtype=torch.float32, device=x.device)
-    weight_c = weight if weight.stride(-1) == 1 else weight.contiguous()
-    lnw = ln_weight if ln_weight is None or ln_weight.stride(-1) == 1 else ln_weight.contiguous()
-    lnb = ln_bias if ln_bias is None or ln_bias.stride(-1) == 1 else ln_bias.contiguous()
-    bias_c = bias if bias is None or bias.stride(-1) == 1 else bias.contiguous()
-    if F > 0:
-        sxf, sxb = _feature_major(x, feature_dim)
-        sgf, sgb = _feature_major(grad_y, feature_dim)
-        sdf, sdb = _feature_major(dx, feature_dim)
-        _launch_bwd((P, F), (
-            grad_y, x, weight_c, bias_c if bias_c is not None else weight_c,
-            lnw if lnw is not None else weight_c, lnb if lnb is not None else weight_c,
-            dx, partial, stats if stats is not None else partial,
-            B, D, H, rows_per_program, F * B,
-            sxf, sxb, x.stride(2),
-            sgf, sgb, grad_y.stride(2),
-            sdf, sdb, dx.stride(2),
-            weight_c.stride(0) if weight_c.dim() == 3 else 0, weight_c.stride(-2),
-            _param_stride(bias_c, 2), _param_stride(lnw, 2), _param_stride(lnb, 2),
-            K,
-            float(eps), 1.0 / D if D else 0.0,
-        ), dict(
-            HAS_BIAS=bias_c is not None, HAS_LNW=lnw is not None, HAS_LNB=lnb is not None,
-            USE_DOT=cfg.use_dot, BWD_DOT_PRECISION=precision, FAST_TANH=_fast_tanh(x, backward=True),
-            LOAD_STATS=stats is not None,
-            EVEN_D=SPECIALIZE_FULL_TILES and D == cfg.block_d,
-            EVEN_B=SPECIALIZE_FULL_TILES and B > 0 and B % rows_per_program == 0, X_EVICT=cfg.x_evict,
-            BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
-        ), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    per_feature = (weight.dim() == 3,
-                   bias is not None and bias.dim() == 2,
-                   ln_weight is not None and ln_weight.dim() == 2,
-                   ln_bias is not None and ln_bias.dim() == 2)
-
-    def grad_of(p):
-        # A fresh tensor per gradient (a custom op's outputs may not alias each other), in the
-        # parameter's dtype and contiguous shape: autograd takes it as .grad without a copy.
-        return x.new_empty((0,)) if p is None else torch.empty_like(p, memory_format=torch.contiguous_format)
-
-    gw, gb, glw, glb = grad_of(weight), grad_of(bias), grad_of(ln_weight), grad_of(ln_bias)
-    if F > 0:
-        block_k = 128
-        # Shared parameters only: their sums are all made by the feature-0 programs.
-        _launch_partials_to_grads((triton.cdiv(K, block_k), F if any(per_feature) else 1), (
-            partial, gw, gb if bias is not None else gw, glw if ln_weight is not None else gw,
-            glb if ln_bias is not None else gw, F, P, K, H, D,
-        ), dict(
-            HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
-            W_PER_F=per_feature[0], B_PER_F=per_feature[1], LNW_PER_F=per_feature[2],
-            LNB_PER_F=per_feature[3], ANY_PER_F=any(per_feature), ANY_SHARED=not all(per_feature),
-            BLOCK_J=8, BLOCK_K=block_k,
-        ))
-    else:
-        for g in (gw, gb, glw, glb):
-            g.zero_()
-    if D == 1:
-        # LayerNorm over one element is constant in x: dx is exactly zero. Computed, it is an
-        # ulp of rounding (the kernel's two uses of dxhat may round apart) times eps**-0.5.
-        dx.zero_()
-    return dx, gw, gb, glw, glb

@@ -28,7 +28,7 @@ import torch
 
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .._checks import check_op_args
+from .._checks import ValidatedSignatures, check_op_args
 from . import _cpu_compiled
 from ..reference import batched_ln_tanh_linear_relu
 from .composite import _empty, composite_backward as _composite_backward
@@ -70,16 +70,18 @@ def _fwd_op(
     return _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
 
 
-def _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=False, eager_entry=False):
+def _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=False, eager_entry=False,
+                  key=None):
     """y, or with ``save_stats`` (y, per-row mean/rstd for the backward; None on the composite).
 
     ``eager_entry``: called from the public function's real-tensor eager path, where CPU tensors
     may run the Inductor-compiled composite (`_cpu_compiled`); the custom op's impl never does.
+    ``key``: the call's signature, which finds its launch plan without recomputing it.
     """
     if x.dtype is not torch.float64 and uses_triton(x.device):
         from . import launch
 
-        return launch.forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=save_stats)
+        return launch.forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=save_stats, key=key)
     y = None
     if eager_entry and x.device.type == "cpu":
         y = _cpu_compiled.forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
@@ -114,11 +116,12 @@ def _bwd_op(
     return _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
 
 
-def _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats=None, eager_entry=False):
+def _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats=None, eager_entry=False,
+                   key=None):
     if x.dtype is not torch.float64 and uses_triton(x.device):
         from . import launch
 
-        return launch.backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats)
+        return launch.backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, key=key)
     if eager_entry and x.device.type == "cpu":
         grads = _cpu_compiled.backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
         if grads is not None:
@@ -203,11 +206,12 @@ class _EagerLnTanhLinearRelu(torch.autograd.Function):
     # The ctx-in-forward style on purpose: with a separate setup_context, Function.apply binds
     # default arguments through inspect.signature on every call (~10 us).
     @staticmethod
-    def forward(ctx, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+    def forward(ctx, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, key):
         args = (x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
         # The kernel keeps each row's mean and rstd (8 bytes a row) so that the backward skips
         # two of its five row reductions.
-        y, ctx.stats = _forward_impl(*args, save_stats=True, eager_entry=True)
+        y, ctx.stats = _forward_impl(*args, save_stats=True, eager_entry=True, key=key)
+        ctx.key = key  # the saved tensors' signature: the backward's plan key starts with it
         _setup_context(ctx, args, y)
         return y
 
@@ -215,8 +219,12 @@ class _EagerLnTanhLinearRelu(torch.autograd.Function):
     def backward(ctx, grad_y):
         stats = ctx.stats
         ctx.stats = None
-        return _backward(ctx, grad_y, backward_fn=functools.partial(_backward_impl, stats=stats, eager_entry=True))
+        grads = _backward(ctx, grad_y, backward_fn=functools.partial(_backward_impl, stats=stats, eager_entry=True,
+                                                                     key=ctx.key))
+        return grads + (None,)
 
+
+_VALIDATED = ValidatedSignatures()
 
 # torch.func transforms wrap tensors in ways the kernels and the ctx-in-forward autograd.Function
 # cannot take. One C call; torch versions without it (none we support) fall back to "inactive".
@@ -366,15 +374,18 @@ def ln_tanh_linear_relu(
     if isinstance(x, torch.Tensor) and torch.is_autocast_enabled("cuda" if x.is_cuda else x.device.type):
         return _autocast_call(_public_positional, "cuda" if x.is_cuda else x.device.type,
                               x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
-    check_op_args(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
-    if _is_plain_eager(x):
-        if _functorch_active():
-            # torch.func.grad / vmap / jacrev: the differentiable, batchable torch composite.
-            return batched_ln_tanh_linear_relu(x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim))
+    if _is_plain_eager(x) and not _functorch_active():
+        # Validated once per call signature; the signature then finds the launch plan too.
+        key = _VALIDATED.check(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+        eps, feature_dim = float(eps), int(feature_dim)
         if not (torch.is_grad_enabled() and _any_requires_grad(x, weight, bias, ln_weight, ln_bias)):
             # Inference: no autograd node to build (Function.apply alone is ~15 us a call).
-            return _forward_impl(x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim), eager_entry=True)
-        return _EagerLnTanhLinearRelu.apply(x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim))
+            return _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, eager_entry=True, key=key)
+        return _EagerLnTanhLinearRelu.apply(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, key)
+    check_op_args(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    if _is_plain_eager(x):
+        # torch.func.grad / vmap / jacrev: the differentiable, batchable torch composite.
+        return batched_ln_tanh_linear_relu(x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim))
     return torch.ops.recfuse.ln_tanh_linear_relu(
         x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim)
     )

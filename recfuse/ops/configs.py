@@ -1,0 +1,410 @@
+"""Launch configs of the `ln_tanh_linear_relu` kernels: a tuned table per GPU model, a heuristic
+for the rest, and an override for tuners and tests.
+
+Where a config comes from, first match wins:
+
+1. `override(...)`: a context manager that forces configs (the tuner measures candidates through
+   it; tests force the kernel paths they check). No module-global switch is patched anywhere.
+2. The tuned table of this GPU model, `tuned/<gpu>.json` beside this file, written by
+   ``benchmarks/tune_kernels.py`` from measurements (and checked against a float64 reference
+   before an entry is accepted). An entry holds the knobs that do not follow from the shape (rows
+   per tile, warps, programs per SM, pipelining depth, ...); the shape-derived ones (BLOCK_D,
+   BLOCK_H) are recomputed here, and an entry that would not fit the shape is ignored.
+3. The heuristic: tile sizes from the register budget of a program, programs per SM from the
+   warps an SM keeps in flight, bounded by the bytes of per-program partial sums.
+
+Example:
+    >>> import torch
+    >>> from recfuse.ops import configs
+    >>> cfg = configs.backward_config(256, 16, torch.bfloat16, "cpu")
+    >>> cfg.use_dot, cfg.block_d
+    (True, 256)
+    >>> with configs.override(backward=lambda D, H, dtype: configs.heuristic_backward(D, H, dtype, num_stages=2)):
+    ...     configs.backward_config(256, 16, torch.bfloat16, "cpu").num_stages
+    2
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import torch
+import triton
+
+log = logging.getLogger("recfuse")
+
+# Register budget of one program, in fp32 elements of its largest tile. Past it Triton spills.
+TILE_BUDGET = 16384
+# The backward keeps all of H in one tile (dx needs the whole dz @ W); beyond this it falls back.
+BWD_MAX_WEIGHT_TILE = 16384
+# Below this H the product is a row reduction / broadcast sum unless a config asks for tl.dot.
+DOT_MIN_H = 5
+# Bytes of x one tile in flight may take in shared memory (16-bit persistent forward).
+X_STAGE_BYTES = 64 * 1024
+# Warps an SM should have in flight to hide HBM latency in the backward's row loop.
+WARPS_PER_SM = 32
+
+TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    """Block sizes and code path of the forward kernel for one (D, H, dtype) problem."""
+
+    block_b: int
+    block_d: int
+    block_h: int
+    use_dot: bool
+    num_warps: int
+    # Cache policy of the loads of x: "" (default) or "evict_first" (x is streamed once).
+    x_evict: str = ""
+    # 0: one program per row tile. n > 0: persistent programs, about n per SM over all features,
+    # each walking its feature's row tiles with `tile_stages` tiles of x in flight.
+    persistent: int = 0
+    tile_stages: int = 1
+    # tl.dot path only: columns normalised and multiplied at a time (0: the whole row).
+    block_k: int = 0
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """Block sizes of the backward kernel, how many programs share an SM, and the software
+    pipelining depth of its row loop."""
+
+    block_b: int
+    block_d: int
+    block_h: int
+    use_dot: bool
+    num_warps: int
+    x_evict: str = ""
+    programs_per_sm: int = 1
+    num_stages: int = 1
+
+
+KernelConfig = ForwardConfig  # the name launch-level code and older tests use
+
+_FORWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "persistent", "tile_stages", "block_k")
+_BACKWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "programs_per_sm", "num_stages")
+
+# ---------------------------------------------------------------------------------------------
+# the heuristic
+
+
+def _dot_block_h(H: int) -> int:
+    return min(64, max(16, triton.next_power_of_2(H)))
+
+
+def heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool = True, **knobs) -> ForwardConfig:
+    """The forward config without a tuned table; ``knobs`` replace fields (for tuners and tests).
+
+    The row-reduction path (small H) wants small tiles, one warp per 2048 elements; masked tiles
+    two. The tl.dot path normalises and multiplies 32-64 columns at a time when the weight block
+    fits one tile (whole 3xTF32 rows spill registers); 16-bit inputs take persistent programs with
+    tiles of x in flight. Measurements behind these rules: benchmarks/NOTES.md.
+
+    Example:
+        >>> heuristic_forward(256, 1, torch.float32).num_warps
+        1
+    """
+    cfg = _heuristic_forward(D, H, dtype, full_tiles)
+    return dataclasses.replace(cfg, **knobs) if knobs else cfg
+
+
+def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> ForwardConfig:
+    block_d = triton.next_power_of_2(D)
+    # tl.dot needs K >= 16 on the GPU (D < 16 failed to compile on the H100): rows below that.
+    use_dot = H >= DOT_MIN_H and 16 <= block_d and 16 * block_d <= TILE_BUDGET
+    if use_dot:
+        block_h = _dot_block_h(H)
+        block_b = 32 if 32 * block_d <= TILE_BUDGET else 16
+        num_warps = 4 if dtype == torch.float32 and block_h <= 16 else 8
+        if full_tiles and H <= block_h:
+            if dtype == torch.float32:
+                block_k = min(32 if block_h <= 16 else 64, block_d)
+                return ForwardConfig(64, block_d, block_h, True, 4, block_k=block_k)
+            if block_h <= 16 or block_h > 32:
+                return ForwardConfig(64, block_d, block_h, True, 4, persistent=1,
+                                     tile_stages=3 if block_h <= 16 else 2, block_k=min(64, block_d))
+            # Tiles in flight live in shared memory beside the dot's operands.
+            return ForwardConfig(min(64, X_STAGE_BYTES // (2 * block_d)), block_d, block_h, True, 8,
+                                 persistent=1, tile_stages=3 if block_d <= 256 else 2)
+        if dtype == torch.float32 and block_h == 32:
+            return ForwardConfig(16, block_d, block_h, True, 4)  # 3xTF32 spills with 32 rows
+        return ForwardConfig(block_b, block_d, block_h, True, num_warps)
+    block_h = min(triton.next_power_of_2(H), 4)
+    block_b = max(1, 2048 // (block_d * block_h))
+    if full_tiles:
+        num_warps = max(1, min(8, block_b * block_d * block_h // 2048))
+    else:
+        num_warps = max(2, min(8, block_b * block_d * block_h // 1024))
+    return ForwardConfig(block_b, block_d, block_h, False, num_warps)
+
+
+def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[BackwardConfig]:
+    """The backward config without a tuned table, or None when (D, H) is too large for the kernel.
+
+    Programs per SM: enough warps in flight (`WARPS_PER_SM`) to hide HBM latency in the serial
+    row loop; `programs_per_feature` trims it where the partial sums would cost too many bytes.
+    fp32 rows with 2 <= H <= 4 take at most 8 rows a tile: 16-row tiles of that product gave a
+    wrong dx on the H100 (Triton 3.6), which the interpreter does not show.
+
+    Example:
+        >>> heuristic_backward(256, 16, torch.bfloat16).use_dot
+        True
+        >>> heuristic_backward(1024, 64, torch.float32) is None
+        True
+    """
+    use_dot = knobs.get("use_dot", H >= DOT_MIN_H)
+    block_d = triton.next_power_of_2(D)
+    use_dot = use_dot and block_d >= 16  # tl.dot needs K >= 16 on the GPU
+    if use_dot:
+        block_h = max(16, triton.next_power_of_2(H))
+        if block_h * block_d > BWD_MAX_WEIGHT_TILE or 16 * block_d > TILE_BUDGET:
+            return None
+        block_b = 16
+        num_warps = 8 if block_h * block_d > 4096 or dtype == torch.float32 else 4
+        x_evict = ""
+    else:
+        block_h = triton.next_power_of_2(H)
+        if block_h * block_d > BWD_MAX_WEIGHT_TILE:
+            return None
+        rows = 16 if dtype == torch.float32 and block_h == 1 else 8
+        block_b = max(1, min(rows, TILE_BUDGET // (4 * block_d * block_h)))
+        num_warps = 8 if block_b * block_d >= 2048 else 4
+        x_evict = "evict_first" if dtype == torch.float32 else ""
+    cfg = BackwardConfig(block_b, block_d, block_h, use_dot, num_warps, x_evict,
+                         programs_per_sm=max(1, WARPS_PER_SM // num_warps))
+    knobs = {k: v for k, v in knobs.items() if k != "use_dot"}
+    cfg = dataclasses.replace(cfg, **knobs) if knobs else cfg
+    if not cfg.use_dot and dtype == torch.float32 and 2 <= cfg.block_h <= 4 and cfg.block_b > 8:
+        cfg = dataclasses.replace(cfg, block_b=8)
+    return cfg
+
+
+def partial_row_size(D: int, H: int) -> int:
+    """fp32 elements of one program's partial sums: weight | bias | ln_weight | ln_bias."""
+    return H * D + H + 2 * D
+
+
+def programs_per_feature(cfg: BackwardConfig, F: int, B: int, D: int, H: int, x_bytes: int, sms: int) -> int:
+    """Backward programs per feature: ``cfg.programs_per_sm`` over the SMs, no more than the row
+    tiles, and fewer where the partial sums (``F * P`` rows of `partial_row_size` floats, written
+    once and read once) would exceed a quarter of x's bytes (or 16 MB on small inputs).
+
+    Example:
+        >>> cfg = heuristic_backward(256, 1, torch.float32)
+        >>> programs_per_feature(cfg, F=64, B=4096, D=256, H=1, x_bytes=64 * 4096 * 256 * 4, sms=132)
+        17
+    """
+    n_tiles = triton.cdiv(max(B, 1), cfg.block_b)
+    P = max(1, min(n_tiles, triton.cdiv(cfg.programs_per_sm * sms, max(F, 1))))
+    budget = max(16 << 20, x_bytes // 4)
+    row_bytes = 4 * partial_row_size(D, H)
+    while P > 1 and F * P * row_bytes > budget:
+        P = triton.cdiv(P, 2)
+    return P
+
+
+# ---------------------------------------------------------------------------------------------
+# tuned tables
+
+
+def gpu_slug(name: str) -> str:
+    """File name of a GPU model's table: ``"NVIDIA H100 80GB HBM3"`` -> ``"h100-80gb-hbm3"``.
+
+    Example:
+        >>> gpu_slug("NVIDIA H200")
+        'h200'
+    """
+    name = re.sub(r"^nvidia\s+", "", name.strip().lower())
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(slug: str) -> dict:
+    """The tuned table of one GPU model ({} when there is none); see `tuned/README.md`."""
+    path = os.path.join(TUNED_DIR, slug + ".json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        table = json.load(f)
+    out = {}
+    for kind in ("forward", "backward"):
+        for entry in table.get(kind, []):
+            out[(kind, entry["D"], entry["H"], entry["dtype"], entry.get("full_tiles", True))] = entry["config"]
+    log.debug("recfuse: loaded %d tuned configs for %s", len(out), slug)
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def device_slug(device: Union[str, int]) -> str:
+    """The table name of a CUDA device index; "cpu" (the Triton interpreter) has no table."""
+    if device == "cpu":
+        return "cpu"
+    return gpu_slug(torch.cuda.get_device_name(device))
+
+
+def _nearest_entry(table: dict, kind: str, D: int, H: int, dtype_name: str, full_tiles: bool) -> Optional[dict]:
+    """The tuned entry of exactly (D, H), else of the nearest tuned shape of the same dtype and
+    BLOCK_D (log-distance in H), else None."""
+    exact = table.get((kind, D, H, dtype_name, full_tiles))
+    if exact is not None:
+        return exact
+    block_d = triton.next_power_of_2(D)
+    best, best_dist = None, None
+    for (k, d, h, dt, ft), cfg in table.items():
+        if k != kind or dt != dtype_name or ft != full_tiles or triton.next_power_of_2(d) != block_d:
+            continue
+        if (h >= DOT_MIN_H) != (H >= DOT_MIN_H):
+            continue
+        dist = abs((h.bit_length()) - (H.bit_length())) + abs(d - D) / max(D, 1)
+        if best_dist is None or dist < best_dist:
+            best, best_dist = cfg, dist
+    return best
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _forward_fits(cfg: ForwardConfig, D: int, H: int) -> bool:
+    if cfg.block_b < 1 or cfg.num_warps not in (1, 2, 4, 8, 16):
+        return False
+    if cfg.use_dot:
+        if cfg.block_d < 16 or cfg.block_b < 16:
+            return False
+        if cfg.block_k and (cfg.block_k > cfg.block_d or cfg.block_d % cfg.block_k):
+            return False
+        return cfg.block_b * cfg.block_d <= 4 * TILE_BUDGET
+    return cfg.block_b * cfg.block_d * cfg.block_h <= 2 * TILE_BUDGET
+
+
+def _backward_fits(cfg: BackwardConfig, D: int, H: int) -> bool:
+    if cfg.block_b < 1 or cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.programs_per_sm < 1:
+        return False
+    if cfg.use_dot:
+        return cfg.block_d >= 16 and cfg.block_b >= 16 and cfg.block_h * cfg.block_d <= BWD_MAX_WEIGHT_TILE
+    return cfg.block_b * cfg.block_d * cfg.block_h <= 4 * TILE_BUDGET
+
+
+def _from_entry(kind: str, entry: dict, D: int, H: int, dtype: torch.dtype, full_tiles: bool):
+    """The config a table entry describes for this shape, or None if it does not fit the shape."""
+    try:
+        if kind == "forward":
+            knobs = {k: entry[k] for k in _FORWARD_KNOBS}
+            block_h = _dot_block_h(H) if knobs["use_dot"] else min(triton.next_power_of_2(H), 4)
+            cfg = ForwardConfig(block_d=triton.next_power_of_2(D), block_h=block_h, **knobs)
+            return cfg if _forward_fits(cfg, D, H) else None
+        cfg = heuristic_backward(D, H, dtype, **{k: entry[k] for k in _BACKWARD_KNOBS})
+        return cfg if cfg is not None and _backward_fits(cfg, D, H) else None
+    except (KeyError, TypeError, ValueError):  # a table from another version of this file
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# lookup and override
+
+ConfigSource = Union[ForwardConfig, BackwardConfig, Callable, None]
+_OVERRIDE: contextvars.ContextVar = contextvars.ContextVar("recfuse_config_override", default=None)
+
+
+@contextlib.contextmanager
+def override(forward: ConfigSource = None, backward: ConfigSource = None, use_tables: bool = True):
+    """Force kernel configs inside a ``with`` block (this thread / task only).
+
+    ``forward``: a `ForwardConfig`, or ``f(D, H, dtype, full_tiles) -> ForwardConfig``;
+    ``backward``: a `BackwardConfig` or ``f(D, H, dtype) -> BackwardConfig | None``. None keeps
+    the usual source. ``use_tables=False`` ignores the tuned tables (the heuristic alone).
+    Launches inside the block bypass the per-signature launch cache, so the config is what runs.
+
+    Example:
+        >>> import torch
+        >>> with override(forward=lambda D, H, dtype, full_tiles: heuristic_forward(D, H, dtype, full_tiles, num_warps=2)):
+        ...     forward_config(256, 1, torch.float32, "cpu").num_warps
+        2
+    """
+    token = _OVERRIDE.set((forward, backward, use_tables))
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def override_active() -> bool:
+    """Whether an `override` block is open (launch caches are bypassed inside one)."""
+    return _OVERRIDE.get() is not None
+
+
+def forward_config(D: int, H: int, dtype: torch.dtype, device: Union[str, int], full_tiles: bool = True) -> ForwardConfig:
+    """The forward config of (D, H, dtype) on a CUDA device index (or "cpu": the interpreter).
+
+    Example:
+        >>> import torch
+        >>> forward_config(256, 1, torch.float32, "cpu").block_d
+        256
+    """
+    forced = _OVERRIDE.get()
+    if forced is not None:
+        source, _, use_tables = forced
+        if isinstance(source, ForwardConfig):
+            return source
+        if callable(source):
+            return source(D, H, dtype, full_tiles)
+        if not use_tables:
+            return heuristic_forward(D, H, dtype, full_tiles)
+    return _cached_forward_config(D, H, dtype, device, full_tiles)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_forward_config(D, H, dtype, device, full_tiles) -> ForwardConfig:
+    entry = _nearest_entry(load_table(device_slug(device)), "forward", D, H, _DTYPE_NAMES.get(dtype, ""), full_tiles)
+    cfg = _from_entry("forward", entry, D, H, dtype, full_tiles) if entry is not None else None
+    return cfg if cfg is not None else heuristic_forward(D, H, dtype, full_tiles)
+
+
+def backward_config(D: int, H: int, dtype: torch.dtype, device: Union[str, int]) -> Optional[BackwardConfig]:
+    """The backward config of (D, H, dtype), or None when the kernel does not cover the shape.
+
+    Example:
+        >>> import torch
+        >>> backward_config(256, 1, torch.float32, "cpu").use_dot
+        False
+    """
+    forced = _OVERRIDE.get()
+    if forced is not None:
+        _, source, use_tables = forced
+        if isinstance(source, BackwardConfig):
+            return source
+        if callable(source):
+            return source(D, H, dtype)
+        if not use_tables:
+            return heuristic_backward(D, H, dtype)
+    return _cached_backward_config(D, H, dtype, device)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_backward_config(D, H, dtype, device) -> Optional[BackwardConfig]:
+    heuristic = heuristic_backward(D, H, dtype)
+    if heuristic is None:
+        return None
+    entry = _nearest_entry(load_table(device_slug(device)), "backward", D, H, _DTYPE_NAMES.get(dtype, ""), True)
+    cfg = _from_entry("backward", entry, D, H, dtype, True) if entry is not None else None
+    return cfg if cfg is not None else heuristic
+
+
+def config_to_entry(cfg: Union[ForwardConfig, BackwardConfig]) -> dict:
+    """The tunable knobs of a config, as a table entry stores them.
+
+    Example:
+        >>> config_to_entry(heuristic_backward(64, 1, torch.float32))["num_stages"]
+        1
+    """
+    knobs = _FORWARD_KNOBS if isinstance(cfg, ForwardConfig) else _BACKWARD_KNOBS
+    return {k: getattr(cfg, k) for k in knobs}
