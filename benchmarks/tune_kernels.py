@@ -4,25 +4,24 @@ Prints, per problem, the GPU time (do_bench median) of each forward and backward
 and the best one; then the per-call host cost of each layer of the op (argument checks, the
 custom-op dispatch, the Triton launch). Results feed the heuristics in `recfuse/ops/launch.py`.
 
-Usage (GPU): python benchmarks/tune_kernels.py --json benchmarks/results/tune_h100.json
+GPU only (it times Triton kernels; there is no CPU mode).
+
+Example:
+    python benchmarks/tune_kernels.py --json benchmarks/results/tune_h100.json
+    python benchmarks/tune_kernels.py --dot-forward --chunked --json /tmp/dot_forward.json
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
-import time
 
 import torch
-import triton
-import triton.testing
 
 import recfuse
+from _common import copy_bandwidth, do_bench_us, environment, loop_us, op_inputs, wall_us
 from recfuse._checks import check_op_args
 from recfuse.ops import launch
-
-from _timing import wall_us_with_sync
 
 PROBLEMS = [  # F, B, D, H, dtype
     (128, 8192, 256, 1, torch.float32),
@@ -38,21 +37,17 @@ BACKWARD_PROBLEMS = [p for p in PROBLEMS if p[0] == 128 and (p[3] == 1 or p[4] =
 
 
 def bench(fn, rep=100):
-    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median") * 1e3
+    return do_bench_us(fn, warmup_ms=10, rep_ms=rep)
 
 
 def inputs(F, B, D, H, dtype):
-    x = torch.randn(B, F * D, device="cuda", dtype=dtype).view(B, F, D)
-    w = torch.randn(H, D, device="cuda", dtype=dtype) / D ** 0.5
-    b = torch.randn(H, device="cuda", dtype=dtype) * 0.1
-    return x, w, b
+    inp = op_inputs(F, B, D, H, dtype, "cuda", layout="BFD", ln="none")
+    return inp.x, inp.weight, inp.bias
 
 
 def copy_us(F, B, D, H, dtype):
     """A device-to-device copy of as many bytes as the forward moves (x + y): the bandwidth bar."""
-    src = torch.randn(F * B * (D + H), device="cuda", dtype=dtype)
-    dst = torch.empty_like(src)
-    return bench(lambda: dst.copy_(src))
+    return copy_bandwidth(F * B * (D + H) * dtype.itemsize, "cuda", bench)["time_us"]
 
 
 def _timed(fn, ref):
@@ -146,16 +141,8 @@ def host_overhead():
     }
     out = {}
     for name, fn in layers.items():
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        n = 2000
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        host = (time.perf_counter() - t0) / n * 1e6
-        wall = wall_us_with_sync(fn, warmup=0)
+        host = loop_us(fn, 2000, "cuda", warmup=50, repeats=1)
+        wall = wall_us(fn, "cuda", warmup=0)
         out[name] = {"host_us_per_call": host, "wall_us_with_sync": wall}
         print(f"{name:>32}: host {host:7.1f} us/call, wall with sync {wall:7.1f} us", flush=True)
     out["compiled_launch_cache_entries"] = len(launch._launch_fwd.kernels)
@@ -261,46 +248,15 @@ def sweep_dot_forward(only=None, skip=0):
     return out
 
 
-AB_PROBLEMS = [  # (kind, F, B, D, H, dtype): the default config with and without full-tile kernels
-    ("forward", 128, 8192, 256, 1, torch.float32),
-    ("forward", 128, 8192, 256, 1, torch.bfloat16),
-    ("forward", 128, 8192, 256, 64, torch.bfloat16),
-    ("backward", 128, 8192, 256, 1, torch.float32),
-    ("backward", 128, 8192, 256, 16, torch.bfloat16),
-]
-
-
-def ab_full_tiles():
-    """GPU time of the default configs with EVEN_D/EVEN_B on and off, in one process."""
-    out = []
-    for kind, F, B, D, H, dtype in AB_PROBLEMS:
-        x, w, b = inputs(F, B, D, H, dtype)
-        if kind == "forward":
-            fn = lambda: launch.forward(x, w, b, None, None, 0.0, 1)  # noqa: E731
-        else:
-            gy = torch.randn(B, F, H, device="cuda", dtype=dtype)
-            _, stats = launch.forward(x, w, b, None, None, 0.0, 1, save_stats=True)
-            fn = lambda: launch.backward(gy, x, w, b, None, None, 0.0, 1, stats)  # noqa: E731
-        row = {"kind": kind, "problem": [F, B, D, H, str(dtype)]}
-        for flag in (True, False, True):  # on, off, on again: the spread of two identical runs
-            launch.SPECIALIZE_FULL_TILES = flag
-            key = "full_tiles_us" if flag else "masked_us"
-            row.setdefault(key, []).append(bench(fn))
-        launch.SPECIALIZE_FULL_TILES = True
-        out.append(row)
-        print(f"A/B {kind} {F},{B},{D},{H} {dtype}: full tiles "
-              + " / ".join(f"{t:.1f}" for t in row["full_tiles_us"]) + f" us, masked {row['masked_us'][0]:.1f} us",
-              flush=True)
-        torch.cuda.empty_cache()
-    return out
+def _env() -> dict:
+    env = environment("cuda")
+    return {"gpu": env["device_name"], "torch": env["torch"], "triton": env["triton"], "env": env}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
     ap.add_argument("--skip-backward", action="store_true")
-    ap.add_argument("--ab-full-tiles", action="store_true",
-                    help="only compare the default configs with and without the full-tile kernels")
     ap.add_argument("--only", type=int, default=None, help="with --dot-forward: the first N problems")
     ap.add_argument("--skip", type=int, default=0, help="with --dot-forward: skip the first N problems")
     ap.add_argument("--wide", action="store_true", help="with --dot-forward: add 16-warp configs")
@@ -311,21 +267,12 @@ def main():
     if args.dot_forward:
         global WIDE, CHUNKED
         WIDE, CHUNKED = args.wide, args.chunked
-        result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                  "dot_forward": sweep_dot_forward(args.only, args.skip)}
+        result = {**_env(), "dot_forward": sweep_dot_forward(args.only, args.skip)}
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(result, fh, indent=1)
         return
-    if args.ab_full_tiles:
-        result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                  "ab_full_tiles": ab_full_tiles()}
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(result, fh, indent=1)
-        return
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "host_overhead": host_overhead(), "forward": [], "backward": []}
+    result = {**_env(), "host_overhead": host_overhead(), "forward": [], "backward": []}
     for kind, sweep, problems in (("forward", sweep_forward, PROBLEMS),
                                   ("backward", None if args.skip_backward else sweep_backward, BACKWARD_PROBLEMS)):
         if sweep is None:
