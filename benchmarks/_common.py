@@ -9,7 +9,7 @@ Every tool in benchmarks/ imports this module as ``_common`` (a script's own fol
   each followed by a synchronisation: launch overhead included, as the puzzler measures),
   ``loop_us`` (calls issued back to back, one synchronisation: the rate a host can issue them),
   ``kernels_per_call`` and ``extra_peak_bytes``;
-* inputs: ``op_inputs`` (x in the [B, F*D] buffer layout or as [F, B, D], the op's parameters and
+* inputs: ``Shape`` (F, B, D, H), ``op_inputs`` (x in the [B, F*D] buffer layout or as [F, B, D], the op's parameters and
   an output gradient), ``PerSlice`` (the per-feature model that ``recfuse.transform`` rewrites),
   ``relative_error``, ``TOLERANCE``;
 * floors: ``copy_bandwidth`` (a device-to-device copy timed in the same run) and ``floor_us``
@@ -217,6 +217,27 @@ def extra_peak_bytes(fn: Callable, device="cuda") -> Optional[int]:
 
 
 # ------------------------------------------------------------------------------------------ inputs
+@dataclass(frozen=True)
+class Shape:
+    """F features of width D over a batch of B rows, Linear(D, H): the sizes every tool varies.
+
+    Example:
+        >>> Shape(16, 1024, 256, 1).numel_x()
+        4194304
+    """
+
+    F: int
+    B: int
+    D: int
+    H: int
+
+    def numel_x(self) -> int:
+        return self.F * self.B * self.D
+
+    def numel_y(self) -> int:
+        return self.F * self.B * self.H
+
+
 @dataclass
 class OpInputs:
     """Arguments of one `recfuse.ln_tanh_linear_relu` call and an output gradient."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 import recfuse
-from _common import (TOLERANCE, copy_bandwidth, environment, extra_peak_bytes, floor_us, make_bench, op_inputs,
+from _common import (TOLERANCE, Shape, copy_bandwidth, environment, extra_peak_bytes, floor_us, make_bench, op_inputs,
                      relative_error, wall_us)
 from recfuse.reference import batched_ln_tanh_linear_relu
 
@@ -36,13 +36,9 @@ log = logging.getLogger("recfuse.bench")
 
 
 @dataclass(frozen=True)
-class Case:
+class Case(Shape):
     """One op configuration; str() is the id recorded in the JSON."""
 
-    F: int
-    B: int
-    D: int
-    H: int
     feature_dim: int = 0
     per_feature_weight: bool = False
     bias: str = "shared"          # "none" | "shared" | "per_feature"
@@ -126,7 +122,7 @@ def check_case(case: Case, dtype, device) -> str:
 def check_all(device):
     rows = []
     for case, dtype in CHECK_CASES:
-        if device != "cuda" and case.F * case.B * case.D > CPU_MAX_X:
+        if device != "cuda" and case.numel_x() > CPU_MAX_X:
             continue
         try:
             status = check_case(case, dtype, device)

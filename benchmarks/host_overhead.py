@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     results = {}
     for name, fn in rows.items():
         try:
-            us = loop_us(fn, args.calls, dev)
+            us = loop_us(fn, args.calls, dev, warmup=min(50, args.calls))
             results[name] = {"us": us, "kernels": kernels_per_call(fn, dev)}
         except Exception as e:  # a row that cannot run is reported with its error
             log.warning("%s: %s: %s", name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")

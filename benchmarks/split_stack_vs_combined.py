@@ -67,7 +67,7 @@ from typing import Callable, Optional
 import torch
 
 import recfuse
-from _common import (TOLERANCE, command_line, copy_bandwidth, do_bench_us, environment, gpu_slug, json_safe,
+from _common import (TOLERANCE, Shape, command_line, copy_bandwidth, do_bench_us, environment, gpu_slug, json_safe,
                      kernels_per_call, relative_error, wall_us)
 from _common import extra_peak_bytes as _extra_peak_bytes
 from recfuse.puzzler import SplitStack, combined, split_stack
@@ -104,13 +104,9 @@ BENCHMARK = "split_stack_vs_combined"   # tags our JSON among other results in b
 
 
 @dataclass(frozen=True)
-class Case:
+class Case(Shape):
     """One measured configuration: x is a 1D buffer of B*F*D values, as the puzzler feeds it."""
 
-    F: int
-    B: int
-    D: int
-    H: int
     dtype: torch.dtype
     backward: bool
 
@@ -119,10 +115,10 @@ class Case:
         return "forward+backward" if self.backward else "forward"
 
     def bytes_x(self) -> int:
-        return self.F * self.B * self.D * self.dtype.itemsize
+        return self.numel_x() * self.dtype.itemsize
 
     def bytes_y(self) -> int:
-        return self.F * self.B * self.H * self.dtype.itemsize
+        return self.numel_y() * self.dtype.itemsize
 
     def bytes_moved(self) -> int:
         """Bytes a perfect implementation must move (see the module docstring)."""
@@ -286,14 +282,20 @@ def build_cudagraph_combined(inputs: Inputs, case: Case, device) -> Row:
                static_extra_bytes=max(pool, 0))
 
 
-def build_recfuse_transform(inputs: Inputs, case: Case, device, cuda_graph: bool = False) -> Row:
-    transform = getattr(recfuse, "transform", None)
-    if transform is None:
-        raise RowUnavailable("recfuse.transform is not in this recfuse build yet")
+def _recfuse_feature(name: str, case: Case, device, cuda_graph: bool):
+    """recfuse.<name>, or RowUnavailable when it is missing or its cuda_graph mode cannot run here."""
+    feature = getattr(recfuse, name, None)
+    if feature is None:
+        raise RowUnavailable(f"recfuse.{name} is not in this recfuse build yet")
     if cuda_graph and device.type != "cuda":
         raise RowUnavailable("CUDA graphs need a GPU")
     if cuda_graph and case.backward:
         raise RowUnavailable("cuda_graph=True replays inference calls only")
+    return feature
+
+
+def build_recfuse_transform(inputs: Inputs, case: Case, device, cuda_graph: bool = False) -> Row:
+    transform = _recfuse_feature("transform", case, device, cuda_graph)
     x, lin = _row_leaves(inputs, case)
     model = SplitStack(case.D, case.H).to(device=device, dtype=case.dtype)
     model.linear = lin
@@ -303,13 +305,7 @@ def build_recfuse_transform(inputs: Inputs, case: Case, device, cuda_graph: bool
 
 
 def build_fused_feature_processor(inputs: Inputs, case: Case, device, cuda_graph: bool = False) -> Row:
-    cls = getattr(recfuse, "FusedFeatureProcessor", None)
-    if cls is None:
-        raise RowUnavailable("recfuse.FusedFeatureProcessor is not in this recfuse build yet")
-    if cuda_graph and device.type != "cuda":
-        raise RowUnavailable("CUDA graphs need a GPU")
-    if cuda_graph and case.backward:
-        raise RowUnavailable("cuda_graph=True replays inference calls only")
+    cls = _recfuse_feature("FusedFeatureProcessor", case, device, cuda_graph)
     x, _ = _row_leaves(inputs, case)
     F, B, D, H = case.F, case.B, case.D, case.H
     # The puzzler's configuration: LayerNorm without affine, eps=0.0, one shared Linear(D, H).

@@ -7,7 +7,7 @@ custom-op dispatch, the Triton launch). Results feed the heuristics in `recfuse/
 GPU only (it times Triton kernels; there is no CPU mode).
 
 Example:
-    python benchmarks/tune_kernels.py --json benchmarks/results/tune_h100.json
+    python benchmarks/tune_kernels.py --json benchmarks/results/tune_kernels_h100.json
     python benchmarks/tune_kernels.py --dot-forward --chunked --json /tmp/dot_forward.json
 """
 from __future__ import annotations
@@ -170,7 +170,7 @@ CHUNKED = False
 def chunked_variants(base, dtype):
     """The default and K-chunked tiles (block_k columns at a time), one program per tile or
     persistent. The grid is the neighbourhood of the first sweep's winners
-    (dot_forward_chunked_h100.txt: fp32 64 rows/4 warps/64 columns, bf16 H=16 persistent)."""
+    (dot_forward_chunked_h100.txt@22b1a40: fp32 64 rows/4 warps/64 columns, bf16 H=16 persistent)."""
     out = [base]
     if dtype == torch.float32:
         out += [dataclasses.replace(base, block_b=bb, num_warps=nw, block_k=bk, persistent=0, tile_stages=1)
@@ -185,7 +185,7 @@ def chunked_variants(base, dtype):
 
 def persistent_variants(base, dtype):
     """The default, one program per tile (32-row tiles), and persistent programs with 1-3 tiles
-    of x in flight (8 warps: 4 never won the first sweep, dot_forward_h100.json)."""
+    of x in flight (8 warps: 4 never won the first sweep, checks/dot_forward_v1_h100.json)."""
     if not base.use_dot:
         return [base]
     if CHUNKED:
