@@ -48,7 +48,6 @@ import json
 import logging
 import math
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -69,6 +68,7 @@ from torch.multiprocessing.spawn import ProcessException  # noqa: E402
 from torch import nn  # noqa: E402
 
 import recfuse  # noqa: E402
+from _common import device_name, device_slug, environment  # noqa: E402
 from recfuse import FusedFeatureProcessor  # noqa: E402
 
 log = logging.getLogger("ddp_check")
@@ -296,8 +296,7 @@ def worker(rank: int, cfg_dict: dict, port: int, out_dir: str) -> None:
     dist.init_process_group(**kwargs)
     try:
         info = {"rank": rank, "pid": os.getpid(), "device": str(device), "backend": dist.get_backend(),
-                "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-                or platform.machine()}
+                "device_name": device_name(device)}
         x, target = global_batch(cfg)
         n = cfg.batch // cfg.world_size
         x_local, target_local = x[rank * n:(rank + 1) * n].to(device), target[rank * n:(rank + 1) * n].to(device)
@@ -434,17 +433,10 @@ def table(rows: list) -> list[str]:
 
 
 def versions(cfg: Config) -> dict:
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    env = {"torch": torch.__version__, "triton": triton_version, "recfuse": recfuse.__version__,
-           "recfuse_path": str(Path(recfuse.__file__).parent),
-           "python": platform.python_version(), "platform": platform.platform(), "host": socket.gethostname(),
-           "cuda": torch.version.cuda,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
+    """_common.environment of the reference device, plus what a distributed run depends on."""
+    env = {**environment("cuda" if cfg.device == "cuda" else "cpu"),
+           "recfuse_path": str(Path(recfuse.__file__).parent), "host": socket.gethostname(),
+           "cuda": torch.version.cuda, "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
     try:
         env["git_commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
                                            text=True, timeout=10).stdout.strip() or None
@@ -458,12 +450,6 @@ def versions(cfg: Config) -> dict:
         except Exception as e:  # noqa: BLE001 - a build without NCCL
             env["nccl"] = f"unavailable ({e})"
     return env
-
-
-def device_slug(cfg: Config) -> str:
-    name = torch.cuda.get_device_name(0) if cfg.device == "cuda" else "cpu"
-    slug = "-".join("".join(ch if ch.isalnum() else " " for ch in name.lower()).split())
-    return slug.removeprefix("nvidia-") or "unknown"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -518,7 +504,7 @@ def main(argv=None) -> int:
                  rank_timeout_s=args.rank_timeout)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    base = out_dir / f"ddp_check_{device_slug(cfg)}"
+    base = out_dir / f"ddp_check_{device_slug(cfg.device)}"
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s")
     root = logging.getLogger()
     root.setLevel(args.log_level.upper())

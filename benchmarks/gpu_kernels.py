@@ -1,34 +1,56 @@
 """Check the Triton kernels on CUDA at realistic sizes, then time them against `combined` and a copy.
 
-Correctness: every case of the op test matrix plus realistic shapes, forward and backward, against
-the float64 per-slice reference on the same (dtype-rounded) inputs. Timing: `triton.testing.do_bench`
-medians of the fused op, the batched torch composite (`combined`), torch.compile of it, and a
-device-to-device copy of x, whose bandwidth sets the memory floor of the forward.
+Correctness: a matrix of op cases (layouts, per-feature or shared weight, bias and LayerNorm
+affine, eps=0, odd sizes) plus realistic shapes, forward and backward, against the float64
+per-slice reference (`recfuse.reference`) on the same dtype-rounded inputs; each case twice (the
+first call of a signature goes through `JITFunction.run`, the second through the cached
+compiled-kernel launch). Timing: `triton.testing.do_bench` medians of the fused op, the batched
+torch composite (`combined`), torch.compile of it, and a device-to-device copy of x, whose
+bandwidth sets the memory floor of the forward.
 
-Usage (on a GPU machine):
-    python benchmarks/gpu_kernels.py --json benchmarks/results/gpu_kernels.json
+``--device cpu`` is a smoke run of the same code: the checks whose x has at most 2**20 values
+(the op runs its CPU path, or the kernels under Triton's interpreter with TRITON_INTERPRET=1) and
+one small timed shape (perf_counter medians).
+
+Example:
+    python benchmarks/gpu_kernels.py --json benchmarks/results/gpu_kernels_h100.json   # on a GPU
+    python benchmarks/gpu_kernels.py --device cpu --checks-only                         # smoke run
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
-import platform
 import sys
+from dataclasses import dataclass
 
 import torch
-import triton
-import triton.testing
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-import recfuse  # noqa: E402
-from op_cases import Case, check_against_float64  # noqa: E402
-from _timing import wall_us_with_sync  # noqa: E402
-from recfuse.reference import batched_ln_tanh_linear_relu  # noqa: E402
+import recfuse
+from _common import (TOLERANCE, Shape, copy_bandwidth, environment, extra_peak_bytes, floor_us, make_bench, op_inputs,
+                     relative_error, wall_us)
+from recfuse.reference import batched_ln_tanh_linear_relu
 
 log = logging.getLogger("recfuse.bench")
+
+
+@dataclass(frozen=True)
+class Case(Shape):
+    """One op configuration; str() is the id recorded in the JSON."""
+
+    feature_dim: int = 0
+    per_feature_weight: bool = False
+    bias: str = "shared"          # "none" | "shared" | "per_feature"
+    ln: str = "per_feature"       # "none" | "shared" | "per_feature" (affine weight and bias)
+    eps: float = 1e-5
+    strided_view: bool = False    # x is a [B, F*D] buffer viewed as [B, F, D] (feature_dim=1)
+
+    def __str__(self):
+        return (f"F{self.F}B{self.B}D{self.D}H{self.H}fd{self.feature_dim}"
+                f"{'-Wf' if self.per_feature_weight else ''}-b{self.bias}-ln{self.ln}-eps{self.eps}"
+                f"{'-view' if self.strided_view else ''}")
+
 
 CHECK_CASES = [
     (Case(16, 1024, 256, 1, feature_dim=1, strided_view=True, ln="none", eps=0.0), torch.float32),
@@ -49,43 +71,79 @@ CHECK_CASES = [
 ]
 
 TIME_SHAPES = [(16, 1024, 256, 1), (128, 8192, 256, 1), (128, 8192, 256, 16), (128, 8192, 256, 64)]
+CPU_TIME_SHAPES = [(4, 256, 64, 1)]
+CPU_MAX_X = 2**20  # --device cpu checks only the cases with at most this many values of x
+NAMES = ["y", "x.grad", "weight.grad", "bias.grad", "ln_weight.grad", "ln_bias.grad"]
 
 
-def check_all():
+def run_case(fn, case: Case, inp, dtype, negate: bool = False):
+    """Forward and backward of `fn` on leaves cast to `dtype`: (y, [grads of x and present params])."""
+    B, F, D = case.B, case.F, case.D
+    if case.strided_view:
+        xleaf = inp.buf.detach().to(dtype).clone().requires_grad_(True)
+        xin = xleaf.view(B, F, D)
+    else:
+        xleaf = xin = inp.x.detach().to(dtype).clone().requires_grad_(True)
+    sign = -1.0 if negate else 1.0
+    w, b, lw, lb = (None if t is None else (t.detach().to(dtype) * (sign if i < 2 else 1.0)).requires_grad_(True)
+                    for i, t in enumerate((inp.weight, inp.bias, inp.ln_weight, inp.ln_bias)))
+    y = fn(xin, w, b, ln_weight=lw, ln_bias=lb, eps=case.eps, feature_dim=case.feature_dim)
+    y.backward(inp.grad_y.to(dtype))
+    return y.detach(), [xleaf.grad.reshape(inp.x.shape)] + [p.grad for p in (w, b, lw, lb) if p is not None]
+
+
+def check_case(case: Case, dtype, device) -> str:
+    """'ok', or 'FAIL: ...' naming the first tensor whose error vs float64 is over TOLERANCE."""
+    inp = op_inputs(case.F, case.B, case.D, case.H, dtype, device,
+                    layout="BFD" if case.feature_dim == 1 else "FBD",
+                    weight="per_feature" if case.per_feature_weight else "shared",
+                    bias=case.bias, ln=case.ln, bias_mean=0.1, ln_scale=0.2)
+    negate = False
+    y_ref, g_ref = run_case(recfuse.reference.ln_tanh_linear_relu, case, inp, torch.float64)
+    if y_ref.abs().sum() == 0:  # every relu closed (tiny cases): negating the Linear opens them all
+        negate = True
+        y_ref, g_ref = run_case(recfuse.reference.ln_tanh_linear_relu, case, inp, torch.float64, negate)
+    present = [True, True, True, inp.bias is not None, inp.ln_weight is not None, inp.ln_bias is not None]
+    names = [n for n, p in zip(NAMES, present) if p]
+    # Twice: the first call of a signature goes through JITFunction.run, the second through the
+    # cached compiled-kernel launch, which must give the same answers.
+    for _ in range(2):
+        y, grads = run_case(recfuse.ln_tanh_linear_relu, case, inp, dtype, negate)
+        if y.dtype != dtype or y.shape != y_ref.shape:
+            return f"FAIL: {case} {dtype} y: {y.dtype} {tuple(y.shape)} vs {tuple(y_ref.shape)}"
+        for name, out, ref in zip(names, [y] + grads, [y_ref] + g_ref):
+            # The floor keeps gradients that are zero up to rounding (D=1 rows) from dividing by ~1e-15.
+            err = relative_error(out, ref, floor=1e-6)
+            if not err < TOLERANCE[dtype]:
+                return f"FAIL: {case} {dtype} {name}: relative error {err:.2e} >= {TOLERANCE[dtype]:.0e}"
+    return "ok"
+
+
+def check_all(device):
     rows = []
     for case, dtype in CHECK_CASES:
+        if device != "cuda" and case.numel_x() > CPU_MAX_X:
+            continue
         try:
-            # Twice: the first call of a signature goes through JITFunction.run, the second
-            # through the cached compiled-kernel launch, which must give the same answers.
-            check_against_float64(case, dtype, device="cuda")
-            check_against_float64(case, dtype, device="cuda")
-            status = "ok"
-        except AssertionError as e:
-            status = f"FAIL: {e}"
+            status = check_case(case, dtype, device)
+        except Exception as e:  # noqa: BLE001 - a case that raises is a failed case, not a crash
+            status = f"FAIL: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         rows.append({"case": str(case), "dtype": str(dtype), "status": status})
         print(f"check {case} {dtype}: {status}", flush=True)
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
-def bench(fn, rep=200):
-    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3  # us
-
-
-def time_shape(F, B, D, H, dtype):
-    dev = "cuda"
-    x = torch.randn(B, F * D, device=dev, dtype=dtype).view(B, F, D)
-    w = (torch.randn(H, D, device=dev, dtype=dtype) / D ** 0.5)
-    b = torch.randn(H, device=dev, dtype=dtype) * 0.1
+def time_shape(F, B, D, H, dtype, dev="cuda"):
+    inp = op_inputs(F, B, D, H, dtype, dev, layout="BFD", ln="none", seed=F + B + D + H)
+    x, w, b = inp.x, inp.weight, inp.bias
+    bench, bench_train = make_bench(dev, 25, 200), make_bench(dev, 25, 100)
     out = {"F": F, "B": B, "D": D, "H": H, "dtype": str(dtype)}
-    bytes_io = x.numel() * x.element_size() + B * F * H * x.element_size()
-    copy_src = torch.randn(x.numel(), device=dev, dtype=dtype)
-    copy_dst = torch.empty_like(copy_src)
-    t_copy = bench(lambda: copy_dst.copy_(copy_src))
-    copy_bw = 2 * copy_src.numel() * copy_src.element_size() / (t_copy * 1e-6)
-    out["copy_us"] = t_copy
-    out["copy_GBps"] = copy_bw / 1e9
-    out["floor_fwd_us"] = bytes_io / copy_bw * 1e6
+    copy = copy_bandwidth(x.numel() * x.element_size(), dev, bench)
+    out["copy_us"] = copy["time_us"]
+    out["copy_GBps"] = copy["GBps"]
+    out["floor_fwd_us"] = floor_us(x.numel() * x.element_size() + B * F * H * x.element_size(), copy["GBps"])
 
     def fused():
         return recfuse.ln_tanh_linear_relu(x, w, b, eps=0.0, feature_dim=1)
@@ -106,7 +164,7 @@ def time_shape(F, B, D, H, dtype):
     xg = x.detach().clone().requires_grad_(True)
     wg = w.detach().clone().requires_grad_(True)
     bg = b.detach().clone().requires_grad_(True)
-    gy = torch.randn(B, F, H, device=dev, dtype=dtype)
+    gy = inp.grad_y
 
     def fused_train():
         y = recfuse.ln_tanh_linear_relu(xg, wg, bg, eps=0.0, feature_dim=1)
@@ -117,39 +175,39 @@ def time_shape(F, B, D, H, dtype):
         torch.autograd.grad(y, (xg, wg, bg), gy)
 
     for name, fn in (("fused", fused_train), ("combined", combined_train)):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        out[f"{name}_train_extra_peak_MB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-        out[f"{name}_train_us"] = bench(fn, rep=100)
+        peak = extra_peak_bytes(fn, dev)
+        out[f"{name}_train_extra_peak_MB"] = None if peak is None else peak / 2**20
+        out[f"{name}_train_us"] = bench_train(fn)
     # Small shape: also the wall time per call with host sync, which is launch-bound.
-    out["fused_fwd_wall_us"] = wall_us_with_sync(fused)
+    out["fused_fwd_wall_us"] = wall_us(fused, dev, repeats=200 if dev == "cuda" else 10, warmup=20 if dev == "cuda" else 2)
     return out
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--checks-only", action="store_true", help="correctness checks, no timing")
-    args = ap.parse_args()
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu: a smoke run (small checks, one small timed shape)")
+    args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    assert torch.cuda.is_available(), "needs a CUDA GPU"
-    meta = {
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-    }
-    print(meta, flush=True)
-    checks = [] if args.skip_check else check_all()
+    dev = args.device
+    if dev == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA GPU (--device cpu is a smoke run)")
+    env = environment(dev)
+    meta = {"gpu": env["device_name"], "torch": env["torch"], "triton": env["triton"], "python": env["python"],
+            "date": env["date"], "env": env}
+    print({k: v for k, v in meta.items() if k != "env"}, flush=True)
+    checks = [] if args.skip_check else check_all(dev)
     timings = []
-    for F, B, D, H in [] if args.checks_only else TIME_SHAPES:
+    for F, B, D, H in [] if args.checks_only else (TIME_SHAPES if dev == "cuda" else CPU_TIME_SHAPES):
         for dtype in (torch.float32, torch.bfloat16):
-            r = time_shape(F, B, D, H, dtype)
+            r = time_shape(F, B, D, H, dtype, dev)
             timings.append(r)
             print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
-            torch.cuda.empty_cache()
+            if dev == "cuda":
+                torch.cuda.empty_cache()
     result = {"meta": meta, "checks": checks, "timings": timings}
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

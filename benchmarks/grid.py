@@ -45,15 +45,11 @@ Example:
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import itertools
 import json
 import math
 import os
-import platform
-import re
-import statistics
 import sys
 import time
 
@@ -63,64 +59,13 @@ from tqdm import tqdm
 import recfuse
 from recfuse.reference import batched_ln_tanh_linear_relu
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _timing  # noqa: E402
+from _common import (command_line, copy_bandwidth, device_slug, environment, extra_peak_bytes, floor_us, forward_bytes,
+                     kernels_per_call, make_bench, op_inputs, training_bytes)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LAYOUTS = ("BFD", "FBD")
 AFFINES = ("per_feature", "none")
 EPS = 1e-5
-
-
-# ----------------------------------------------------------------------------------------- timing
-def make_bench(device: str, warmup_ms: float, rep_ms: float):
-    """A function fn -> median microseconds per call: do_bench on CUDA, perf_counter on the CPU."""
-    if device == "cuda":
-        import triton.testing
-
-        def bench(fn):
-            return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
-        return bench
-
-    def bench(fn):
-        t_end = time.perf_counter() + warmup_ms / 1e3
-        fn()
-        while time.perf_counter() < t_end:
-            fn()
-        times = []
-        t_end = time.perf_counter() + rep_ms / 1e3
-        while len(times) < 3 or time.perf_counter() < t_end:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e6
-    return bench
-
-
-def kernels_per_call(fn, device: str) -> int:
-    """CUDA events of one call of `fn` (0 on the CPU)."""
-    return _timing.kernels_per_call(fn) if device == "cuda" else 0
-
-
-def extra_peak_mb(fn, device: str):
-    """Peak memory one call of `fn` allocates above what was allocated before it (MB), CUDA only."""
-    if device != "cuda":
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
-def copy_bandwidth(nbytes: int, device: str, bench) -> dict:
-    src = torch.randn(max(1, nbytes // 4), device=device)
-    dst = torch.empty_like(src)
-    us = bench(lambda: dst.copy_(src))
-    moved = 2 * src.numel() * src.element_size()
-    del src, dst
-    return {"copy_bytes": moved // 2, "copy_us": us, "copy_GBps": moved / (us * 1e-6) / 1e9}
 
 
 # ------------------------------------------------------------------------------------------ points
@@ -140,25 +85,9 @@ def grid_points(args) -> list[dict]:
 
 def make_inputs(p: dict, device: str):
     """x (the 3D view the op reads), its leaf buffer, feature_dim, params [w, b, lw, lb], grad_y."""
-    g = torch.Generator(device=device).manual_seed(1000 + p["index"])
-    dtype, F, B, D, H = DTYPES[p["dtype"]], p["F"], p["B"], p["D"], p["H"]
-
-    def rnd(*shape, scale=1.0, shift=0.0):
-        return (torch.randn(*shape, device=device, generator=g) * scale + shift).to(dtype)
-
-    if p["layout"] == "BFD":
-        buf = rnd(B, F * D)
-        x, fdim, y_shape = buf.view(B, F, D), 1, (B, F, H)
-    else:
-        buf = rnd(F, B, D)
-        x, fdim, y_shape = buf, 0, (F, B, H)
-    w, b = rnd(H, D, scale=D ** -0.5), rnd(H, scale=0.1)
-    if p["affine"] == "per_feature":
-        lw, lb = rnd(F, D, scale=0.1, shift=1.0), rnd(F, D, scale=0.1)
-    else:
-        lw = lb = None
-    gy = rnd(*y_shape)
-    return buf, x, fdim, [w, b, lw, lb], gy
+    inp = op_inputs(p["F"], p["B"], p["D"], p["H"], DTYPES[p["dtype"]], device, layout=p["layout"],
+                    ln="per_feature" if p["affine"] == "per_feature" else "none", seed=1000 + p["index"])
+    return inp.buf, inp.x, inp.feature_dim, [inp.weight, inp.bias, inp.ln_weight, inp.ln_bias], inp.grad_y
 
 
 def measure_point(p: dict, args, bench, copy_GBps: float, deadline: float) -> None:
@@ -171,10 +100,8 @@ def measure_point(p: dict, args, bench, copy_GBps: float, deadline: float) -> No
     view = (lambda t: t.view(p["B"], p["F"], p["D"])) if p["layout"] == "BFD" else (lambda t: t)
     xg = buf.detach().clone().requires_grad_(True)
     leaves = [xg] + params
-    x_bytes = x.numel() * x.element_size()
-    y_bytes = gy.numel() * gy.element_size()
-    p["floor_fwd_us"] = (x_bytes + y_bytes) / (copy_GBps * 1e9) * 1e6
-    p["floor_train_us"] = (x_bytes + y_bytes + x_bytes + y_bytes + x_bytes) / (copy_GBps * 1e9) * 1e6
+    p["floor_fwd_us"] = floor_us(forward_bytes(x, gy), copy_GBps)
+    p["floor_train_us"] = floor_us(training_bytes(x, gy), copy_GBps)
     errors = p.setdefault("errors", {})
 
     def op(xx):
@@ -215,17 +142,18 @@ def measure_point(p: dict, args, bench, copy_GBps: float, deadline: float) -> No
         del y, ref, err
         p["fwd_us"] = bench(fwd)
         p["fwd_pct_floor"] = 100 * p["floor_fwd_us"] / p["fwd_us"]
-        p["fwd_kernels"] = kernels_per_call(fwd, dev)
+        p["fwd_kernels"] = kernels_per_call(fwd) if dev == "cuda" else 0
 
     def training():
         step = train_step(op)
         step()
         for t in leaves:
             t.grad = None
-        p["train_extra_peak_MB"] = extra_peak_mb(step, dev)
+        peak = extra_peak_bytes(step, dev)
+        p["train_extra_peak_MB"] = None if peak is None else peak / 2**20
         p["train_us"] = bench(step)
         p["train_pct_floor"] = 100 * p["floor_train_us"] / p["train_us"]
-        p["train_kernels"] = kernels_per_call(step, dev)
+        p["train_kernels"] = kernels_per_call(step) if dev == "cuda" else 0
 
     def peer():
         torch._dynamo.reset()  # a fresh static compile per point: no recompile limit, no dynamic shapes
@@ -261,14 +189,6 @@ def measure_point(p: dict, args, bench, copy_GBps: float, deadline: float) -> No
 
 
 # ------------------------------------------------------------------------------------------ output
-def gpu_slug(name: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA H200' -> 'h200'; otherwise a slug of the name."""
-    m = re.search(r"\b([A-Za-z]{1,2}\d{2,4}[A-Za-z]?)\b", name.replace("NVIDIA", ""))
-    if m:
-        return m.group(1).lower()
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
-
-
 def _f(v, fmt, width):
     return f"{v:{width}{fmt}}" if isinstance(v, (int, float)) and v is not None and not math.isnan(v) else f"{'-':>{width}}"
 
@@ -401,24 +321,17 @@ def main(argv=None) -> int:
     dev = args.device
     if dev == "cuda":
         assert torch.cuda.is_available(), "--device cuda needs a GPU (use --device cpu for a smoke run)"
-        import triton
-        name, triton_version = torch.cuda.get_device_name(), triton.__version__
-    else:
-        try:
-            import triton
-            triton_version = triton.__version__
-        except ImportError:
-            triton_version = None
-        name = f"cpu {platform.processor() or platform.machine()}"
-    slug = gpu_slug(name) if dev == "cuda" else "cpu"
+    slug = device_slug(dev)
     bench = make_bench(dev, args.warmup, args.rep)
     copy_bench = make_bench(dev, args.warmup, max(args.rep, 100.0))
-    bw = copy_bandwidth(int(args.x_mb * 2**20), dev, copy_bench)
-    env = {"device": dev, "device_name": name, "torch": torch.__version__, "triton": triton_version,
-           "python": platform.python_version(), "recfuse": recfuse.__version__,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
-           "args": vars(args), **bw}
+
+    def copy_stats() -> dict:
+        c = copy_bandwidth(int(args.x_mb * 2**20), dev, copy_bench)
+        return {"copy_bytes": c["bytes"], "copy_us": c["time_us"], "copy_GBps": c["GBps"]}
+
+    bw = copy_stats()
+    env = {**environment(dev), "command": command_line(argv), "args": vars(args), **bw}
+    name = env["device_name"]
     points = grid_points(args)
     print(f"{len(points)} points on {name}; copy {bw['copy_GBps']:.0f} GB/s; "
           f"peer on {sum(p['peer'] for p in points)} of them", file=sys.stderr)
@@ -449,7 +362,7 @@ def main(argv=None) -> int:
     bar.close()
 
     if dev == "cuda" and not stop:
-        env["copy_GBps_end"] = copy_bandwidth(int(args.x_mb * 2**20), dev, copy_bench)["copy_GBps"]
+        env["copy_GBps_end"] = copy_stats()["copy_GBps"]
     env["total_s"] = time.perf_counter() - t_start
     print(table(points, env))
     print(f"total {env['total_s']:.0f} s", file=sys.stderr)

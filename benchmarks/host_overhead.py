@@ -15,42 +15,24 @@ cProfile (top functions by own time).
 
 Example:
     $ python benchmarks/host_overhead.py --json benchmarks/results/host_overhead_h100.json
+    $ python benchmarks/host_overhead.py --device cpu --F 4 --B 8 --D 16 --calls 20   # smoke run, no GPU
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime
 import io
 import json
 import logging
-import platform
 import pstats
-import time
 
 import torch
 
 import recfuse
-from _models import PerSlice
-from _timing import kernels_per_call
+from _common import PerSlice, environment, kernels_per_call, loop_us, op_inputs, sync
 from recfuse.reference import batched_ln_tanh_linear_relu
 
 log = logging.getLogger("recfuse.bench")
-
-
-def loop_us(fn, calls: int, warmup: int = 50, repeats: int = 5) -> float:
-    """Best of `repeats` means of `calls` calls of `fn` with one synchronisation at the end."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-    return best
 
 
 def bare_triton_launch():
@@ -67,16 +49,13 @@ def bare_triton_launch():
     return lambda: _copy[(1,)](a, b, 1024, BLOCK=1024)
 
 
-def build_rows(F_, B, D, H, dtype):
-    dev = "cuda"
-    g = torch.Generator(device=dev).manual_seed(0)
-    buf = torch.randn(B, F_ * D, device=dev, dtype=dtype, generator=g)
-    x3 = buf.view(B, F_, D)
-    w = (torch.randn(H, D, device=dev, dtype=dtype, generator=g) / D ** 0.5).requires_grad_(True)
-    b = torch.zeros(H, device=dev, dtype=dtype).requires_grad_(True)
-    lw = torch.ones(F_, D, device=dev, dtype=dtype).requires_grad_(True)
-    lb = torch.zeros(F_, D, device=dev, dtype=dtype).requires_grad_(True)
-    params = [w, b, lw, lb]
+def build_rows(F_, B, D, H, dtype, dev="cuda"):
+    inp = op_inputs(F_, B, D, H, dtype, dev, layout="BFD", ln="per_feature")
+    buf, x3 = inp.buf, inp.x
+    params = inp.params()
+    for p in params:
+        p.requires_grad_(True)
+    w, b, lw, lb = params
     model = PerSlice(F_, D, H).to(dev, dtype)
     fused = recfuse.transform(model, (buf,))
     ffp = recfuse.FusedFeatureProcessor([f"f{i}" for i in range(F_)], D, H, device=dev, dtype=dtype)
@@ -117,7 +96,7 @@ def build_rows(F_, B, D, H, dtype):
     tanh_in = torch.randn(1024, device=dev)
     rows = {
         "torch.tanh 1k (calibration)": lambda: torch.tanh(tanh_in),
-        "bare Triton launch": bare_triton_launch(),
+        **({"bare Triton launch": bare_triton_launch()} if dev == "cuda" else {}),
         "op forward, no grad": no_grad(op),
         "op forward, autograd": op,
         "op training step": train_step(op, params),
@@ -131,7 +110,8 @@ def build_rows(F_, B, D, H, dtype):
         "combined (eager) training step": train_step(combined, params),
     }
     try:
-        rows.update(graphed_rows())
+        if dev == "cuda":
+            rows.update(graphed_rows())
     except Exception as e:  # reported, not fatal: the other rows still stand
         log.warning("CUDA-graph training rows failed: %s: %s", type(e).__name__, e)
     return rows, train_step(op, params)
@@ -146,30 +126,37 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=500)
     ap.add_argument("--profile", action="store_true", help="cProfile the op's training step")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu: a smoke run (no Triton launch to compare with; use --calls 20 and a small shape)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not torch.cuda.is_available():
-        log.error("host_overhead needs a CUDA device (it measures launch costs)")
+    dev = args.device
+    if dev == "cuda" and not torch.cuda.is_available():
+        log.error("--device cuda: no CUDA device (host_overhead measures launch costs; --device cpu is a smoke run)")
         return 2
-    rows, op_step = build_rows(args.F, args.B, args.D, args.H, torch.float32)
+    rows, op_step = build_rows(args.F, args.B, args.D, args.H, torch.float32, dev)
     results = {}
     for name, fn in rows.items():
         try:
-            us = loop_us(fn, args.calls)
-            results[name] = {"us": us, "kernels": kernels_per_call(fn)}
+            us = loop_us(fn, args.calls, dev, warmup=min(50, args.calls))
+            results[name] = {"us": us, "kernels": kernels_per_call(fn, dev)}
         except Exception as e:  # a row that cannot run is reported with its error
             log.warning("%s: %s: %s", name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-    tanh_us, launch_us = results["torch.tanh 1k (calibration)"]["us"], results["bare Triton launch"]["us"]
+    tanh_us = results["torch.tanh 1k (calibration)"]["us"]
+    launch_us = results["bare Triton launch"]["us"] if "bare Triton launch" in results else None
     lines = [f"{'call':38s} {'us/call':>9s} {'launches':>9s} {'tanh':>7s} {'kernels':>8s}"]
     for name, r in results.items():
-        r["bare_launches"] = r["us"] / launch_us
+        r["bare_launches"] = r["us"] / launch_us if launch_us else None
         r["tanh_calls"] = r["us"] / tanh_us
-        lines.append(f"{name:38s} {r['us']:9.1f} {r['bare_launches']:9.2f} {r['tanh_calls']:7.2f} {r['kernels']:8d}")
+        launches = "n/a" if r["bare_launches"] is None else f"{r['bare_launches']:.2f}"
+        lines.append(f"{name:38s} {r['us']:9.1f} {launches:>9s} {r['tanh_calls']:7.2f} {r['kernels']:8}")
     ratios = {
         "transform train / combined train": results["transform training step"]["us"] / results["combined (eager) training step"]["us"],
         "transform fwd / combined fwd (no grad)": results["transform forward, no grad"]["us"] / results["combined (eager) forward, no grad"]["us"],
     }
     lines += [f"{k}: {v:.2f}" for k, v in ratios.items()]
+    if dev == "cpu":
+        lines.append("(CPU: kernels = top-level aten ops; launches n/a without a GPU)")
     print("\n".join(lines))
     prof_text = ""
     if args.profile:
@@ -177,23 +164,21 @@ def main(argv=None) -> int:
         pr.enable()
         for _ in range(200):
             op_step()
-        torch.cuda.synchronize()
+        sync(dev)
         pr.disable()
         s = io.StringIO()
         pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
         prof_text = s.getvalue()
         print(prof_text)
     if args.json:
-        import triton
-
-        out = {"tool": "host_overhead", "date": datetime.date.today().isoformat(),
-               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "python": platform.python_version(), "shape": {"F": args.F, "B": args.B, "D": args.D, "H": args.H},
+        env = environment(dev)
+        out = {"tool": "host_overhead", "date": env["date"][:10], "gpu": env["device_name"], "torch": env["torch"],
+               "triton": env["triton"], "python": env["python"], "env": env,
+               "shape": {"F": args.F, "B": args.B, "D": args.D, "H": args.H},
                "rows": results, "ratios": ratios, "cprofile_op_training_step": prof_text}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

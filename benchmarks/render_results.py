@@ -7,10 +7,14 @@ case (shape, dtype, mode), one log-scale bar per row, and the copy floor as a da
 Edits the README only when asked with --update-readme, and only between the markers
 `<!-- results:start -->` and `<!-- results:end -->`.
 
+Without a path it reads the current result of one GPU model by its stable name,
+`benchmarks/results/split_stack_vs_combined_<gpu>.json` (`--gpu`, default h100: the GPU the
+README quotes).
+
 Examples:
-    python benchmarks/render_results.py benchmarks/results/h100-80gb-hbm3_2026-01-31.json
-    python benchmarks/render_results.py RESULTS.json --plot RESULTS.png --update-readme README.md
-    python benchmarks/render_results.py            # the newest JSON under benchmarks/results/
+    python benchmarks/render_results.py --update-readme README.md     # results/split_stack_vs_combined_h100.json
+    python benchmarks/render_results.py --gpu h200 --plot /tmp/h200.png
+    python benchmarks/render_results.py RESULTS.json --plot RESULTS.png
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ START_MARKER = "<!-- results:start -->"
 END_MARKER = "<!-- results:end -->"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BENCHMARK = "split_stack_vs_combined"
+README_GPU = "h100"  # the GPU model whose current result the README shows
 
 # The puzzler's published A100 numbers (forward, fp32, F=16 B=1024 D=256 H=1, wall per call).
 PUZZLER_SHAPE = {"F": 16, "B": 1024, "D": 256, "H": 1, "dtype": "float32", "mode": "forward"}
@@ -49,9 +54,15 @@ def is_benchmark_results(path: Path) -> bool:
     return isinstance(data, dict) and data.get("benchmark") == BENCHMARK and "cases" in data
 
 
+def results_path(gpu: str = README_GPU, directory: Path = RESULTS_DIR) -> Path:
+    """The current split_stack_vs_combined result of one GPU model (h100, h200, cpu): its stable name."""
+    return Path(directory) / f"{BENCHMARK}_{gpu}.json"
+
+
 def newest_results(directory: Path = RESULTS_DIR) -> Optional[Path]:
-    """The newest split_stack_vs_combined results JSON in `directory` (by its recorded date)."""
-    files = [p for p in sorted(Path(directory).glob("*.json")) if is_benchmark_results(p)]
+    """Of the current results in `directory` (one per GPU model, split_stack_vs_combined_<gpu>.json),
+    the one run last (by its recorded date); None if there is none."""
+    files = [p for p in sorted(Path(directory).glob(f"{BENCHMARK}_*.json")) if is_benchmark_results(p)]
     if not files:
         return None
     return max(files, key=lambda p: (load(p)["env"].get("date", ""), p.name))
@@ -192,7 +203,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="?", type=Path, default=None,
-                   help="results JSON (default: the newest under benchmarks/results/)")
+                   help="results JSON (default: benchmarks/results/split_stack_vs_combined_<--gpu>.json)")
+    p.add_argument("--gpu", default=README_GPU,
+                   help=f"without a path: the GPU model whose current result to read (default {README_GPU})")
     p.add_argument("--plot", type=Path, default=None, metavar="PATH.png", help="write the chart here")
     p.add_argument("--update-readme", type=Path, default=None, metavar="README.md",
                    help="replace the table between the results markers of this file")
@@ -201,9 +214,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    path = args.results or newest_results()
-    if path is None:
-        print(f"no results JSON given and none under {RESULTS_DIR}", file=sys.stderr)
+    path = args.results or results_path(args.gpu)
+    if not path.is_file():
+        print(f"no results JSON at {path}", file=sys.stderr)
         return 1
     results = load(path)
     table = markdown(results)

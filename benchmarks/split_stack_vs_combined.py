@@ -55,16 +55,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime
 import fnmatch
 import json
 import logging
-import math
-import os
-import platform
-import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,15 +67,15 @@ from typing import Callable, Optional
 import torch
 
 import recfuse
+from _common import (TOLERANCE, Shape, command_line, copy_bandwidth, do_bench_us, environment, gpu_slug, json_safe,
+                     kernels_per_call, relative_error, wall_us)
+from _common import extra_peak_bytes as _extra_peak_bytes
 from recfuse.puzzler import SplitStack, combined, split_stack
 
 log = logging.getLogger("bench")
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-# ||out - ref|| / ||ref|| bounds, the same as the design notes and the op tests.
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
-
 # Inductor's own horizontal fusion, exactly the options the issue names.
 INDUCTOR_BATCH_FUSION = {
     "normalization_pass": {}, "batch_layernorm": {}, "batch_tanh": {}, "batch_linear": {},
@@ -110,13 +104,9 @@ BENCHMARK = "split_stack_vs_combined"   # tags our JSON among other results in b
 
 
 @dataclass(frozen=True)
-class Case:
+class Case(Shape):
     """One measured configuration: x is a 1D buffer of B*F*D values, as the puzzler feeds it."""
 
-    F: int
-    B: int
-    D: int
-    H: int
     dtype: torch.dtype
     backward: bool
 
@@ -125,10 +115,10 @@ class Case:
         return "forward+backward" if self.backward else "forward"
 
     def bytes_x(self) -> int:
-        return self.F * self.B * self.D * self.dtype.itemsize
+        return self.numel_x() * self.dtype.itemsize
 
     def bytes_y(self) -> int:
-        return self.F * self.B * self.H * self.dtype.itemsize
+        return self.numel_y() * self.dtype.itemsize
 
     def bytes_moved(self) -> int:
         """Bytes a perfect implementation must move (see the module docstring)."""
@@ -292,14 +282,20 @@ def build_cudagraph_combined(inputs: Inputs, case: Case, device) -> Row:
                static_extra_bytes=max(pool, 0))
 
 
-def build_recfuse_transform(inputs: Inputs, case: Case, device, cuda_graph: bool = False) -> Row:
-    transform = getattr(recfuse, "transform", None)
-    if transform is None:
-        raise RowUnavailable("recfuse.transform is not in this recfuse build yet")
+def _recfuse_feature(name: str, case: Case, device, cuda_graph: bool):
+    """recfuse.<name>, or RowUnavailable when it is missing or its cuda_graph mode cannot run here."""
+    feature = getattr(recfuse, name, None)
+    if feature is None:
+        raise RowUnavailable(f"recfuse.{name} is not in this recfuse build yet")
     if cuda_graph and device.type != "cuda":
         raise RowUnavailable("CUDA graphs need a GPU")
     if cuda_graph and case.backward:
         raise RowUnavailable("cuda_graph=True replays inference calls only")
+    return feature
+
+
+def build_recfuse_transform(inputs: Inputs, case: Case, device, cuda_graph: bool = False) -> Row:
+    transform = _recfuse_feature("transform", case, device, cuda_graph)
     x, lin = _row_leaves(inputs, case)
     model = SplitStack(case.D, case.H).to(device=device, dtype=case.dtype)
     model.linear = lin
@@ -309,13 +305,7 @@ def build_recfuse_transform(inputs: Inputs, case: Case, device, cuda_graph: bool
 
 
 def build_fused_feature_processor(inputs: Inputs, case: Case, device, cuda_graph: bool = False) -> Row:
-    cls = getattr(recfuse, "FusedFeatureProcessor", None)
-    if cls is None:
-        raise RowUnavailable("recfuse.FusedFeatureProcessor is not in this recfuse build yet")
-    if cuda_graph and device.type != "cuda":
-        raise RowUnavailable("CUDA graphs need a GPU")
-    if cuda_graph and case.backward:
-        raise RowUnavailable("cuda_graph=True replays inference calls only")
+    cls = _recfuse_feature("FusedFeatureProcessor", case, device, cuda_graph)
     x, _ = _row_leaves(inputs, case)
     F, B, D, H = case.F, case.B, case.D, case.H
     # The puzzler's configuration: LayerNorm without affine, eps=0.0, one shared Linear(D, H).
@@ -439,21 +429,6 @@ def float64_reference(inputs: Inputs, case: Case) -> Reference:
     return Reference(y.detach(), grads)
 
 
-def relative_error(out: Optional[torch.Tensor], ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in float64; inf for a missing output or NaN the reference lacks."""
-    if out is None:
-        return math.inf
-    out = out.detach().double().reshape(ref.shape)
-    ref_nan = torch.isnan(ref)
-    if torch.isnan(out).ne(ref_nan).any():
-        return math.inf
-    if ref_nan.any():  # NaN where PyTorch gives NaN too (eps=0 on a constant row) is correct
-        out, ref = out[~ref_nan], ref[~ref_nan]
-    diff = (out - ref).norm().item()
-    scale = ref.norm().item()
-    return diff / scale if scale > 0 else diff
-
-
 def check_row(row: Row, step, case: Case, ref: Reference) -> dict:
     y = step()
     errors = {"y": relative_error(row.to_fbh(y), ref.y)}
@@ -478,139 +453,33 @@ def check_row(row: Row, step, case: Case, ref: Reference) -> dict:
 # measuring
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def wall_per_call_us(step, device, repeats: int) -> float:
     """Median of `repeats` calls, each timed from launch to host synchronisation."""
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return wall_us(step, device, repeats, warmup=0)
 
 
 def gpu_time_us(step, device) -> Optional[float]:
     """Median device time per call: triton's do_bench (CUDA events, L2 flushed between calls)."""
-    if device.type != "cuda":
-        return None
-    try:
-        from triton.testing import do_bench
-    except ImportError:  # no triton: plain CUDA events, no L2 flush
-        return _cuda_events_us(step)
-    return do_bench(step, warmup=50, rep=200, return_mode="median") * 1e3
-
-
-def _cuda_events_us(step, repeats: int = 50) -> float:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) * 1e3
-
-
-@contextlib.contextmanager
-def _quiet_c_output():
-    """Send the process's C-level stdout and stderr (file descriptors 1 and 2) to a temp file."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 1)
-        os.dup2(sink.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
-
-
-def kernels_per_call(step, device, calls: int = 3) -> tuple[float, str]:
-    """(count per call, what was counted) from torch.profiler over `calls` calls."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    _sync(device)
-    # The CPU profiler prints "USDT ... profiler_stop" lines from C code; keep them out of the table.
-    with _quiet_c_output(), profile(activities=activities) as prof:
-        for _ in range(calls):
-            step()
-        _sync(device)
-    events = prof.events()
-    if device.type == "cuda":
-        count = sum(1 for e in events if e.device_type == DeviceType.CUDA)
-        return count / calls, "device kernels"
-    count = sum(1 for e in events if _is_top_level_op(e))
-    return count / calls, "aten ops"
-
-
-def _is_op(name: str) -> bool:
-    return name.startswith("aten::") or name.startswith("recfuse::")
-
-
-def _is_top_level_op(event) -> bool:
-    """An aten/recfuse op not called from inside another one (what a user's code dispatched)."""
-    if not _is_op(event.name):
-        return False
-    parent = event.cpu_parent
-    while parent is not None:
-        if _is_op(parent.name):
-            return False
-        parent = parent.cpu_parent
-    return True
+    return do_bench_us(step, warmup_ms=50, rep_ms=200) if device.type == "cuda" else None
 
 
 def extra_peak_bytes(step, row: Row, device) -> Optional[int]:
     if device.type != "cuda":
         return None
     _clear_grads(row.params() if row.replay is None else [])
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    out = step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
-    del out
-    return peak + row.static_extra_bytes
+    return _extra_peak_bytes(step, device) + row.static_extra_bytes
 
 
 def copy_time(case: Case, device, repeats: int) -> dict:
     """A device-to-device copy of bytes(x) + bytes(y): the bandwidth every row is compared with."""
-    n = case.bytes_x() + case.bytes_y()
-    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-
-    def step():
-        dst.copy_(src)
-
-    for _ in range(3):
-        step()
-    gpu = gpu_time_us(step, device)
-    if gpu is None:
+    if device.type == "cuda":
+        stats = copy_bandwidth(case.bytes_x() + case.bytes_y(), device, lambda fn: gpu_time_us(fn, device))
+    else:
         # A floor should be the best the memory system does: the fastest of the calls, because
         # on a shared CPU the median copy can be slower than the rows it is meant to bound.
-        gpu_or_wall = min(wall_per_call_us(step, device, 1) for _ in range(repeats))
-    else:
-        gpu_or_wall = gpu
-    seconds = gpu_or_wall * 1e-6
-    return {"bytes": n, "time_us": seconds * 1e6, "GBps": 2 * n / seconds / 1e9,
-            "timed_with": "gpu" if gpu is not None else "wall"}
+        stats = copy_bandwidth(case.bytes_x() + case.bytes_y(), device,
+                               lambda fn: min(wall_per_call_us(fn, device, 1) for _ in range(repeats)))
+    return {**stats, "timed_with": "gpu" if device.type == "cuda" else "wall"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -685,7 +554,8 @@ def run_row(key: str, inputs: Inputs, ref: Reference, case: Case, device, args) 
             step()
         result["wall_us"] = wall_per_call_us(step, device, args.repeats)
         result["gpu_us"] = gpu_time_us(step, device)
-        result["kernels_per_call"], result["kernels_counted"] = kernels_per_call(step, device)
+        result["kernels_per_call"] = kernels_per_call(step, device, calls=3)
+        result["kernels_counted"] = "device kernels" if device.type == "cuda" else "aten ops"
         result["extra_peak_bytes"] = extra_peak_bytes(step, row, device)
     except Exception as e:  # noqa: BLE001
         log.warning("%s: error while timing (%s: %s)", key, type(e).__name__, e)
@@ -744,33 +614,6 @@ def run_case(case: Case, keys: list[str], device, args, progress) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # output
-
-
-def environment(device) -> dict:
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    env = {"device": str(device), "device_name": _cpu_name(),
-           "torch": torch.__version__, "triton": triton_version, "recfuse": recfuse.__version__,
-           "python": platform.python_version(), "platform": platform.platform(),
-           "cpu_threads": torch.get_num_threads(),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    if device.type == "cuda":
-        env["device_name"] = torch.cuda.get_device_name(device)
-        env["cuda"] = torch.version.cuda
-    return env
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _fmt(value, spec: str, suffix: str = "") -> str:
@@ -846,7 +689,8 @@ def parse_args(argv=None):
     p.add_argument("--plot", type=Path, default=None, metavar="PATH.png", help="write a bar chart here")
     p.add_argument("--save", type=Path, default=None, metavar="DIR",
                    help="write JSON and chart to DIR under the conventional name "
-                        "split_stack_vs_combined_<gpu>_<date>.{json,png} (see benchmarks/results/README.md)")
+                        "split_stack_vs_combined_<gpu>.{json,png}, e.g. _h100, replacing the current one "
+                        "(see benchmarks/results/README.md)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging, tracebacks of failing rows")
     return p.parse_args(argv)
 
@@ -868,7 +712,7 @@ def main(argv=None) -> int:
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    results = {"benchmark": BENCHMARK, "schema": 1, "env": env, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    results = {"benchmark": BENCHMARK, "schema": 1, "env": env, "command": command_line(argv),
                "settings": {"repeats": args.repeats, "warmup": args.warmup, "seed": args.seed,
                             "rows": keys, "tolerance": {dtype_name(k): v for k, v in TOLERANCE.items()}},
                "cases": []}
@@ -883,10 +727,9 @@ def main(argv=None) -> int:
         args.plot = args.plot or stem.with_suffix(".png")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(_json_safe(results), indent=1, allow_nan=False) + "\n")
+        args.json.write_text(json.dumps(json_safe(results), indent=1, allow_nan=False) + "\n")
         log.info("wrote %s", args.json)
     if args.plot:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         import render_results
 
         render_results.plot_results(results, args.plot)
@@ -895,26 +738,10 @@ def main(argv=None) -> int:
 
 
 def conventional_stem(directory: Path, env: dict) -> Path:
-    """directory/split_stack_vs_combined_<device>_<date>, with _2, _3... if that name is taken."""
-    slug = "-".join("".join(ch if ch.isalnum() else " " for ch in env["device_name"].lower()).split())
-    slug = slug.removeprefix("nvidia-") or "unknown"
-    base = f"{BENCHMARK}_{slug}_{env['date'][:10]}"
-    stem, n = directory / base, 1
-    while stem.with_suffix(".json").exists():
-        n += 1
-        stem = directory / f"{base}_{n}"
-    return stem
-
-
-def _json_safe(value):
-    """Strict JSON: an infinite error (NaN where the reference has none) is written as "inf"."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
+    """directory/split_stack_vs_combined_<gpu>: one current result per device model (h100, h200,
+    cpu), replaced by a re-run; git keeps the history (see benchmarks/results/README.md)."""
+    slug = "cpu" if env["device"] == "cpu" else gpu_slug(env["device_name"])
+    return directory / f"{BENCHMARK}_{slug}"
 
 
 if __name__ == "__main__":

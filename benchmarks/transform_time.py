@@ -6,19 +6,19 @@ under 2 s for 1000 features.
 
 Example:
     $ python benchmarks/transform_time.py --features 1000 --json /tmp/transform_time.json
+    $ python benchmarks/transform_time.py --features 16 --repeats 1     # a quick smoke run
 """
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import torch
 
 import recfuse
-from _models import PerSlice
+from _common import PerSlice, cpu_name
 
 
 def main(argv=None) -> dict:
@@ -50,7 +50,7 @@ def main(argv=None) -> dict:
         "transform_s_median": statistics.median(times), "transform_s_min": min(times),
         "groups": len(report.groups), "mode": report.groups[0].mode if report.groups else None,
         "nodes_after": len(gm.graph.nodes), "max_abs_diff": err, "target_s": 2.0,
-        "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__, "cpu": cpu_name(),
         "threads": torch.get_num_threads(),
     }
     rows = [("features", str(args.features)), ("D, H, B", f"{args.dim}, {args.out}, {args.batch}"),

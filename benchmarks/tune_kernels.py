@@ -22,7 +22,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import logging
@@ -34,6 +33,7 @@ import time
 import torch
 import triton
 
+from _common import copy_bandwidth, do_bench_us, environment, perf_counter_us
 from recfuse.ops import configs, launch
 from recfuse.ops.composite import composite_backward
 from recfuse.reference import batched_ln_tanh_linear_relu
@@ -182,7 +182,7 @@ def precompile(work: list, n_workers: int, out_dir: str) -> float:
     return time.perf_counter() - t0
 
 
-def tune_shape(p: dict, kinds, bench, copy_gbps: float, progress) -> list[dict]:
+def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress) -> list[dict]:
     D, H, dtype = p["D"], p["H"], DTYPES[p["dtype"]]
     t = make_inputs(p, "cuda" if torch.cuda.is_available() else "cpu")
     ref = references(t)
@@ -197,6 +197,7 @@ def tune_shape(p: dict, kinds, bench, copy_gbps: float, progress) -> list[dict]:
         if t["x"].device.type == "cpu":
             cands = cands[:3]
         rows = []
+        best_us = float("inf")
         for cfg in cands:
             row = {"config": configs.config_to_entry(cfg)}
             try:
@@ -205,8 +206,11 @@ def tune_shape(p: dict, kinds, bench, copy_gbps: float, progress) -> list[dict]:
                 row["err"] = err
                 if not err <= TOLERANCE[dtype]:
                     row["rejected"] = f"relative error {err:.1e}"
+                elif rows and quick(fn) > 1.5 * best_us:
+                    row["slower"] = True  # one timed call: clearly behind the best, not worth a full timing
                 else:
                     row["us"] = bench(fn)
+                    best_us = min(best_us, row["us"])
             except Exception as e:  # noqa: BLE001 - a config that does not compile is a row
                 row["rejected"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
             rows.append(row)
@@ -243,6 +247,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--save", nargs="?", const=configs.TUNED_DIR, help="write <dir>/<gpu>.json (default: the package's table dir)")
     ap.add_argument("--merge", action="store_true", help="keep the saved table's entries for shapes not in this run")
+    ap.add_argument("--resume", action="store_true", help="with --merge: skip shapes the saved table has")
     ap.add_argument("--compile-worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.compile_worker:
@@ -255,12 +260,29 @@ def main(argv=None) -> int:
         log.error("tune_kernels: no CUDA device (use --device cpu for a smoke run under TRITON_INTERPRET=1)")
         return 2
     pts = shapes(args)
+    slug = configs.gpu_slug(torch.cuda.get_device_name()) if cuda else "cpu"
+    table_path = os.path.join(args.save, slug + ".json") if args.save else None
+    saved = {}
+    if table_path and args.merge and os.path.exists(table_path):
+        with open(table_path) as f:
+            saved = json.load(f)
+    if args.resume and saved:
+        done = {(e["D"], e["H"], e["dtype"]) for kind in args.kinds for e in saved.get(kind, [])}
+        pts = [p for p in pts if (p["D"], p["H"], str(DTYPES[p["dtype"]]).replace("torch.", "")) not in done]
+        log.info("tune: resuming, %d shapes left", len(pts))
     if cuda:
-        bench = lambda fn: triton.testing.do_bench(fn, warmup=5, rep=args.rep, return_mode="median") * 1e3  # noqa: E731
-        src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
-        copy_gbps = 2 * src.numel() / (bench(lambda: dst.copy_(src)) * 1e-6) / 1e9
-        del src, dst
+        def bench(fn):
+            return do_bench_us(fn, warmup_ms=5, rep_ms=args.rep)
+
+        def quick(fn):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) * 1e3
+
+        copy_gbps = copy_bandwidth(256 << 20, "cuda", bench)["GBps"]
         work = []
         for p in pts:
             D, H, dtype = p["D"], p["H"], DTYPES[p["dtype"]]
@@ -277,13 +299,10 @@ def main(argv=None) -> int:
         out_dir = os.environ.get("OUT", "/tmp")
         log.info("tune: compiled in %.0f s", precompile(work, args.workers, out_dir))
     else:
-        def bench(fn, reps=3):
-            ts = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                fn()
-                ts.append((time.perf_counter() - t0) * 1e6)
-            return sorted(ts)[len(ts) // 2]
+        def bench(fn):
+            return perf_counter_us(fn, warmup_ms=0, rep_ms=0, min_calls=3)
+
+        quick = bench
         copy_gbps = 10.0
     def n_candidates(p, kind):
         n = len((forward_candidates if kind == "forward" else backward_candidates)(p["D"], p["H"], DTYPES[p["dtype"]]))
@@ -299,44 +318,46 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     entries = []
     for p in pts:
-        entries += tune_shape(p, args.kinds, bench, copy_gbps, progress)
+        entries += tune_shape(p, args.kinds, bench, quick, copy_gbps, progress)
+        if table_path and cuda:  # after every shape: a run cut short keeps what it measured
+            write_table(table_path, saved, entries, args)
     if bar is not None:
         bar.close()
+    print(f"recfuse tuner on {environment(args.device if cuda else 'cpu')['device_name']}, torch {torch.__version__}, "
+          f"triton {triton.__version__}; copy {copy_gbps:.0f} GB/s; {time.perf_counter() - t0:.0f} s timing")
+    print(summary(entries))
+    if table_path and cuda:
+        log.info("tune: wrote %s", table_path)
+    return 0
+
+
+def summary(entries: list[dict]) -> str:
     lines = [f"{'kind':9s} {'dtype':9s} {'D':>4s} {'H':>3s} | {'best us':>9s} {'% floor':>7s} {'heur us':>9s} {'gain':>5s} | config"]
     for e in entries:
         gain = e["heuristic_us"] / e["us"] if e["heuristic_us"] else float("nan")
         knobs = " ".join(f"{k}={v}" for k, v in e["config"].items())
         lines.append(f"{e['kind']:9s} {e['dtype']:9s} {e['D']:4d} {e['H']:3d} | {e['us']:9.1f} {e['pct_floor']:7.1f} "
                      f"{e['heuristic_us'] or float('nan'):9.1f} {gain:5.2f} | {knobs}")
-    gpu = torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)"
-    header = (f"recfuse tuner on {gpu}, torch {torch.__version__}, triton {triton.__version__}, "
-              f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; copy {copy_gbps:.0f} GB/s; "
-              f"{time.perf_counter() - t0:.0f} s timing")
-    print(header)
-    print("\n".join(lines))
-    if args.save and cuda:
-        slug = configs.gpu_slug(gpu)
-        path = os.path.join(args.save, slug + ".json")
-        old = []
-        if args.merge and os.path.exists(path):
-            with open(path) as f:
-                saved = json.load(f)
-            done = {(e["kind"], e["D"], e["H"], e["dtype"]) for e in entries}
-            old = [dict(e, kind=kind) for kind in ("forward", "backward") for e in saved.get(kind, [])
-                   if (kind, e["D"], e["H"], e["dtype"]) not in done]
-        table = {"gpu": gpu, "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
-                 "torch": torch.__version__, "triton": triton.__version__,
-                 "date": datetime.date.today().isoformat(), "copy_GBps": round(copy_gbps),
-                 "setup": f"BFD layout, F={args.features}, x ~{args.x_mb:g} MB, shared weight + bias, per-feature LN affine"}
-        for kind in ("forward", "backward"):
-            table[kind] = [{k: v for k, v in e.items() if k != "kind"} for e in old + entries if e["kind"] == kind]
-        os.makedirs(args.save, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(table, f, indent=1)
-        with open(os.path.join(args.save, slug + ".txt"), "w") as f:
-            f.write(header + "\n" + "\n".join(lines) + "\n")
-        log.info("tune: wrote %s", path)
-    return 0
+    return "\n".join(lines)
+
+
+def write_table(path: str, saved: dict, entries: list[dict], args) -> None:
+    """The GPU's table: this run's entries, plus (with --merge) the saved ones for other shapes."""
+    done = {(e["kind"], e["D"], e["H"], e["dtype"]) for e in entries}
+    old = [dict(e, kind=kind) for kind in ("forward", "backward") for e in saved.get(kind, [])
+           if (kind, e["D"], e["H"], e["dtype"]) not in done]
+    env = environment("cuda")
+    table = {"gpu": env["device_name"], "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
+             "torch": env["torch"], "triton": env["triton"], "date": env["date"],
+             "setup": f"BFD layout, F={args.features}, x ~{args.x_mb:g} MB, shared weight + bias, per-feature LN affine"}
+    for kind in ("forward", "backward"):
+        rows = sorted((e for e in old + entries if e["kind"] == kind), key=lambda e: (e["dtype"], e["D"], e["H"]))
+        table[kind] = [{k: v for k, v in e.items() if k != "kind"} for e in rows]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+    with open(path[:-len(".json")] + ".txt", "w") as f:
+        f.write(summary([dict(e, kind=k) for k in ("forward", "backward") for e in table[k]]) + "\n")
 
 
 if __name__ == "__main__":

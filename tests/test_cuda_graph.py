@@ -471,24 +471,3 @@ def test_a_signature_used_after_another_ran_eagerly_is_still_the_newest():
         assert cache.captures == 4
         for y in held:
             torch.testing.assert_close(y, affine_relu(k, 1.0, w))
-
-
-def test_replay_overhead_benchmark_replays_every_case(tmp_path):
-    """benchmarks/replay_overhead.py on a tiny shape: it raises unless each case captured once
-    and then only replayed."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "replay.json"
-    cmd = [sys.executable, str(root / "benchmarks" / "replay_overhead.py"), "--calls", "20", "--repeats", "1",
-           "--features", "3", "--batch", "4", "--dim", "8", "--json", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    report = json.loads(out.read_text())
-    assert set(report["us_per_call"]) == {"cache.run", "transform", "ffp"}
-    assert Path(report["recfuse"]).resolve().parent == (root / "recfuse").resolve()
