@@ -18,7 +18,6 @@ Example:
 from __future__ import annotations
 
 import logging
-import operator
 from collections.abc import Sequence
 from typing import Optional, Union
 
@@ -133,10 +132,8 @@ class FusedFeatureProcessor(nn.Module):
         self._module_tensors = ModuleTensors(self)
         self._layout = FeatureLayout.build(names, dims)
         self._plans = PlanCache()
-        # Per dim group, a getter of its (weight, bias, ln_weight, ln_bias) from _parameters.
-        self._parameter_getters = tuple(
-            operator.itemgetter(*(kind + g.suffix for kind in PARAM_KINDS)) for g in self._layout.groups
-        )
+        # Per dim group, the names of its (weight, bias, ln_weight, ln_bias) slots in _parameters.
+        self._parameter_names = tuple(tuple(kind + g.suffix for kind in PARAM_KINDS) for g in self._layout.groups)
 
         factory = {"device": device, "dtype": dtype}
         for grp in self._layout.groups:
@@ -179,8 +176,8 @@ class FusedFeatureProcessor(nn.Module):
         Read from `_parameters` on every call, not kept: a parameter the user replaces
         (``module.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``) is the one used.
         """
-        registered = self._parameters
-        return tuple([get(registered) for get in self._parameter_getters])
+        get = self._parameters.get
+        return tuple([(get(w), get(b), get(lw), get(lb)) for w, b, lw, lb in self._parameter_names])
 
     def feature_parameters(self, name: str) -> dict[str, Optional[torch.Tensor]]:
         """One feature's parameters as views: weight [H, D], bias [H], ln_weight/ln_bias [D].
