@@ -58,6 +58,32 @@ def _check_tensor(name: str, t, x: torch.Tensor) -> None:
         raise ValueError(f"{name} is on {t.device} but x is on {x.device}; move it with .to(x.device)")
 
 
+def check_feature_dim(feature_dim) -> None:
+    """Raise unless `feature_dim` says which dim of a 3D tensor indexes features (0 or 1).
+
+    Example:
+        >>> check_feature_dim(2)
+        Traceback (most recent call last):
+        ...
+        ValueError: feature_dim must be 0 ([F, B, D]) or 1 ([B, F, D]), got 2
+    """
+    if feature_dim not in (0, 1):
+        raise ValueError(f"feature_dim must be 0 ([F, B, D]) or 1 ([B, F, D]), got {feature_dim!r}")
+
+
+def check_eps(eps) -> None:
+    """Raise unless `eps` is a LayerNorm epsilon: an int or float >= 0 (NaN and bools refused).
+
+    Example:
+        >>> check_eps(-1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: eps must be a float >= 0, got -1.0
+    """
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps != eps or eps < 0:
+        raise ValueError(f"eps must be a float >= 0, got {eps!r}")
+
+
 def check_op_args(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -78,14 +104,12 @@ def check_op_args(
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not x.dtype.is_floating_point:
         raise TypeError(f"x must be a floating tensor (float32, bfloat16, float16), got {x.dtype}")
-    if feature_dim not in (0, 1):
-        raise ValueError(f"feature_dim must be 0 ([F, B, D]) or 1 ([B, F, D]), got {feature_dim!r}")
+    check_feature_dim(feature_dim)
     if x.dim() != 3:
         layout = "[F, B, D]" if feature_dim == 0 else "[B, F, D]"
         hint = " (view a [B, F*D] tensor as x.view(B, F, D) and pass feature_dim=1)" if x.dim() == 2 else ""
         raise ValueError(f"x must be 3D {layout}, got shape {_shape(x)}{hint}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps != eps or eps < 0:
-        raise ValueError(f"eps must be a float >= 0, got {eps!r}")
+    check_eps(eps)
     F = x.shape[feature_dim]
     B = x.shape[1 - feature_dim]
     D = x.shape[2]

@@ -1,0 +1,313 @@
+"""`FusedFeatureProcessor`: the nn.Module, wiring its parts together.
+
+A call: `read_input` unpacks the input by kind (`inputs.py`); the plan of the call's signature
+(input kind, shapes, strides, dtypes, device, and the parameters' presence, shapes, dtypes and
+devices) is looked up, or built once, which validates the call (`plan.py`, `PlanCache`); the plan
+runs one op call per dim group on the module's stacked parameters (`parameters.py`), read at call
+time, and the input's adapter answers in the input's kind.
+
+Example:
+    >>> import torch
+    >>> fp = FusedFeatureProcessor(["a", "b"], 4, out_features=2)
+    >>> x = torch.randn(3, 8)
+    >>> fp(x).shape, fp._plans.validations
+    (torch.Size([3, 4]), 1)
+    >>> fp(torch.randn(3, 8)).shape, fp._plans.validations      # same signature: not re-validated
+    (torch.Size([3, 4]), 1)
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from .. import reference
+from ..cuda_graph import CudaGraphCache, ModuleTensors
+from .features import FeatureLayout, check_config
+from .inputs import read_input
+from .parameters import PARAM_KINDS, feature_view, parameter_shapes, read_modules, reset_group
+from .plan import PlanCache, parameters_signature
+
+__all__ = ["FusedFeatureProcessor"]
+
+logger = logging.getLogger("recfuse")
+
+_is_compiling = torch.compiler.is_compiling
+
+
+class FusedFeatureProcessor(nn.Module):
+    """relu(Linear(tanh(LayerNorm_f(x_f)))) for every feature f, fused; looked up by feature name.
+
+    Replaces the per-feature loop::
+
+        out = [relu(linear(tanh(layer_norm[name](emb[name])))) for name in feature_names]
+
+    Args:
+        feature_names: unique names of the F features. They fix the feature order of a
+            [B, F*D] / [B, F, D] / [F, B, D] tensor input; KeyedTensor and dict inputs are matched
+            by name, in any order.
+        embedding_dims: one int for all features, or one int per feature (mixed dims).
+        out_features: H, the Linear's output size per feature.
+        shared_linear: one Linear shared by all features (True) or one per feature (False).
+        shared_layer_norm: one LayerNorm affine shared by all features (True) or one per feature.
+        ln_affine: LayerNorm has a learnable weight and bias (``elementwise_affine``).
+        bias: the Linear has a bias.
+        eps: LayerNorm epsilon (>= 0).
+        cuda_graph: opt-in, for inference on fixed shapes: a CUDA tensor input ([B, sum(D)] or
+            3D) run without autograd (``torch.no_grad()``/``inference_mode()``, or nothing
+            requiring grad) replays a captured CUDA graph, cutting per-call launch overhead.
+            Graphs are per input shape/strides/dtype/feature_dim and parameter addresses; x is
+            read in place while its address repeats (copied in once it moves), and a result you
+            still hold is never overwritten: the rule is in `recfuse.cuda_graph`. KeyedTensor and
+            dict inputs, CPU tensors, training, ``torch.compile``, autocast and vmap take the
+            normal path.
+        device, dtype: of the parameters.
+
+    Parameters are owned directly, stacked over features: ``weight`` [H, D] or [F, H, D],
+    ``bias`` [H] or [F, H], ``ln_weight``/``ln_bias`` [D] or [F, D]. With mixed embedding dims
+    the features are grouped by dim and each group has its own parameters, named with a
+    ``_d{dim}`` suffix (``weight_d16``, ...); "shared" then means shared within a dim group,
+    since one Linear cannot take inputs of two sizes.
+
+    Kernel launches: one ``recfuse.ln_tanh_linear_relu`` call per distinct embedding dim (not yet
+    one jagged launch for mixed dims), plus for mixed dims one ``cat`` to put the outputs back in
+    input order, and a gather copy for a dim group whose features are not evenly spaced in the
+    input buffer. A single-dim [B, F*D] buffer or KeyedTensor is read in place, never copied;
+    a dict input is stacked (one copy per dim group), as its tensors are separate.
+
+    Dtypes: the op computes in the input's dtype (accumulating in float32). Parameters of another
+    dtype (e.g. float32 master weights with bfloat16 embeddings) are cast to the input's dtype on
+    each call, as autocast would; gradients flow back through the cast into the parameters' own
+    dtype. The output has the input's dtype.
+
+    Validation: a call is checked (feature names and dims, the layout, and the op's own argument
+    checks) the first time its signature is seen: the input's kind, keys, shapes, strides, dtype
+    and device, and each parameter's presence, shape, dtype and device. Later calls with that
+    signature skip the checks; a new batch size, layout, dtype or device, or a parameter
+    replaced by one of another shape, dtype or device, is checked on its first call.
+
+    Example:
+        >>> import torch, recfuse
+        >>> fp = recfuse.FusedFeatureProcessor(["user", "item", "ctx"], 8, out_features=2)
+        >>> emb = torch.randn(4, 3 * 8)                     # [B, F*D], e.g. KeyedTensor.values()
+        >>> fp(emb).shape                                   # [B, F*H]
+        torch.Size([4, 6])
+        >>> out = fp({"item": torch.randn(4, 8), "user": torch.randn(4, 8), "ctx": torch.randn(4, 8)})
+        >>> sorted(out), out["user"].shape
+        (['ctx', 'item', 'user'], torch.Size([4, 2]))
+    """
+
+    def __init__(
+        self,
+        feature_names: Sequence[str],
+        embedding_dims: Union[int, Sequence[int]],
+        out_features: int = 1,
+        *,
+        shared_linear: bool = True,
+        shared_layer_norm: bool = False,
+        ln_affine: bool = True,
+        bias: bool = True,
+        eps: float = 1e-5,
+        cuda_graph: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        names, dims = check_config(feature_names, embedding_dims, out_features, eps)
+        self.feature_names: tuple[str, ...] = names
+        self.embedding_dims: tuple[int, ...] = dims
+        self.out_features = int(out_features)
+        self.shared_linear = bool(shared_linear)
+        self.shared_layer_norm = bool(shared_layer_norm)
+        self.ln_affine = bool(ln_affine)
+        self.has_bias = bool(bias)
+        self.eps = float(eps)
+        if not isinstance(cuda_graph, bool):
+            raise TypeError(f"cuda_graph must be a bool, got {cuda_graph!r}")
+        self.cuda_graph = cuda_graph
+        self._cuda_graphs = CudaGraphCache()
+        self._module_tensors = ModuleTensors(self)
+        self._layout = FeatureLayout.build(names, dims)
+        self._plans = PlanCache()
+        # Per dim group, the names of its (weight, bias, ln_weight, ln_bias) slots in _parameters.
+        self._parameter_names = tuple(tuple(kind + g.suffix for kind in PARAM_KINDS) for g in self._layout.groups)
+
+        factory = {"device": device, "dtype": dtype}
+        for grp in self._layout.groups:
+            shapes = parameter_shapes(
+                grp, self.out_features, shared_linear=self.shared_linear,
+                shared_layer_norm=self.shared_layer_norm, ln_affine=self.ln_affine, bias=self.has_bias,
+            )
+            for kind, shape in shapes.items():
+                param = None if shape is None else nn.Parameter(torch.empty(shape, **factory))
+                self.register_parameter(kind + grp.suffix, param)
+        self.reset_parameters()
+        logger.debug(
+            "FusedFeatureProcessor: %d features, dim groups %s, H=%d",
+            len(names), {g.dim: len(g.names) for g in self._layout.groups}, self.out_features,
+        )
+
+    # -----------------------------------------------------------------------------------------
+    # parameters
+
+    def reset_parameters(self) -> None:
+        """Initialise every parameter as nn.LayerNorm and nn.Linear do, per feature.
+
+        LayerNorm weight 1, bias 0; Linear weight and bias uniform in +-1/sqrt(D) (what
+        ``kaiming_uniform_(a=sqrt(5))`` gives for fan_in D). torchrec's DistributedModelParallel
+        calls this to materialise a module built on the meta device.
+
+        Example:
+            >>> fp = FusedFeatureProcessor(["a", "b"], 4, device="meta")
+            >>> fp = fp.to_empty(device="cpu"); fp.reset_parameters()
+            >>> fp.ln_weight.tolist()
+            [[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
+        """
+        with torch.no_grad():
+            for grp, params in zip(self._layout.groups, self._group_parameters()):
+                reset_group(grp.dim, *params)
+
+    def _group_parameters(self) -> tuple[tuple[Optional[torch.Tensor], ...], ...]:
+        """Per dim group, (weight, bias, ln_weight, ln_bias) as registered now (None if absent).
+
+        Read from `_parameters` on every call, not kept: a parameter the user replaces
+        (``module.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``) is the one used.
+        """
+        get = self._parameters.get
+        return tuple([(get(w), get(b), get(lw), get(lb)) for w, b, lw, lb in self._parameter_names])
+
+    def feature_parameters(self, name: str) -> dict[str, Optional[torch.Tensor]]:
+        """One feature's parameters as views: weight [H, D], bias [H], ln_weight/ln_bias [D].
+
+        Absent ones (``bias=False``, ``ln_affine=False``) are None.
+
+        Example:
+            >>> fp = FusedFeatureProcessor(["a", "b"], [4, 6], out_features=3, shared_linear=False)
+            >>> fp.feature_parameters("b")["weight"].shape
+            torch.Size([3, 6])
+        """
+        if name not in self._layout.slot:
+            raise KeyError(f"unknown feature {name!r}; this module has features {list(self.feature_names)}")
+        g, row = self._layout.slot[name]
+        return feature_view(self._group_parameters()[g], row)
+
+    @classmethod
+    def from_modules(cls, layer_norms, linear, feature_names: Optional[Sequence[str]] = None):
+        """Build from an existing per-feature loop's modules, copying their weights.
+
+        Args:
+            layer_norms: ``nn.ModuleDict`` / dict name -> ``nn.LayerNorm``, ``nn.ModuleList`` /
+                list of ``nn.LayerNorm`` (one per feature), or one ``nn.LayerNorm`` shared by all.
+            linear: one ``nn.Linear`` shared by all features, or a dict / list with one per
+                feature (same conventions as `layer_norms`).
+            feature_names: the feature order (of a [B, F*D] input). Defaults to the dict's key
+                order; for lists to ``"0", "1", ...`` (the ModuleList's own keys).
+
+        All LayerNorms must share eps and elementwise_affine; all Linears share out_features and
+        whether they have a bias. The new module is on the device and dtype of the Linear.
+
+        Example:
+            >>> from torch import nn
+            >>> lns = nn.ModuleDict({"a": nn.LayerNorm(8), "b": nn.LayerNorm(8)})
+            >>> fp = FusedFeatureProcessor.from_modules(lns, nn.Linear(8, 2))
+            >>> fp.feature_names, fp.weight.shape, fp.ln_weight.shape
+            (('a', 'b'), torch.Size([2, 8]), torch.Size([2, 8]))
+        """
+        spec = read_modules(layer_norms, linear, feature_names)
+        fp = cls(**spec.kwargs)
+        with torch.no_grad():
+            for name in fp.feature_names:
+                sources = spec.sources(name)
+                for kind, dst in fp.feature_parameters(name).items():
+                    if dst is not None:
+                        dst.copy_(sources[kind])
+        return fp
+
+    # -----------------------------------------------------------------------------------------
+    # forward
+
+    def forward(self, x, *, feature_dim: int = 1):
+        """Run the fused chain on every feature; returns the same kind of input with D -> H.
+
+        Args:
+            x: one of
+                * a torchrec ``KeyedTensor`` of pooled embeddings (keys in any order, matched by
+                  name), or the ``LazyAwaitable`` of one that a sharded EBC returns -> a
+                  KeyedTensor with the same keys, ``out_features`` per key;
+                * a [B, sum(D)] tensor, features in ``feature_names`` order -> [B, F*H];
+                * a 3D tensor, [B, F, D] by default or [F, B, D] with ``feature_dim=0``
+                  (single embedding dim only) -> [B, F, H] or [F, B, H];
+                * a dict name -> [B, D] (any key order) -> a dict name -> [B, H], same key order.
+            feature_dim: for a 3D tensor, which dim indexes features: 1 ([B, F, D], batch-first
+                like torchrec's buffers) or 0 ([F, B, D]). Ignored for other kinds.
+
+        Example:
+            >>> import torch
+            >>> fp = FusedFeatureProcessor(["a", "b"], 4, out_features=3)
+            >>> fp(torch.randn(5, 2, 4)).shape, fp(torch.randn(2, 5, 4), feature_dim=0).shape
+            (torch.Size([5, 2, 3]), torch.Size([2, 5, 3]))
+        """
+        inp = read_input(x, feature_dim)
+        params = self._group_parameters()
+        plan = self._plan(inp, params)
+        if self.cuda_graph and isinstance(x, torch.Tensor):  # replayed where the rule allows
+            return self._cuda_graphs.call(self._fused_tensor, (x, feature_dim), self._module_tensors())
+        return inp.fused(plan, params, self.eps, self.out_features)
+
+    def _fused_tensor(self, x: torch.Tensor, feature_dim: int) -> torch.Tensor:
+        """A tensor input whose signature `forward` planned: what a CUDA graph captures."""
+        inp = read_input(x, feature_dim)
+        params = self._group_parameters()
+        return inp.fused(self._plan(inp, params), params, self.eps, self.out_features)
+
+    def _plan(self, inp, params):
+        """The validated plan of this call's signature, built (and so validated) once per signature.
+
+        Traced calls (torch.compile) plan every time: a trace runs once, and its sizes may be
+        symbolic, so a key would neither hash nor pay off.
+        """
+        if _is_compiling():
+            return inp.plan(self._layout, params, self.eps)
+        signature = inp.signature()
+        if signature is not None:
+            signature = (signature, parameters_signature(params))
+        return self._plans.get(signature, lambda: inp.plan(self._layout, params, self.eps))
+
+    def forward_reference(self, x, *, feature_dim: int = 1):
+        """Same inputs and result as `forward`, computed feature by feature (the oracle).
+
+        Each feature's [B, D] slice, found by name, goes through
+        `recfuse.reference.ln_tanh_linear_relu` with that feature's own parameters: no stacking,
+        no strided views, no op. Slow; for verification.
+
+        Example:
+            >>> import torch
+            >>> fp = FusedFeatureProcessor(["a", "b"], 4)
+            >>> x = torch.randn(3, 8)
+            >>> torch.allclose(fp(x), fp.forward_reference(x), atol=1e-6)
+            True
+        """
+        inp = read_input(x, feature_dim)
+        self._plan(inp, self._group_parameters())  # the same checks and errors as forward
+        return inp.reference(self._layout, self._reference_feature, self.out_features)
+
+    def _reference_feature(self, name: str, x2: torch.Tensor) -> torch.Tensor:
+        dtype = x2.dtype
+        p = {k: v if v is None or v.dtype == dtype else v.to(dtype) for k, v in self.feature_parameters(name).items()}
+        y = reference.ln_tanh_linear_relu(
+            x2.unsqueeze(0), p["weight"], p["bias"],
+            ln_weight=p["ln_weight"], ln_bias=p["ln_bias"], eps=self.eps, feature_dim=0,
+        )
+        return y[0]
+
+    def extra_repr(self) -> str:
+        dims = self.embedding_dims[0] if len(self._layout.groups) == 1 else list(self.embedding_dims)
+        return (
+            f"features={len(self.feature_names)}, embedding_dims={dims}, out_features="
+            f"{self.out_features}, shared_linear={self.shared_linear}, shared_layer_norm="
+            f"{self.shared_layer_norm}, ln_affine={self.ln_affine}, bias={self.has_bias}, eps={self.eps}"
+            + (", cuda_graph=True" if self.cuda_graph else "")
+        )
