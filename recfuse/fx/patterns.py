@@ -2,7 +2,7 @@
 
 One model can spell the same computation many ways (``nn.LayerNorm`` module or
 ``F.layer_norm``; ``x.tanh()``, ``torch.tanh`` or ``nn.Tanh``; ``torch.split`` or ``x[:, a:b]``).
-This module maps each spelling onto one normal form, so the matcher in `fusions.py` compares
+This module maps each spelling onto one normal form, so the analysis in `analysis.py` compares
 normal forms only:
 
 * `OpInfo`: a per-slice op (kind, data input, hyper-parameters, parameter references).
@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import Node
 
-from .capture import ValueInfo, value_of
+from .values import ValueInfo, tensor_dtype, tensor_shape, value_of
 
 __all__ = ["ParamRef", "OpInfo", "SliceInfo", "SliceChain", "classify", "slice_info", "sink_info",
-           "walk_chain", "tensor_shape", "fmt_float"]
+           "walk_chain", "fmt_float"]
 
 
 def fmt_float(v: float) -> str:
@@ -40,26 +40,6 @@ def fmt_float(v: float) -> str:
         m, e = s.split("e")
         s = f"{m}e{int(e)}"
     return s
-
-
-def tensor_shape(node: Any) -> Optional[tuple]:
-    """The example shape of a tensor-valued node, or None when unknown / not a tensor.
-
-    Example:
-        >>> tensor_shape(3) is None
-        True
-    """
-    if not isinstance(node, Node):
-        return None
-    v = value_of(node)
-    if isinstance(v, ValueInfo) and all(s is not None for s in v.shape):
-        return v.shape
-    return None
-
-
-def tensor_dtype(node: Node) -> Optional[torch.dtype]:
-    v = value_of(node)
-    return v.dtype if isinstance(v, ValueInfo) else None
 
 
 @dataclass(frozen=True)
