@@ -410,12 +410,14 @@ def _finish_concrete(gm: GraphModule, constants: dict[str, Any]) -> None:
             n.args = (value,)
 
 
-def capture(model, example_inputs: Optional[tuple] = None) -> tuple[GraphModule, dict]:
+def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = True) -> tuple[GraphModule, dict]:
     """Trace `model` (an nn.Module or a function) into a GraphModule annotated with example values.
 
     Returns the GraphModule and a dict of facts for the report (``"how"``: the capture path,
     ``"constants"``: arguments baked in, ``"shapes"``: whether shapes are known). The model is
-    deep-copied first, so the result never shares parameters with the original.
+    deep-copied first, so the result never shares parameters with the original. With
+    ``codegen=False`` the module's code is not generated: the caller changes the graph and calls
+    ``gm.recompile()`` before running it.
 
     Raises:
         RecfuseError: the model branches on tensor values (data-dependent control flow), or
@@ -503,7 +505,8 @@ def capture(model, example_inputs: Optional[tuple] = None) -> tuple[GraphModule,
             # A string annotation (`from __future__ import annotations`) becomes a str-valued
             # global of the generated code, which torch.save cannot write as an import.
             n.type = None
-    gm = TransformedGraphModule(root, graph, class_name=getattr(model, "__name__", type(root).__name__))
+    gm = TransformedGraphModule(root, graph, class_name=getattr(model, "__name__", type(root).__name__),
+                                codegen=codegen)
     gm.training = root.training
     _carry_hooks(root, gm)
     for attr in adopted:
@@ -518,7 +521,7 @@ def capture(model, example_inputs: Optional[tuple] = None) -> tuple[GraphModule,
     changed = _insert_guards(gm, tracer)
     if constants:
         _finish_concrete(gm, constants)
-    if changed or constants:
+    if codegen and (changed or constants):
         gm.recompile()
     return gm, {"how": "torch.fx", "constants": {k: v for k, v in constants.items() if not isinstance(v, nn.Module)},
                 "shapes": example_inputs is not None, "name": fn_name}
