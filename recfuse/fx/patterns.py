@@ -25,7 +25,7 @@ from torch.fx import Node
 from .values import ValueInfo, tensor_dtype, tensor_shape, value_of
 
 __all__ = ["ParamRef", "OpInfo", "SliceInfo", "SliceChain", "classify", "slice_info", "sink_info",
-           "walk_chain", "fmt_float"]
+           "walk_chain", "fmt_float", "submodule"]
 
 
 def fmt_float(v: float) -> str:
@@ -102,6 +102,27 @@ def _param_ref(a) -> Optional[ParamRef]:
     return ParamRef()  # a constant tensor baked into the code: cannot be referenced, never batched
 
 
+def submodule(root: nn.Module, qualname: str) -> nn.Module:
+    """``root.get_submodule(qualname)`` through the `_modules` dicts: the pass looks up one
+    module per node, and `nn.Module.__getattr__` made that a large share of analysing a big graph.
+
+    Raises:
+        AttributeError: no submodule has that name.
+
+    Example:
+        >>> m = nn.Sequential(nn.Sequential(nn.Tanh()))
+        >>> submodule(m, "0.0")
+        Tanh()
+    """
+    mod = root
+    for part in qualname.split("."):
+        child = mod._modules.get(part)
+        if child is None:
+            return root.get_submodule(qualname)  # raises the usual error, or finds what _modules does not hold
+        mod = child
+    return mod
+
+
 def _has_hooks(mod: nn.Module) -> bool:
     return bool(mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks
                 or getattr(mod, "_backward_pre_hooks", None))
@@ -119,7 +140,7 @@ def classify(node: Node, root: Optional[nn.Module]) -> Optional[OpInfo]:
     op, t = node.op, node.target
     if op == "call_module" and root is not None:
         try:
-            mod = root.get_submodule(t)
+            mod = submodule(root, t)
         except AttributeError:
             return None
         if not node.args or not isinstance(node.args[0], Node) or node.kwargs or len(node.args) != 1:

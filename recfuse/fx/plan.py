@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 from torch.fx import Node
 
-from .patterns import ParamRef, SliceChain, classify
+from .patterns import ParamRef, SliceChain, classify, submodule
 from .values import tensor_shape
 
 __all__ = ["BatchedSource", "SinkReplacement", "ParamPlan", "SideUse", "GroupPlan", "plan_group",
@@ -177,12 +177,19 @@ def attr_tensor(root, qualname: str) -> Optional[torch.Tensor]:
         >>> attr_tensor(torch.nn.Linear(2, 3), "weight").shape
         torch.Size([3, 2])
     """
-    obj = root
-    for part in qualname.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj if isinstance(obj, torch.Tensor) else None
+    if root is None:
+        return None
+    owner, _, name = qualname.rpartition(".")
+    try:
+        mod = submodule(root, owner) if owner else root
+    except AttributeError:
+        return None
+    t = mod._parameters.get(name)
+    if t is None:
+        t = mod._buffers.get(name)
+    if t is None:
+        t = getattr(mod, name, None)
+    return t if isinstance(t, torch.Tensor) else None
 
 
 def ref_shape(r: ParamRef, root) -> Optional[tuple]:
