@@ -1,8 +1,10 @@
 """The graph pass: capture a per-feature model, batch its per-slice chains, fuse them.
 
-Layering (one direction): `capture` (value-carrying torch.fx tracing, Dynamo fallback) ->
-`patterns` (normal forms of ops, slices and sinks) -> `fusions` (analysis and the fusion
-registry) -> `transform` (the public entry points) -> `report`.
+Layering (one direction): `values` (shapes and dtypes of traced values) -> `capture`
+(value-carrying torch.fx tracing, Dynamo fallback) -> `patterns` (normal forms of ops, slices and
+sinks) -> `plan` / `analysis` (candidate groups as `GroupPlan`s, kept current across rewrites) ->
+`registry` + `rules/` (one class per fusion: its `match` and its `fuse`, with `rewrite.Rewriter`)
+-> `fuse` (the claim-and-rewrite loop) -> `transform` (the public entry points) -> `report`.
 
 Example:
     >>> import torch, recfuse
@@ -12,10 +14,14 @@ Example:
     >>> sum(n.target is recfuse.ops.ln_tanh_linear_relu for n in fused.graph.nodes)
     1
 """
-from .fusions import FUSIONS, Fusion, register_fusion
+from . import rules  # registers the built-in fusions
+from .fuse import fuse_graph
+from .plan import GroupPlan
+from .registry import FUSIONS, Claim, Decline, Fusion, register_fusion, select_fusions, unregister_fusion
 from .report import FusionReport
-from .transform import (RecfusePreGradPass, backend, explain, fuse_graph, make_backend, pre_grad_pass,
-                        transform, verify)
+from .rewrite import Rewriter
+from .transform import (RecfusePreGradPass, backend, explain, make_backend, pre_grad_pass, transform, verify)
 
-__all__ = ["transform", "explain", "verify", "FusionReport", "fuse_graph", "Fusion", "FUSIONS",
-           "register_fusion", "RecfusePreGradPass", "pre_grad_pass", "backend", "make_backend"]
+__all__ = ["transform", "explain", "verify", "FusionReport", "fuse_graph", "Fusion", "Claim", "Decline", "FUSIONS",
+           "register_fusion", "unregister_fusion", "select_fusions", "GroupPlan", "Rewriter", "RecfusePreGradPass",
+           "pre_grad_pass", "backend", "make_backend"]

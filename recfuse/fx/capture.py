@@ -11,8 +11,8 @@ control flow on Python scalars (shapes) is specialised to the example.
 Non-tensor example inputs (ints such as `batch_size`, modules passed as arguments) become
 constants of the graph, as `concrete_args` do in `symbolic_trace`.
 
-Every captured node gets ``node.meta["recfuse_val"]``: a `ValueInfo` (shape and dtype for tensors,
-the same structure for tuples, lists and dicts, the value itself for small Python constants).
+Every captured node gets ``node.meta["recfuse_val"]``: the summary of its example value that
+`values.summarise` keeps (shapes and dtypes, never data).
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ import logging
 import os
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -34,91 +33,11 @@ from torch.fx.node import Node, map_aggregate
 from ..errors import RecfuseError
 from . import runtime
 from .graph_module import TransformedGraphModule
+from .values import VAL_KEY, annotate_from_meta, summarise
 
-__all__ = ["capture", "ValueInfo", "VAL_KEY", "value_of", "annotate_from_meta"]
+__all__ = ["capture", "RebuildTracer"]
 
 logger = logging.getLogger("recfuse")
-
-VAL_KEY = "recfuse_val"
-
-
-@dataclass(frozen=True)
-class ValueInfo:
-    """Shape and dtype of a tensor value seen while capturing (no data is kept).
-
-    Example:
-        >>> import torch
-        >>> ValueInfo.of(torch.zeros(2, 3)).shape
-        (2, 3)
-    """
-
-    shape: tuple
-    dtype: torch.dtype
-
-    @staticmethod
-    def of(t: torch.Tensor) -> "ValueInfo":
-        shape = []
-        for s in t.shape:
-            try:
-                shape.append(int(s))
-            except Exception:  # symbolic size without a hint: unknown
-                shape.append(None)
-        return ValueInfo(tuple(shape), t.dtype)
-
-
-def _summarise(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return ValueInfo.of(v)
-    if isinstance(v, torch.Size):
-        return tuple(int(x) for x in v)
-    if isinstance(v, Mapping):
-        return {k: _summarise(x) for k, x in v.items()}
-    if isinstance(v, (tuple, list)):
-        return type(v)(_summarise(x) for x in v) if type(v) in (tuple, list) else tuple(_summarise(x) for x in v)
-    if v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device)):
-        return v
-    return type(v)  # anything else: only its type is useful to the matcher
-
-
-def value_of(node: Node) -> Any:
-    """The captured value summary of `node`: from capture, or from Dynamo/ShapeProp metadata.
-
-    Example:
-        >>> import torch, torch.fx
-        >>> gm = torch.fx.symbolic_trace(lambda x: x + 1)
-        >>> value_of(next(iter(gm.graph.nodes))) is None
-        True
-    """
-    if VAL_KEY in node.meta:
-        return node.meta[VAL_KEY]
-    for key in ("val", "example_value"):
-        if key in node.meta:
-            return _summarise(node.meta[key])
-    tm = node.meta.get("tensor_meta")
-    if tm is not None and hasattr(tm, "shape"):
-        return ValueInfo(tuple(int(s) for s in tm.shape), tm.dtype)
-    return None
-
-
-def annotate_from_meta(graph: torch.fx.Graph) -> bool:
-    """Copy Dynamo's fake-tensor metadata into ``recfuse_val``; True if every tensor node had some.
-
-    Example:
-        >>> import torch, torch.fx
-        >>> annotate_from_meta(torch.fx.symbolic_trace(lambda x: x + 1).graph)
-        False
-    """
-    complete = True
-    for n in graph.nodes:
-        if n.op == "output":
-            continue
-        v = value_of(n)
-        if v is None:
-            complete = False
-        else:
-            n.meta[VAL_KEY] = v
-    return complete
-
 
 # ---------------------------------------------------------------------------------------------
 # the value-carrying tracer
@@ -491,12 +410,14 @@ def _finish_concrete(gm: GraphModule, constants: dict[str, Any]) -> None:
             n.args = (value,)
 
 
-def capture(model, example_inputs: Optional[tuple] = None) -> tuple[GraphModule, dict]:
+def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = True) -> tuple[GraphModule, dict]:
     """Trace `model` (an nn.Module or a function) into a GraphModule annotated with example values.
 
     Returns the GraphModule and a dict of facts for the report (``"how"``: the capture path,
     ``"constants"``: arguments baked in, ``"shapes"``: whether shapes are known). The model is
-    deep-copied first, so the result never shares parameters with the original.
+    deep-copied first, so the result never shares parameters with the original. With
+    ``codegen=False`` the module's code is not generated: the caller changes the graph and calls
+    ``gm.recompile()`` before running it.
 
     Raises:
         RecfuseError: the model branches on tensor values (data-dependent control flow), or
@@ -584,7 +505,8 @@ def capture(model, example_inputs: Optional[tuple] = None) -> tuple[GraphModule,
             # A string annotation (`from __future__ import annotations`) becomes a str-valued
             # global of the generated code, which torch.save cannot write as an import.
             n.type = None
-    gm = TransformedGraphModule(root, graph, class_name=getattr(model, "__name__", type(root).__name__))
+    gm = TransformedGraphModule(root, graph, class_name=getattr(model, "__name__", type(root).__name__),
+                                codegen=codegen)
     gm.training = root.training
     _carry_hooks(root, gm)
     for attr in adopted:
@@ -595,11 +517,11 @@ def capture(model, example_inputs: Optional[tuple] = None) -> tuple[GraphModule,
     for n in gm.graph.nodes:
         live = n.meta.pop(_LIVE, None)
         if example_inputs is not None and n.op != "output":
-            n.meta[VAL_KEY] = _summarise(live)
+            n.meta[VAL_KEY] = summarise(live)
     changed = _insert_guards(gm, tracer)
     if constants:
         _finish_concrete(gm, constants)
-    if changed or constants:
+    if codegen and (changed or constants):
         gm.recompile()
     return gm, {"how": "torch.fx", "constants": {k: v for k, v in constants.items() if not isinstance(v, nn.Module)},
                 "shapes": example_inputs is not None, "name": fn_name}

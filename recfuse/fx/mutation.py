@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.fx import Graph, Node
 
+from .patterns import submodule
+
 __all__ = ["is_inplace", "functionalize_inplace", "keeps_node"]
 
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
@@ -49,7 +51,7 @@ def _module(node: Node, root: Optional[nn.Module]) -> Optional[nn.Module]:
     if node.op != "call_module" or root is None:
         return None
     try:
-        return root.get_submodule(node.target)
+        return submodule(root, node.target)
     except AttributeError:
         return None
 

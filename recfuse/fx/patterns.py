@@ -2,7 +2,7 @@
 
 One model can spell the same computation many ways (``nn.LayerNorm`` module or
 ``F.layer_norm``; ``x.tanh()``, ``torch.tanh`` or ``nn.Tanh``; ``torch.split`` or ``x[:, a:b]``).
-This module maps each spelling onto one normal form, so the matcher in `fusions.py` compares
+This module maps each spelling onto one normal form, so the analysis in `analysis.py` compares
 normal forms only:
 
 * `OpInfo`: a per-slice op (kind, data input, hyper-parameters, parameter references).
@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import Node
 
-from .capture import ValueInfo, value_of
+from .values import ValueInfo, tensor_dtype, tensor_shape, value_of
 
 __all__ = ["ParamRef", "OpInfo", "SliceInfo", "SliceChain", "classify", "slice_info", "sink_info",
-           "walk_chain", "tensor_shape", "fmt_float"]
+           "walk_chain", "fmt_float", "submodule"]
 
 
 def fmt_float(v: float) -> str:
@@ -40,26 +40,6 @@ def fmt_float(v: float) -> str:
         m, e = s.split("e")
         s = f"{m}e{int(e)}"
     return s
-
-
-def tensor_shape(node: Any) -> Optional[tuple]:
-    """The example shape of a tensor-valued node, or None when unknown / not a tensor.
-
-    Example:
-        >>> tensor_shape(3) is None
-        True
-    """
-    if not isinstance(node, Node):
-        return None
-    v = value_of(node)
-    if isinstance(v, ValueInfo) and all(s is not None for s in v.shape):
-        return v.shape
-    return None
-
-
-def tensor_dtype(node: Node) -> Optional[torch.dtype]:
-    v = value_of(node)
-    return v.dtype if isinstance(v, ValueInfo) else None
 
 
 @dataclass(frozen=True)
@@ -122,6 +102,27 @@ def _param_ref(a) -> Optional[ParamRef]:
     return ParamRef()  # a constant tensor baked into the code: cannot be referenced, never batched
 
 
+def submodule(root: nn.Module, qualname: str) -> nn.Module:
+    """``root.get_submodule(qualname)`` through the `_modules` dicts: the pass looks up one
+    module per node, and `nn.Module.__getattr__` made that a large share of analysing a big graph.
+
+    Raises:
+        AttributeError: no submodule has that name.
+
+    Example:
+        >>> m = nn.Sequential(nn.Sequential(nn.Tanh()))
+        >>> submodule(m, "0.0")
+        Tanh()
+    """
+    mod = root
+    for part in qualname.split("."):
+        child = mod._modules.get(part)
+        if child is None:
+            return root.get_submodule(qualname)  # raises the usual error, or finds what _modules does not hold
+        mod = child
+    return mod
+
+
 def _has_hooks(mod: nn.Module) -> bool:
     return bool(mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks
                 or getattr(mod, "_backward_pre_hooks", None))
@@ -139,7 +140,7 @@ def classify(node: Node, root: Optional[nn.Module]) -> Optional[OpInfo]:
     op, t = node.op, node.target
     if op == "call_module" and root is not None:
         try:
-            mod = root.get_submodule(t)
+            mod = submodule(root, t)
         except AttributeError:
             return None
         if not node.args or not isinstance(node.args[0], Node) or node.kwargs or len(node.args) != 1:

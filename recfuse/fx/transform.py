@@ -1,9 +1,11 @@
 """`transform`, `explain`, verification, and the torch.compile entry points of the graph pass."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -11,79 +13,17 @@ from torch.fx import Graph, GraphModule
 from torch.utils._pytree import tree_flatten
 
 from ..errors import RecfuseError
-from .capture import VAL_KEY, _StateSnapshot, annotate_from_meta, capture
-from .fusions import FUSIONS, NearMiss, analyze
-from .mutation import functionalize_inplace, keeps_node
+from .capture import _StateSnapshot, capture
+from .fuse import fuse_graph
+from .registry import FUSIONS, select_fusions
 from .replay import CudaGraphReplayModule
-from .report import FusionReport, GroupReport
+from .report import FusionReport, NearMiss
+from .values import VAL_KEY, annotate_from_meta
 
 __all__ = ["transform", "explain", "verify", "fuse_graph", "RecfusePreGradPass", "pre_grad_pass",
            "make_backend", "backend"]
 
 logger = logging.getLogger("recfuse")
-
-_MAX_ROUNDS = 256
-
-
-def fuse_graph(graph: Graph, root: Optional[nn.Module] = None, *, stack_params_once: bool = True,
-               report: Optional[FusionReport] = None) -> FusionReport:
-    """Run the registered fusions on `graph` until none applies; returns the report.
-
-    Nodes must carry example values (``capture`` or Dynamo's ``example_value``). With
-    ``stack_params_once`` per-slice parameters that are attributes of `root` are stacked into new
-    parameters of `root`; otherwise they are stacked in the graph (Dynamo graphs, whose
-    parameters are inputs). Dead nodes are removed; `root` is not recompiled.
-
-    Example:
-        >>> import torch
-        >>> from recfuse.fx.capture import capture
-        >>> from recfuse.puzzler import split_stack
-        >>> gm, _ = capture(split_stack, (torch.randn(96), 4, 8, torch.nn.Linear(8, 1)))
-        >>> len(fuse_graph(gm.graph, gm).groups)
-        1
-    """
-    report = report or FusionReport()
-    kept_inplace = functionalize_inplace(graph, root)
-    if kept_inplace:
-        # The mutation is visible through an alias the graph does not show (an input, a
-        # parameter, a view): any reordering could change what is read, so nothing is fused.
-        report.reason = (f"in-place op {kept_inplace[0]} changes a tensor that is an input, parameter or "
-                         f"view; fusing around it could change what is read, so the graph is left as it is")
-        report.near_misses.append(NearMiss("graph", report.reason))
-        return report
-    seen_misses: set = set()
-    fused_sinks: set = set()
-    ctx = None
-    for rnd in range(_MAX_ROUNDS):
-        ctx = analyze(graph, root, stack_params_once)
-        for m in ctx.near_misses:
-            key = (m.where, m.reason)
-            if key not in seen_misses:
-                seen_misses.add(key)
-                report.near_misses.append(m)
-        chosen = None
-        for fusion in FUSIONS:
-            groups = fusion.match(ctx)
-            if groups:
-                chosen = (fusion, groups[0])
-                break
-        if chosen is None:
-            break
-        fusion, g = chosen
-        gid = len(report.groups)
-        fusion.rewrite(ctx, g, gid)
-        graph.eliminate_dead_code(is_impure_node=keeps_node(root))
-        fused_sinks.add(g.sink.name)
-        report.groups.append(GroupReport(gid, f"{g.sink_kind} `{g.sink.name}`", g.size, g.slices_text(), g.ops_text(),
-                                         g.mode, g.replaced_by, dict(g.stacked_params), list(g.notes)))
-    if not report.groups:
-        if ctx is not None and ctx.sinks_seen == 0:
-            report.reason = ("no torch.stack/torch.cat over two or more per-slice chains of layer_norm/tanh/"
-                             "linear/relu was found")
-        elif report.near_misses:
-            report.reason = "every candidate was a near miss (see below)"
-    return report
-
 
 # ---------------------------------------------------------------------------------------------
 # parameters and state dicts
@@ -119,24 +59,39 @@ def _finish_module(gm: GraphModule, report: FusionReport) -> GraphModule:
     return gm
 
 
-def _run(model, example_inputs) -> tuple[GraphModule, FusionReport]:
+@contextlib.contextmanager
+def _cyclic_gc_paused():
+    """Capture and fusion allocate a few objects per graph node and free almost none until they
+    end; meanwhile every full collection walks the whole heap, which grows with the model, so a
+    10x larger model took 15x longer. Whatever cycles they leave are collected afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _run(model, example_inputs, fusions) -> tuple[GraphModule, FusionReport]:
     t0 = time.perf_counter()
-    gm, facts = capture(model, example_inputs)
-    report = FusionReport(model=facts["name"], capture=facts["how"])
-    if not facts["shapes"]:
-        report.reason = "no example_inputs: shapes are unknown, so slices cannot be matched"
-        report.near_misses.append(NearMiss("model", report.reason))
-    else:
-        fuse_graph(gm.graph, gm, stack_params_once=True, report=report)
-        if facts["constants"]:
-            report.capture += " (constants: " + ", ".join(f"{k}={v!r}" for k, v in facts["constants"].items()) + ")"
-    gm = _finish_module(gm, report)
+    with _cyclic_gc_paused():
+        gm, facts = capture(model, example_inputs, codegen=False)  # _finish_module recompiles
+        report = FusionReport(model=facts["name"], capture=facts["how"])
+        if not facts["shapes"]:
+            report.reason = "no example_inputs: shapes are unknown, so slices cannot be matched"
+            report.near_misses.append(NearMiss("model", report.reason))
+        else:
+            fuse_graph(gm.graph, gm, stack_params_once=True, report=report, fusions=fusions)
+            if facts["constants"]:
+                report.capture += " (constants: " + ", ".join(f"{k}={v!r}" for k, v in facts["constants"].items()) + ")"
+        gm = _finish_module(gm, report)
     report.seconds = time.perf_counter() - t0
     return gm, report
 
 
 def transform(model, example_inputs: Optional[tuple] = None, *, verify: bool = False,
-              cuda_graph: bool = False) -> nn.Module:
+              cuda_graph: bool = False, fusions: Optional[Sequence[str]] = None) -> nn.Module:
     """Rewrite a per-feature model into batched (horizontal) and fused (vertical) form.
 
     Per-slice chains ``split -> LayerNorm -> tanh [-> Linear -> relu] -> stack`` become one batched
@@ -157,6 +112,8 @@ def transform(model, example_inputs: Optional[tuple] = None, *, verify: bool = F
             graph's Python and the op's host work). Inputs are read in place while their
             addresses repeat, results you still hold are never overwritten; the capture and
             re-capture rule is in `recfuse.cuda_graph`. Training calls run as usual.
+        fusions: names of the fusions to run (default: every registered one, see
+            `recfuse.fx.FUSIONS`); they are tried in registry order whatever the order here.
 
     Returns:
         A torch.fx GraphModule (the unchanged graph when nothing could be fused; see `explain`).
@@ -164,6 +121,7 @@ def transform(model, example_inputs: Optional[tuple] = None, *, verify: bool = F
     Raises:
         RecfuseError: the model cannot be captured (e.g. data-dependent control flow), or
             ``verify=True`` found a difference.
+        ValueError: `fusions` names a fusion that is not registered.
 
     Example:
         >>> import torch, recfuse
@@ -176,7 +134,8 @@ def transform(model, example_inputs: Optional[tuple] = None, *, verify: bool = F
     """
     if not isinstance(cuda_graph, bool):
         raise TypeError(f"cuda_graph must be a bool, got {cuda_graph!r}")
-    gm, report = _run(model, example_inputs)
+    select_fusions(fusions)  # an unknown name fails before the capture's cost
+    gm, report = _run(model, example_inputs, fusions)
     if cuda_graph:
         gm = _replaying(gm)
     logger.info(report.summary())
@@ -197,17 +156,24 @@ def _replaying(gm: GraphModule) -> GraphModule:
     return replay
 
 
-def explain(model, example_inputs: Optional[tuple] = None) -> FusionReport:
-    """What `transform` would fuse, and why other candidates were left alone.
+def explain(model, example_inputs: Optional[tuple] = None, *,
+            fusions: Optional[Sequence[str]] = None) -> FusionReport:
+    """What `transform` would fuse, and why other candidates were left alone: for each group, the
+    fusion that claimed it and the reasons of those that declined it (`fusions` as in `transform`).
 
     Example:
         >>> import torch, recfuse
         >>> from recfuse.puzzler import split_stack
         >>> r = recfuse.explain(split_stack, (torch.randn(96), 4, 8, torch.nn.Linear(8, 1)))
-        >>> r.groups[0].ops
-        'layer_norm -> tanh -> linear -> relu'
+        >>> r.groups[0].ops, r.groups[0].fusion
+        ('layer_norm -> tanh -> linear -> relu', 'vertical_ln_tanh_linear_relu')
+        >>> r = recfuse.explain(split_stack, (torch.randn(96), 4, 8, torch.nn.Linear(8, 1)),
+        ...                     fusions=["horizontal_chain"])
+        >>> r.groups[0].fusion, r.disabled
+        ('horizontal_chain', ['vertical_ln_tanh_linear_relu'])
     """
-    return _run(model, example_inputs)[1]
+    select_fusions(fusions)
+    return _run(model, example_inputs, fusions)[1]
 
 
 # ---------------------------------------------------------------------------------------------

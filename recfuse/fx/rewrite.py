@@ -1,0 +1,145 @@
+"""`Rewriter`: what a fusion's `fuse` uses to build the batched computation of one group.
+
+It creates nodes at the group's insertion point, builds the batched input from the plan's
+source, stacks per-slice parameters (once, as new parameters of the root, where that keeps every
+parameter's `requires_grad` and gradient hooks intact), and hands the batched result to the
+per-slice code's readers. It records what it replaced, so the pass can remove exactly the nodes
+that died.
+
+Example:
+    >>> import torch
+    >>> from recfuse.fx.analysis import GraphAnalysis
+    >>> from recfuse.fx.capture import capture
+    >>> gm, _ = capture(lambda x: torch.stack([s.tanh() for s in x.split(4, 1)]), (torch.randn(2, 8),))
+    >>> plan = GraphAnalysis(gm.graph, gm).groups()[0]
+    >>> rw = Rewriter(gm.graph, gm, plan, gid=0)
+    >>> with gm.graph.inserting_before(plan.insert_before):
+    ...     x = rw.batched_input(plan.layout)
+    ...     rw.finish(rw.fn(torch.tanh, [x]))
+    >>> plan.sink.users
+    {}
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.fx import Graph, Node
+
+from . import runtime
+from .plan import GroupPlan, ParamPlan, attr_tensor
+
+__all__ = ["Rewriter"]
+
+
+class Rewriter:
+    """Node factory and bookkeeping for rewriting one planned group (see the module doc).
+
+    With ``stack_params_once`` per-slice parameters that are attributes of `root` become one new
+    stacked parameter of `root` (``recfuse_g{gid}_{role}``, recorded in `stacked_params`);
+    otherwise (Dynamo graphs, whose parameters are inputs) they are stacked in the graph.
+
+    Example:
+        >>> Rewriter.__name__
+        'Rewriter'
+    """
+
+    def __init__(self, graph: Graph, root: Optional[nn.Module], plan: GroupPlan, gid: int,
+                 stack_params_once: bool = True):
+        self.graph, self.root, self.plan, self.gid = graph, root, plan, gid
+        self.stack_params_once = stack_params_once and root is not None
+        self.stacked_params: dict = {}  # new attribute -> the per-slice attributes it holds, in order
+        self.replaced: list = []  # nodes whose readers now read a batched value
+
+    def fn(self, target, args, kwargs=None) -> Node:
+        return self.graph.call_function(target, tuple(args), kwargs or {})
+
+    def param(self, spec: Optional[ParamPlan], role: str) -> Optional[Node]:
+        """A node holding the parameter: the shared one, or the per-slice ones stacked [F, ...]."""
+        if spec is None:
+            return None
+        if spec.shared:
+            ref = spec.refs[0]
+            return self.graph.get_attr(ref.attr) if ref.attr is not None else ref.node
+        refs, root = spec.refs, self.root
+        tensors = [attr_tensor(root, r.attr) if r.attr is not None else None for r in refs]
+        # One stacked tensor has one requires_grad: with frozen and trainable rows mixed, the
+        # originals stay the parameters and are stacked in the graph on each call.
+        mixed = len({t.requires_grad for t in tensors if t is not None}) > 1
+        # Gradient hooks on a per-feature parameter (clipping, logging) must keep firing: its
+        # gradient must keep flowing to it, which an in-graph stack does and a new parameter not.
+        hooked = any(t is not None and (getattr(t, "_backward_hooks", None) or
+                                        getattr(t, "_post_accumulate_grad_hooks", None)) for t in tensors)
+        if self.stack_params_once and not (mixed or hooked) and all(r.attr is not None for r in refs):
+            stacked = torch.stack([t.detach() for t in tensors]).clone()
+            name = _unique_attr(root, f"recfuse_g{self.gid}_{role}")
+            if all(isinstance(t, nn.Parameter) for t in tensors):
+                root.register_parameter(name, nn.Parameter(stacked, requires_grad=any(t.requires_grad for t in tensors)))
+            else:
+                root.register_buffer(name, stacked)
+            self.stacked_params[name] = [r.attr for r in refs]
+            return self.graph.get_attr(name)
+        nodes = [self.graph.get_attr(r.attr) if r.attr is not None else r.node for r in refs]
+        return self.fn(torch.stack, [nodes])
+
+    def batched_input(self, layout: int) -> Node:
+        """The group's slices as one tensor with the feature dim at `layout`."""
+        plan, src = self.plan, self.plan.source
+        if src.kind == "stack":
+            x = self.fn(torch.stack, [[c.start for c in plan.chains], 0])
+            fd = 0
+        elif src.kind == "view":
+            x = self.fn(runtime.slices_view, [src.node, src.dim, src.start, src.count, src.length])
+            fd = src.dim
+        else:
+            x = self.fn(runtime.gather_slices, [src.node, src.dim, src.start, src.count, src.length, src.index])
+            fd = src.dim
+        if plan.reshape_rows:
+            x = self.fn(runtime.rows_view, [x, fd, plan.chains[0].core_in[-1]])
+            fd = 0
+        if fd != layout:
+            x = self.fn(torch.movedim, [x, fd, layout])
+        return x
+
+    def replace_all_uses(self, old: Node, new: Node) -> None:
+        old.replace_all_uses_with(new)
+        self.replaced.append(old)
+
+    def finish(self, out: Node, intermediates: Optional[list] = None, *, through: Optional[Node] = None,
+               contiguous: bool = False) -> None:
+        """Give every reader of the group's values the batched result `out` (feature dim at
+        ``plan.layout``), or a view of it.
+
+        `through`: the last op fused after the replaced node (its readers get the result);
+        `contiguous`: `out` is already laid out as the stack it replaces. `intermediates`: the
+        batched value after each op, to serve side uses of per-slice intermediates (without them
+        the plan must have none but uses of the final values).
+        """
+        plan, layout = self.plan, self.plan.layout
+        last = len(plan.chains[0].ops) - 1
+        if plan.replaces is not None:
+            rep = plan.replaces
+            if contiguous and rep.how == "stack" and rep.dim == layout:
+                val = out
+            else:
+                val = self.fn(runtime.from_batched, [out, layout, rep.dim, rep.how == "cat"])
+            self.replace_all_uses(through if through is not None else rep.node, val)
+        else:
+            # The stack is not ours to replace: serve each slice's result as a view.
+            for i, c in enumerate(plan.chains):
+                self.replace_all_uses(c.ops[last].node, self.fn(torch.select, [out, layout, i]))
+        for use in plan.side_uses:
+            if intermediates is None or use.op == last and plan.replaces is None:
+                continue
+            sel = self.fn(torch.select, [intermediates[use.op], layout, use.slice])
+            for u in use.users:
+                u.replace_input_with(use.node, sel)
+            self.replaced.append(use.node)
+
+
+def _unique_attr(root, base: str) -> str:
+    name, k = base, 1
+    while hasattr(root, name):
+        name, k = f"{base}_{k}", k + 1
+    return name
