@@ -5,7 +5,7 @@ buffer viewed as [B, F, D], shared [H, D] weight with an [H] bias, per-feature L
 x about ``--x-mb`` MB) the tuner times candidate configs of the forward kernel (no grad) and of
 the backward (fused kernel + reduction, reading the forward's saved row stats as a training step
 does) with ``triton.testing.do_bench``, and keeps the fastest candidate whose outputs match the
-torch composite in float32 (relative error in norm 2e-5 for float32, 2e-2 for bf16; a config that
+torch composite in float64 (relative error in norm 1e-4 for float32, 2e-2 for bf16; a config that
 compiles into wrong numbers is rejected, not kept). The winners go to
 ``recfuse/ops/tuned/<gpu>.json``, which `recfuse.ops.configs` reads; the heuristic's own time is
 measured beside them so the table says what it gained.
@@ -44,7 +44,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Relative error in norm (||out - ref|| / ||ref||): a relu mask that flips where z is within
 # rounding of 0 moves single elements by O(1) (so a max-error test rejects correct kernels) but
 # not the norm; a miscompiled tile does.
-TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+# The reference is float64 (the project's contract: fp32 gradients within 1e-4 of float64).
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
 def shapes(args) -> list[dict]:
@@ -109,12 +110,12 @@ def make_inputs(p: dict, device: str, seed: int = 0):
 
 
 def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a.float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+    return ((a.double() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
 
 
 def references(t: dict) -> dict:
-    """float32 composite forward and gradients (inputs upcast), the tuner's check."""
-    f32 = {k: v.float() for k, v in t.items()}
+    """float64 composite forward and gradients (inputs upcast), the tuner's check."""
+    f32 = {k: v.double() for k, v in t.items()}
     y = batched_ln_tanh_linear_relu(f32["x"], f32["w"], f32["b"], f32["lw"], f32["lb"], 1e-5, 1)
     grads = composite_backward(f32["gy"], f32["x"], f32["w"], f32["b"], f32["lw"], f32["lb"], 1e-5, 1)
     return {"y": y, "grads": grads}
