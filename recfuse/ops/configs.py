@@ -56,8 +56,8 @@ TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
 
 
 @dataclass(frozen=True)
-class ForwardConfig:
-    """Block sizes and code path of the forward kernel for one (D, H, dtype) problem."""
+class TileConfig:
+    """What both kernels' configs have: the row tile, the code path of the product and warps."""
 
     block_b: int
     block_d: int
@@ -66,6 +66,12 @@ class ForwardConfig:
     num_warps: int
     # Cache policy of the loads of x: "" (default) or "evict_first" (x is streamed once).
     x_evict: str = ""
+
+
+@dataclass(frozen=True)
+class ForwardConfig(TileConfig):
+    """The forward kernel's config for one (D, H, dtype) problem."""
+
     # 0: one program per row tile. n > 0: persistent programs, about n per SM over all features,
     # each walking its feature's row tiles with `tile_stages` tiles of x in flight.
     persistent: int = 0
@@ -75,16 +81,10 @@ class ForwardConfig:
 
 
 @dataclass(frozen=True)
-class BackwardConfig:
-    """Block sizes of the backward kernel, how many programs share an SM, and the software
-    pipelining depth of its row loop."""
+class BackwardConfig(TileConfig):
+    """The backward kernel's config: how many programs share an SM, and the software pipelining
+    depth of its row loop."""
 
-    block_b: int
-    block_d: int
-    block_h: int
-    use_dot: bool
-    num_warps: int
-    x_evict: str = ""
     programs_per_sm: int = 1
     num_stages: int = 1
 
@@ -205,7 +205,7 @@ def programs_per_feature(cfg: BackwardConfig, F: int, B: int, D: int, H: int, x_
     Example:
         >>> cfg = heuristic_backward(256, 1, torch.float32)
         >>> programs_per_feature(cfg, F=64, B=4096, D=256, H=1, x_bytes=64 * 4096 * 256 * 4, sms=132)
-        17
+        9
     """
     n_tiles = triton.cdiv(max(B, 1), cfg.block_b)
     P = max(1, min(n_tiles, triton.cdiv(cfg.programs_per_sm * sms, max(F, 1))))
