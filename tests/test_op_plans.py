@@ -1,0 +1,57 @@
+"""The op's per-signature caches (validated arguments, launch plans) never serve a call they do
+not fit: a new shape, stride, dtype or parameter is checked and planned again, and new values in
+the same tensors are read. Compared with the float64 per-slice reference."""
+import pytest
+import torch
+
+import recfuse
+from recfuse.ops import launch
+
+pytestmark = pytest.mark.interpret  # the plans belong to the Triton path (interpreter on CPU)
+
+
+def _reference(x, w, b, lw, lb, feature_dim):
+    args = [None if t is None else t.double() for t in (x, w, b, lw, lb)]
+    return recfuse.reference.ln_tanh_linear_relu(args[0], args[1], args[2], ln_weight=args[3], ln_bias=args[4],
+                                                 feature_dim=feature_dim)
+
+
+def _check(x, w, b=None, lw=None, lb=None, feature_dim=1, tol=1e-5):
+    y = recfuse.ln_tanh_linear_relu(x, w, b, ln_weight=lw, ln_bias=lb, feature_dim=feature_dim)
+    ref = _reference(x, w, b, lw, lb, feature_dim)
+    err = ((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+    assert err < tol, err
+
+
+def test_same_signature_new_values_and_a_replaced_parameter_are_read():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 3, 16, generator=g)
+    w = torch.randn(2, 16, generator=g)
+    _check(x, w)
+    x.copy_(torch.randn(6, 3, 16, generator=g) * 3)  # same tensor, new values
+    _check(x, w)
+    w = torch.randn(2, 16, generator=g)  # a parameter replaced by one of the same signature
+    _check(x, w, torch.randn(2, generator=g))
+
+
+def test_new_shape_stride_and_dtype_are_planned_again():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(2, 16, generator=g)
+    _check(torch.randn(6, 3, 16, generator=g), w)
+    _check(torch.randn(7, 3, 16, generator=g), w)                                  # new B
+    base = torch.randn(3, 6, 16, generator=g)
+    _check(base.transpose(0, 1), w)                                                # new strides
+    with launch.trace_launches() as seen:
+        _check(torch.randn(6, 3, 16, generator=g).bfloat16(), w.bfloat16(), tol=2e-2)  # new dtype
+    assert seen and seen[0][0] == "forward"
+
+
+def test_a_bad_call_after_a_good_one_still_raises_the_clear_error():
+    x = torch.randn(6, 3, 16)
+    recfuse.ln_tanh_linear_relu(x, torch.randn(2, 16), feature_dim=1)
+    with pytest.raises(ValueError, match=r"weight must be \[H, D=16\]"):
+        recfuse.ln_tanh_linear_relu(x, torch.randn(2, 15), feature_dim=1)
+    with pytest.raises(ValueError, match=r"ln_weight must be \[D=16\] or \[F=3, D=16\]"):
+        recfuse.ln_tanh_linear_relu(x, torch.randn(2, 16), ln_weight=torch.randn(4, 16), feature_dim=1)
+    with pytest.raises(TypeError, match="weight has dtype torch.float64"):
+        recfuse.ln_tanh_linear_relu(x, torch.randn(2, 16, dtype=torch.float64), feature_dim=1)
