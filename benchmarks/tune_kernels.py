@@ -68,7 +68,7 @@ def forward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Forwa
         if H <= 4 and 4 <= per_thread <= 16 and block_b * block_d * row_block_h <= 2 * configs.TILE_BUDGET:
             out.append(configs.ForwardConfig(block_b, block_d, row_block_h, False, warps))
     if block_d >= 16 and H >= 2 and 16 * block_d <= configs.TILE_BUDGET:
-        block_h = max(16, min(64, triton.next_power_of_2(H)))
+        block_h = configs.dot_block_h(H)
         chunk = min(32 if block_h <= 16 else 64, block_d // 2) if full and H <= block_h else 0
         shapes = [(64, 4, 0), (32, 4, 0)] + ([(64, 4, 1), (64, 8, 1)] if H > 4 else [])
         for (block_b, warps, persistent), block_k in itertools.product(shapes, dict.fromkeys((0, chunk))):
@@ -92,7 +92,7 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
         for block_b, warps, stages, pps in itertools.product(rows, (4, 8), (1, 2), (2, 4, 8, 16)):
             cfg = configs.heuristic_backward(D, H, dtype, use_dot=use_dot, block_b=block_b, num_warps=warps,
                                              num_stages=stages, programs_per_sm=pps)
-            if cfg is not None and configs._backward_fits(cfg, D, H) and cfg.block_b == block_b:
+            if cfg is not None and configs.backward_fits(cfg, D, H) and cfg.block_b == block_b:
                 out.append(cfg)
     return list(dict.fromkeys(out))
 
@@ -164,11 +164,7 @@ def compile_worker(plan_path: str, shard: int, n_shards: int) -> int:
 
 
 def _config(kind: str, p: dict, entry: dict):
-    D, H, dtype = p["D"], p["H"], DTYPES[p["dtype"]]
-    if kind == "forward":
-        block_h = max(16, min(64, triton.next_power_of_2(H))) if entry["use_dot"] else min(triton.next_power_of_2(H), 4)
-        return configs.ForwardConfig(block_d=triton.next_power_of_2(D), block_h=block_h, **entry)
-    return configs.heuristic_backward(D, H, dtype, **entry)
+    return configs.config_from_entry(kind, entry, p["D"], p["H"], DTYPES[p["dtype"]], p["D"] == triton.next_power_of_2(p["D"]))
 
 
 def precompile(work: list, n_workers: int, out_dir: str) -> float:
@@ -292,9 +288,9 @@ def main(argv=None) -> int:
                              "candidates": [configs.config_to_entry(c) for c in forward_candidates(D, H, dtype)]})
             if "backward" in args.kinds:
                 work.append({"shape": p, "kind": "backward",
-                             "candidates": list({json.dumps(e, sort_keys=True): e for e in (
-                                 {k: v for k, v in configs.config_to_entry(c).items() if k != "programs_per_sm"}
-                                 for c in backward_candidates(D, H, dtype))}.values())})
+                             # one per compiled variant: programs per SM is a runtime argument
+                             "candidates": list({json.dumps(dict(e, programs_per_sm=0), sort_keys=True): e for e in (
+                                 configs.config_to_entry(c) for c in backward_candidates(D, H, dtype))}.values())})
         n_compile = sum(len(w["candidates"]) for w in work)
         log.info("tune: %d shapes, %d kernel variants to compile with %d workers", len(pts), n_compile, args.workers)
         out_dir = os.environ.get("OUT", "/tmp")

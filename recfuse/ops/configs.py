@@ -98,7 +98,8 @@ _BACKWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "programs_per_s
 # the heuristic
 
 
-def _dot_block_h(H: int) -> int:
+def dot_block_h(H: int) -> int:
+    """BLOCK_H of the tl.dot path: H padded to a power of two, at least 16 (the MMA K), at most 64."""
     return min(64, max(16, triton.next_power_of_2(H)))
 
 
@@ -123,7 +124,7 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
     # tl.dot needs K >= 16 on the GPU (D < 16 failed to compile on the H100): rows below that.
     use_dot = H >= DOT_MIN_H and 16 <= block_d and 16 * block_d <= TILE_BUDGET
     if use_dot:
-        block_h = _dot_block_h(H)
+        block_h = dot_block_h(H)
         block_b = 32 if 32 * block_d <= TILE_BUDGET else 16
         num_warps = 4 if dtype == torch.float32 and block_h <= 16 else 8
         if full_tiles and H <= block_h:
@@ -277,7 +278,7 @@ def _nearest_entry(table: dict, kind: str, D: int, H: int, dtype_name: str, full
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def _forward_fits(cfg: ForwardConfig, D: int, H: int) -> bool:
+def forward_fits(cfg: ForwardConfig, D: int, H: int) -> bool:
     if cfg.block_b < 1 or cfg.num_warps not in (1, 2, 4, 8, 16):
         return False
     if cfg.use_dot:
@@ -289,7 +290,7 @@ def _forward_fits(cfg: ForwardConfig, D: int, H: int) -> bool:
     return cfg.block_b * cfg.block_d * cfg.block_h <= 2 * TILE_BUDGET
 
 
-def _backward_fits(cfg: BackwardConfig, D: int, H: int) -> bool:
+def backward_fits(cfg: BackwardConfig, D: int, H: int) -> bool:
     if cfg.block_b < 1 or cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.programs_per_sm < 1:
         return False
     if cfg.use_dot:
@@ -297,16 +298,23 @@ def _backward_fits(cfg: BackwardConfig, D: int, H: int) -> bool:
     return cfg.block_b * cfg.block_d * cfg.block_h <= 4 * TILE_BUDGET
 
 
-def _from_entry(kind: str, entry: dict, D: int, H: int, dtype: torch.dtype, full_tiles: bool):
-    """The config a table entry describes for this shape, or None if it does not fit the shape."""
+def config_from_entry(kind: str, entry: dict, D: int, H: int, dtype: torch.dtype, full_tiles: bool = True):
+    """The config a table entry (`config_to_entry`'s knobs) describes for this shape, or None if it
+    does not fit the shape.
+
+    Example:
+        >>> cfg = heuristic_backward(64, 16, torch.float32)
+        >>> config_from_entry("backward", config_to_entry(cfg), 64, 16, torch.float32) == cfg
+        True
+    """
     try:
         if kind == "forward":
             knobs = {k: entry[k] for k in _FORWARD_KNOBS}
-            block_h = _dot_block_h(H) if knobs["use_dot"] else min(triton.next_power_of_2(H), 4)
+            block_h = dot_block_h(H) if knobs["use_dot"] else min(triton.next_power_of_2(H), 4)
             cfg = ForwardConfig(block_d=triton.next_power_of_2(D), block_h=block_h, **knobs)
-            return cfg if _forward_fits(cfg, D, H) else None
+            return cfg if forward_fits(cfg, D, H) else None
         cfg = heuristic_backward(D, H, dtype, **{k: entry[k] for k in _BACKWARD_KNOBS})
-        return cfg if cfg is not None and _backward_fits(cfg, D, H) else None
+        return cfg if cfg is not None and backward_fits(cfg, D, H) else None
     except (KeyError, TypeError, ValueError):  # a table from another version of this file
         return None
 
@@ -345,6 +353,23 @@ def override_active() -> bool:
     return _OVERRIDE.get() is not None
 
 
+_NOT_FORCED = object()
+
+
+def _forced_config(slot: int, config_type: type, heuristic: Callable, args: tuple):
+    """The config an open `override` block forces for this kind (slot 0 forward, 1 backward), or
+    `_NOT_FORCED` when none does."""
+    forced = _OVERRIDE.get()
+    if forced is None:
+        return _NOT_FORCED
+    source, use_tables = forced[slot], forced[2]
+    if isinstance(source, config_type):
+        return source
+    if callable(source):
+        return source(*args)
+    return _NOT_FORCED if use_tables else heuristic(*args)
+
+
 def forward_config(D: int, H: int, dtype: torch.dtype, device: Union[str, int], full_tiles: bool = True) -> ForwardConfig:
     """The forward config of (D, H, dtype) on a CUDA device index (or "cpu": the interpreter).
 
@@ -353,22 +378,16 @@ def forward_config(D: int, H: int, dtype: torch.dtype, device: Union[str, int], 
         >>> forward_config(256, 1, torch.float32, "cpu").block_d
         256
     """
-    forced = _OVERRIDE.get()
-    if forced is not None:
-        source, _, use_tables = forced
-        if isinstance(source, ForwardConfig):
-            return source
-        if callable(source):
-            return source(D, H, dtype, full_tiles)
-        if not use_tables:
-            return heuristic_forward(D, H, dtype, full_tiles)
+    cfg = _forced_config(0, ForwardConfig, heuristic_forward, (D, H, dtype, full_tiles))
+    if cfg is not _NOT_FORCED:
+        return cfg
     return _cached_forward_config(D, H, dtype, device, full_tiles)
 
 
 @functools.lru_cache(maxsize=None)
 def _cached_forward_config(D, H, dtype, device, full_tiles) -> ForwardConfig:
     entry = _nearest_entry(load_table(device_slug(device)), "forward", D, H, _DTYPE_NAMES.get(dtype, ""), full_tiles)
-    cfg = _from_entry("forward", entry, D, H, dtype, full_tiles) if entry is not None else None
+    cfg = config_from_entry("forward", entry, D, H, dtype, full_tiles) if entry is not None else None
     return cfg if cfg is not None else heuristic_forward(D, H, dtype, full_tiles)
 
 
@@ -380,15 +399,9 @@ def backward_config(D: int, H: int, dtype: torch.dtype, device: Union[str, int])
         >>> backward_config(256, 1, torch.float32, "cpu").use_dot
         False
     """
-    forced = _OVERRIDE.get()
-    if forced is not None:
-        _, source, use_tables = forced
-        if isinstance(source, BackwardConfig):
-            return source
-        if callable(source):
-            return source(D, H, dtype)
-        if not use_tables:
-            return heuristic_backward(D, H, dtype)
+    cfg = _forced_config(1, BackwardConfig, heuristic_backward, (D, H, dtype))
+    if cfg is not _NOT_FORCED:
+        return cfg
     return _cached_backward_config(D, H, dtype, device)
 
 
@@ -398,7 +411,7 @@ def _cached_backward_config(D, H, dtype, device) -> Optional[BackwardConfig]:
     if heuristic is None:
         return None
     entry = _nearest_entry(load_table(device_slug(device)), "backward", D, H, _DTYPE_NAMES.get(dtype, ""), True)
-    cfg = _from_entry("backward", entry, D, H, dtype, True) if entry is not None else None
+    cfg = config_from_entry("backward", entry, D, H, dtype, True) if entry is not None else None
     return cfg if cfg is not None else heuristic
 
 

@@ -133,8 +133,8 @@ def _contiguous_rows(p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 class ForwardPlan:
     """Everything a forward call of one signature needs but its tensors.
 
-    ``grid``, ``meta`` and ``num_warps`` are what the kernel is launched with; tests read them to
-    check which path a shape takes.
+    ``grid``, ``meta`` and ``cfg.num_warps`` are what the kernel is launched with; tests read them
+    to check which path a shape takes.
     """
 
     cfg: configs.ForwardConfig
@@ -142,7 +142,6 @@ class ForwardPlan:
     grid: tuple
     ints: tuple  # every non-tensor runtime argument, in kernel order after the 7 tensors
     meta: dict
-    num_warps: int
     y_shape: tuple
     stats_shape: Optional[tuple]
     bound: Optional[Callable] = None  # the compiled kernel, bound after the first launch
@@ -161,8 +160,8 @@ class ForwardPlan:
             self.bound(*tensors)
         else:
             args = tensors + self.ints
-            self.launcher(self.grid, args, self.meta, num_warps=self.num_warps)
-            self.bound = self.launcher.bind(self.grid, args, self.meta, len(tensors), num_warps=self.num_warps)
+            self.launcher(self.grid, args, self.meta, num_warps=self.cfg.num_warps)
+            self.bound = self.launcher.bind(self.grid, args, self.meta, len(tensors), num_warps=self.cfg.num_warps)
         return y, stats
 
 
@@ -235,7 +234,7 @@ def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, s
     # the y row stride compiled to a slow store layout on the H100; that case takes the copy of
     # the kernel compiled without it (benchmarks/NOTES.md).
     launcher = _launch_fwd_y_strided if save_stats and syb == 1 else _launch_fwd
-    return ForwardPlan(cfg, launcher, grid, ints, meta, cfg.num_warps, y_shape,
+    return ForwardPlan(cfg, launcher, grid, ints, meta, y_shape,
                        (2, F, B) if save_stats else None)
 
 
