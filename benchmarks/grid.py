@@ -6,7 +6,10 @@ The targets in /work/shared/DESIGN.md hold over a grid of shapes, not one shape;
   ``FBD`` = a contiguous [F, B, D] tensor (feature_dim=0);
 * D (embedding width), H (Linear out features, shared [H, D] weight with an [H] bias), dtype;
 * LayerNorm affine: ``per_feature`` ([F, D] ln_weight and ln_bias) or ``none``;
-* F is fixed (``--features``, 64) and B is chosen so that x is about ``--x-mb`` MB (a multiple of 64).
+* F is fixed (``--features``, 64) and B is chosen so that x is about ``--x-mb`` MB (a multiple of 64);
+* the chain (``--chains``, `recfuse.feature_mlp`'s norm,activation,out_activation; default the one
+  chain of `recfuse.ln_tanh_linear_relu`). A chain without a norm has no affine points. A run with
+  other chains saves ``grid_chains_<gpu>.*`` beside the default chain's ``grid_<gpu>.*``.
 
 Per point, on CUDA: the op's forward (no grad) and training step (forward + ``y.backward(gy)`` with
 x, weight, bias and the LayerNorm parameters requiring grad, every ``.grad`` set to None first) as
@@ -41,6 +44,7 @@ Example:
     $ python benchmarks/grid.py --save benchmarks/results
     $ python benchmarks/grid.py --dims 64 256 --hs 1 16 --dtypes bf16 --peer-every 0 --x-mb 128
     $ python benchmarks/grid.py --device cpu --x-mb 0.5 --dims 32 48 --hs 1 4 --dtypes fp32 --save /tmp/gridtest
+    $ python benchmarks/grid.py --chains rms_norm,silu,none none,none,relu --dims 64 256 --hs 1 16
 """
 from __future__ import annotations
 
@@ -57,7 +61,8 @@ import torch
 from tqdm import tqdm
 
 import recfuse
-from recfuse.reference import batched_ln_tanh_linear_relu
+from recfuse.chain import DEFAULT, Chain, chain_of
+from recfuse.reference import batched_feature_mlp
 
 from _common import (command_line, copy_bandwidth, device_slug, environment, extra_peak_bytes, floor_us, forward_bytes,
                      kernels_per_call, make_bench, op_inputs, training_bytes)
@@ -69,14 +74,32 @@ EPS = 1e-5
 
 
 # ------------------------------------------------------------------------------------------ points
+def parse_chain(text: str) -> Chain:
+    """``"rms_norm,silu,none"`` -> Chain('rms_norm', 'silu', None) (validated)."""
+    parts = text.split(",")
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"a chain is norm,activation,out_activation, got {text!r}")
+    try:
+        return chain_of(*parts)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def chain_text(chain: Chain) -> str:
+    return ",".join("none" if v is None else v for v in chain)
+
+
 def grid_points(args) -> list[dict]:
     points = []
-    for layout, dt, affine, D, H in itertools.product(args.layouts, args.dtypes, args.affine, args.dims, args.hs):
+    for chain, layout, dt, affine, D, H in itertools.product(args.chains, args.layouts, args.dtypes, args.affine,
+                                                             args.dims, args.hs):
+        if chain.norm is None and affine != "none":
+            continue  # a norm's affine needs a norm
         elem = DTYPES[dt].itemsize
         F = args.features
         B = max(64, round(args.x_mb * 2**20 / (F * D * elem) / 64) * 64)
-        points.append({"layout": layout, "dtype": dt, "affine": affine, "D": D, "H": H, "F": F, "B": B,
-                       "x_MB": F * B * D * elem / 2**20})
+        points.append({"chain": chain_text(chain), "layout": layout, "dtype": dt, "affine": affine, "D": D, "H": H,
+                       "F": F, "B": B, "x_MB": F * B * D * elem / 2**20})
     for i, p in enumerate(points):
         p["index"] = i
         p["peer"] = bool(args.peer_every) and i % args.peer_every == 0
@@ -103,9 +126,11 @@ def measure_point(p: dict, args, bench, copy_GBps: float, deadline: float) -> No
     p["floor_fwd_us"] = floor_us(forward_bytes(x, gy), copy_GBps)
     p["floor_train_us"] = floor_us(training_bytes(x, gy), copy_GBps)
     errors = p.setdefault("errors", {})
+    chain = parse_chain(p.get("chain", chain_text(DEFAULT)))
 
     def op(xx):
-        return recfuse.ln_tanh_linear_relu(xx, w, b, ln_weight=lw, ln_bias=lb, eps=EPS, feature_dim=fdim)
+        return recfuse.feature_mlp(xx, w, b, norm=chain.norm, ln_weight=lw, ln_bias=lb, eps=EPS,
+                                   activation=chain.activation, out_activation=chain.out_activation, feature_dim=fdim)
 
     def fwd():
         with torch.no_grad():
@@ -135,7 +160,7 @@ def measure_point(p: dict, args, bench, copy_GBps: float, deadline: float) -> No
         n = min(args.check_rows, p["B"])
         rows = (slice(0, n),) if fdim == 1 else (slice(None), slice(0, n))
         d = lambda t: None if t is None else t.detach().double()  # noqa: E731
-        ref = batched_ln_tanh_linear_relu(x[rows].double(), d(w), d(b), d(lw), d(lb), EPS, fdim)
+        ref = batched_feature_mlp(x[rows].double(), d(w), d(b), d(lw), d(lb), EPS, fdim, chain)
         err = (y[rows].double() - ref).abs()
         p["max_rel_err"] = (err.max() / ref.abs().max().clamp_min(1e-30)).item()
         p["rel_err_l2"] = (err.norm() / ref.norm().clamp_min(1e-30)).item()
@@ -160,7 +185,7 @@ def measure_point(p: dict, args, bench, copy_GBps: float, deadline: float) -> No
         t0 = time.perf_counter()
 
         def composite(xx, w_, b_, lw_, lb_):
-            return batched_ln_tanh_linear_relu(xx, w_, b_, lw_, lb_, EPS, fdim)
+            return batched_feature_mlp(xx, w_, b_, lw_, lb_, EPS, fdim, chain)
         cfwd = torch.compile(composite, dynamic=False)
         ctrain = torch.compile(composite, dynamic=False)
 
@@ -200,7 +225,7 @@ def table(points: list[dict], env: dict) -> str:
         f"F={env['args']['features']}, x ~{env['args']['x_mb']} MB",
         "% = floor / measured (forward floor: x + y bytes; training step: 3 x + 2 y bytes; over copy BW). "
         "peer = torch.compile(batched composite); peer x = peer train / op train.",
-        f"{'layout':>6} {'dtype':>5} {'affine':>11} {'D':>4} {'H':>3} {'B':>7} | {'fwd us':>8} {'fwd %':>5} | "
+        f"{'chain':>22} {'layout':>6} {'dtype':>5} {'affine':>11} {'D':>4} {'H':>3} {'B':>7} | {'fwd us':>8} {'fwd %':>5} | "
         f"{'train us':>8} {'trn %':>5} | {'kern f/t':>8} {'peak MB':>8} {'max err':>8} | "
         f"{'peer fwd':>8} {'peer trn':>8} {'peer x':>6} | note",
     ]
@@ -209,7 +234,7 @@ def table(points: list[dict], env: dict) -> str:
         note = "; ".join(f"{k}: {v}" for k, v in p.get("errors", {}).items())
         note = note or p.get("skipped", "") or p.get("peer_skipped", "")
         lines.append(
-            f"{p['layout']:>6} {p['dtype']:>5} {p['affine']:>11} {p['D']:>4} {p['H']:>3} {p['B']:>7} | "
+            f"{p.get('chain', chain_text(DEFAULT)):>22} {p['layout']:>6} {p['dtype']:>5} {p['affine']:>11} {p['D']:>4} {p['H']:>3} {p['B']:>7} | "
             f"{_f(p.get('fwd_us'), '.1f', 8)} {_f(p.get('fwd_pct_floor'), '.0f', 5)} | "
             f"{_f(p.get('train_us'), '.1f', 8)} {_f(p.get('train_pct_floor'), '.0f', 5)} | "
             f"{kern:>8} {_f(p.get('train_extra_peak_MB'), '.0f', 8)} {_f(p.get('max_rel_err'), '.1e', 8)} | "
@@ -247,7 +272,9 @@ def heatmap(points: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    affines = [a for a in AFFINES if any(p["affine"] == a for p in points)]
+    chains = list(dict.fromkeys(p.get("chain", chain_text(DEFAULT)) for p in points))
+    affines = [(ch, a) for ch in chains for a in AFFINES
+               if any(p["affine"] == a and p.get("chain", chain_text(DEFAULT)) == ch for p in points)]
     cols = [(lay, dt, kind) for lay in LAYOUTS for dt in DTYPES for kind in ("fwd", "train")
             if any(p["layout"] == lay and p["dtype"] == dt for p in points)]
     dims = sorted({p["D"] for p in points})
@@ -263,7 +290,8 @@ def heatmap(points: list[dict], path: str, title: str) -> None:
             ax = axes[r][c]
             grid = np.full((len(dims), len(hs)), np.nan)
             for p in points:
-                if (p["layout"], p["dtype"], p["affine"]) == (lay, dt, aff) and f"{kind}_pct_floor" in p:
+                if ((p.get("chain", chain_text(DEFAULT)), p["layout"], p["dtype"], p["affine"]) == (*aff, lay, dt)
+                        and f"{kind}_pct_floor" in p):
                     grid[dims.index(p["D"]), hs.index(p["H"])] = p[f"{kind}_pct_floor"]
             im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=100, aspect="auto")
             for i, j in itertools.product(range(len(dims)), range(len(hs))):
@@ -275,7 +303,8 @@ def heatmap(points: list[dict], path: str, title: str) -> None:
             if r == len(affines) - 1:
                 ax.set_xlabel("H", fontsize=8)
             if c == 0:
-                ax.set_ylabel(f"affine={aff}\nD", fontsize=8)
+                chain_label = "" if aff[0] == chain_text(DEFAULT) else f"{aff[0]}\n"
+                ax.set_ylabel(f"{chain_label}affine={aff[1]}\nD", fontsize=8)
             ax.set_title(f"{lay} {dt} {kind}", fontsize=8)
     fig.suptitle(title + "  (% of floor; grey x = not measured)", fontsize=9)
     fig.colorbar(im, ax=axes, shrink=0.8, label="% of floor")
@@ -283,9 +312,14 @@ def heatmap(points: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def result_stem(save: str, slug: str, chains) -> str:
+    """grid_<gpu> for the default chain alone, grid_chains_<gpu> when other chains are in the run."""
+    return os.path.join(save, f"grid_{slug}" if list(chains) == [DEFAULT] else f"grid_chains_{slug}")
+
+
 def write_outputs(save: str, slug: str, env: dict, points: list[dict], final: bool) -> None:
     os.makedirs(save, exist_ok=True)
-    stem = os.path.join(save, f"grid_{slug}")
+    stem = result_stem(save, slug, {parse_chain(p.get("chain", chain_text(DEFAULT))) for p in points})
     with open(stem + ".json", "w") as fh:
         json.dump({"env": env, "points": points}, fh, indent=1)
     if final:
@@ -302,6 +336,9 @@ def parse_args(argv=None):
     ap.add_argument("--hs", nargs="+", type=int, default=[1, 4, 16, 64])
     ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["fp32", "bf16"])
     ap.add_argument("--affine", nargs="+", choices=AFFINES, default=list(AFFINES))
+    ap.add_argument("--chains", nargs="+", type=parse_chain, default=[DEFAULT],
+                    help="norm,activation,out_activation per chain (e.g. rms_norm,silu,none); default "
+                         "layer_norm,tanh,relu")
     ap.add_argument("--x-mb", type=float, default=256.0, help="size of x per point in MB (contract: 64-512)")
     ap.add_argument("--features", type=int, default=64, help="F, fixed; B follows from --x-mb")
     ap.add_argument("--warmup", type=float, default=10.0, help="do_bench warmup, ms")
@@ -344,7 +381,7 @@ def main(argv=None) -> int:
         if stop:
             p["skipped"] = stop
             continue
-        bar.set_postfix_str(f"{p['layout']} {p['dtype']} {p['affine']} D={p['D']} H={p['H']}")
+        bar.set_postfix_str(f"{p['chain']} {p['layout']} {p['dtype']} {p['affine']} D={p['D']} H={p['H']}")
         t0 = time.perf_counter()
         try:
             measure_point(p, args, bench, bw["copy_GBps"], deadline)
@@ -368,7 +405,7 @@ def main(argv=None) -> int:
     print(f"total {env['total_s']:.0f} s", file=sys.stderr)
     if args.save:
         write_outputs(args.save, slug, env, points, final=True)
-        print(f"wrote {os.path.join(args.save, f'grid_{slug}')}.json/.txt/.png", file=sys.stderr)
+        print(f"wrote {result_stem(args.save, slug, args.chains)}.json/.txt/.png", file=sys.stderr)
     return 0
 
 

@@ -12,12 +12,12 @@ import logging as _logging
 
 from . import reference
 from .errors import RecfuseError
-from .ops import ln_tanh_linear_relu
+from .ops import feature_mlp, ln_tanh_linear_relu
 from .module import FusedFeatureProcessor
 from .fx import transform, explain, FusionReport
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 __version__ = "0.1.0"
-__all__ = ["ln_tanh_linear_relu", "reference", "RecfuseError", "FusedFeatureProcessor", "transform", "explain",
+__all__ = ["ln_tanh_linear_relu", "feature_mlp", "reference", "RecfuseError", "FusedFeatureProcessor", "transform", "explain",
            "FusionReport"]

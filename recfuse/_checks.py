@@ -145,6 +145,27 @@ def check_op_args(
     return OpShape(F=F, B=B, D=D, H=H, feature_dim=feature_dim, per_feature_weight=per_feature)
 
 
+def check_chain_args(norm, activation, out_activation, ln_weight, ln_bias):
+    """Validate a `feature_mlp` chain and its norm affine; returns the `Chain`.
+
+    Example:
+        >>> import torch
+        >>> check_chain_args(None, "relu", None, torch.ones(8), None)
+        Traceback (most recent call last):
+        ...
+        ValueError: ln_weight is given but norm=None: a norm's affine needs a norm ('layer_norm' or 'rms_norm')
+    """
+    from .chain import chain_of
+
+    chain = chain_of(norm, activation, out_activation)
+    if chain.norm is None:
+        for name, t in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
+            if t is not None:
+                raise ValueError(f"{name} is given but norm=None: a norm's affine needs a norm "
+                                 f"('layer_norm' or 'rms_norm')")
+    return chain
+
+
 def tensor_signature(t: Optional[torch.Tensor]):
     """What a kernel launch depends on in a tensor besides its data: shape, strides, dtype, device
     and the 16-byte alignment of its data pointer (Triton specialises pointers on it)."""

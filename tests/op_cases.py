@@ -5,6 +5,7 @@ matrix of cases runs on every path.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -83,17 +84,26 @@ def rel_err(out, ref):
     return (out - ref).norm().item() / denom
 
 
-def check_against_float64(case: Case, dtype, device="cpu", fn=None):
-    """Assert fn (default: the fused op) matches the float64 per-slice reference, fwd and bwd."""
+def check_against_float64(case: Case, dtype, device="cpu", fn=None, chain=None):
+    """Assert fn (default: the fused op) matches the float64 per-slice reference, fwd and bwd.
+
+    ``chain``: a `recfuse.chain.Chain`: the op is `recfuse.feature_mlp` with that chain (unless
+    ``fn`` is given) and the reference `recfuse.reference.feature_mlp`.
+    """
+    reference = recfuse.reference.ln_tanh_linear_relu
+    if chain is not None:
+        kw = dict(norm=chain.norm, activation=chain.activation, out_activation=chain.out_activation)
+        fn = fn or functools.partial(recfuse.feature_mlp, **kw)
+        reference = functools.partial(recfuse.reference.feature_mlp, **kw)
     fn = fn or recfuse.ln_tanh_linear_relu
     # The reference sees the same dtype-rounded inputs, so only the op's own rounding is measured.
     tensors = tuple(None if t is None else t.to(dtype).double() for t in make_inputs(case, device))
-    y_ref, g_ref = run_op(recfuse.reference.ln_tanh_linear_relu, tensors, torch.float64, case, keep_view=False)
+    y_ref, g_ref = run_op(reference, tensors, torch.float64, case, keep_view=False)
     if y_ref.abs().sum() == 0:
         # Every relu closed (tiny cases): negating the linear layer opens them all.
         x, w, b, lw, lb, gy = tensors
         tensors = (x, -w, None if b is None else -b, lw, lb, gy)
-        y_ref, g_ref = run_op(recfuse.reference.ln_tanh_linear_relu, tensors, torch.float64, case, keep_view=False)
+        y_ref, g_ref = run_op(reference, tensors, torch.float64, case, keep_view=False)
     assert y_ref.abs().sum() > 0, f"{case}: degenerate case, reference output is all zero"
     y, grads = run_op(fn, tensors, dtype, case)
     assert y.dtype == dtype and y.shape == y_ref.shape

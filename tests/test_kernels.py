@@ -1,7 +1,8 @@
 """The Triton kernels themselves, run under the Triton interpreter on CPU (TRITON_INTERPRET=1).
 
-`make test-interpret` runs these; on a CUDA machine `tests/gpu_check.py` runs the same cases on the
-GPU at realistic sizes. Grids stay small: the interpreter runs numpy per program.
+`make test-interpret` runs these; on a CUDA machine the cuda-parametrised tests of test_op_trust.py,
+test_cuda_graph_training.py and test_feature_mlp.py check the kernels at realistic sizes. Grids
+stay small here: the interpreter runs numpy per program.
 """
 import pytest
 import torch

@@ -1,4 +1,9 @@
-"""Triton kernels of LayerNorm -> tanh -> Linear -> relu over F features (no torch logic here).
+"""Triton kernels of norm -> activation -> Linear -> out activation over F features (no torch logic).
+
+One kernel family for every `feature_mlp` chain: the norm (LayerNorm, RMSNorm or none) and the two
+activations are compile-time constants (NORM, ACT, OUT_ACT; codes in `recfuse.chain`), so each
+chain compiles to its own specialised kernel and the default LayerNorm -> tanh -> relu compiles to
+exactly the code it always did. The descriptions below name the default chain.
 
 Three kernels, as in Triton's layer-norm tutorial:
 
@@ -60,14 +65,68 @@ def _tanh_of(a, FAST_TANH: tl.constexpr):
 
 
 @triton.jit
-def _normalize_tanh(
+def _sigmoid(a):
+    # 1 / (1 + e^-a): e^-a overflows to inf for a < -88, giving exactly 0, as torch.sigmoid does.
+    return 1.0 / (1.0 + tl.exp(-a))
+
+
+@triton.jit
+def _activate(a, ACT: tl.constexpr, FAST_TANH: tl.constexpr):
+    """The activation coded by ACT (`recfuse.chain.ACTIVATIONS`): 0 none, 1 tanh, 2 sigmoid,
+    3 relu, 4 gelu (erf), 5 gelu (tanh approximation), 6 silu. fp32 in, fp32 out.
+    (0.7978845608028654 = sqrt(2 / pi), 0.7071067811865476 = 1 / sqrt(2).)"""
+    if ACT == 1:
+        r = _tanh_of(a, FAST_TANH)
+    elif ACT == 2:
+        r = _sigmoid(a)
+    elif ACT == 3:
+        r = tl.where(a < 0.0, 0.0, a)  # keeps NaN, as torch.relu does (tl.maximum would not)
+    elif ACT == 4:
+        r = 0.5 * a * (1.0 + tl.erf(a * 0.7071067811865476))
+    elif ACT == 5:
+        r = 0.5 * a * (1.0 + _tanh_of(0.7978845608028654 * (a + 0.044715 * a * a * a), FAST_TANH))
+    elif ACT == 6:
+        r = a * _sigmoid(a)
+    else:
+        r = a
+    return r
+
+
+@triton.jit
+def _activate_grad(a, t, ACT: tl.constexpr, FAST_TANH: tl.constexpr):
+    """d activation / da at a, given t = activation(a) (which tanh and sigmoid reuse).
+    (0.3989422804014327 = 1 / sqrt(2 pi).)"""
+    if ACT == 1:
+        r = 1.0 - t * t
+    elif ACT == 2:
+        r = t * (1.0 - t)
+    elif ACT == 3:
+        r = tl.where(a > 0.0, 1.0, 0.0)
+    elif ACT == 4:
+        r = 0.5 * (1.0 + tl.erf(a * 0.7071067811865476)) + a * 0.3989422804014327 * tl.exp(-0.5 * a * a)
+    elif ACT == 5:
+        th = _tanh_of(0.7978845608028654 * (a + 0.044715 * a * a * a), FAST_TANH)
+        r = 0.5 * (1.0 + th) + 0.5 * a * (1.0 - th * th) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * a * a)
+    elif ACT == 6:
+        s = _sigmoid(a)
+        r = s * (1.0 + a * (1.0 - s))
+    else:
+        r = tl.full(a.shape, 1.0, tl.float32)
+    return r
+
+
+@triton.jit
+def _normalize_activate(
     x_ptrs, mask, cmask, f, cols, D, eps,
     LNW, LNB, stride_lnw_f, stride_lnb_f,
     mean_ptrs, rstd_ptrs, rmask,
     HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr, FAST_TANH: tl.constexpr, LOAD_STATS: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
+    NORM: tl.constexpr, ACT: tl.constexpr,
 ):
-    """Load a [rows, BLOCK_D] tile, return (xhat, t = tanh(affine(xhat)), mean, rstd, ln weight).
+    """Load a [rows, BLOCK_D] tile, return (xhat, a = affine(xhat), t = activation(a), mean, rstd,
+    norm weight). NORM (`recfuse.chain.NORMS`): 1 LayerNorm, 2 RMSNorm (mean is 0), 0 none
+    (xhat is x, rstd 1, no affine).
 
     LOAD_STATS: read the rows' mean and rstd (saved by the forward) instead of two reductions.
     EVEN_D (D == BLOCK_D) / EVEN_B (no padded rows in the tile): the masks and the selects that
@@ -78,7 +137,11 @@ def _normalize_tanh(
         x = tl.load(x_ptrs, eviction_policy=X_EVICT).to(tl.float32)
     else:
         x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy=X_EVICT).to(tl.float32)
-    if LOAD_STATS:
+    if NORM == 0:
+        mean = tl.zeros([x.shape[0]], dtype=tl.float32)
+        rstd = tl.full([x.shape[0]], 1.0, tl.float32)
+        xc = x
+    elif LOAD_STATS:
         if EVEN_B:
             mean = tl.load(mean_ptrs)
             rstd = tl.load(rstd_ptrs)
@@ -88,6 +151,11 @@ def _normalize_tanh(
         xc = x - mean[:, None]
         if not EVEN_D:
             xc = tl.where(cmask[None, :], xc, 0.0)
+    elif NORM == 2:
+        mean = tl.zeros([x.shape[0]], dtype=tl.float32)
+        xc = x  # padded columns load as 0
+        # No NaN for an overflowed mean square: torch's rms_norm gives x * 0 there too.
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
     else:
         # `/ D`, not `* inv_d`: measured on the H100 (F=128 B=8192 D=256 fp32, 8-row tiles)
         # the multiply form compiled to a 466 us forward, the divide to 400 us.
@@ -99,7 +167,10 @@ def _normalize_tanh(
         # `+ (var - var)`: NaN where the fp32 variance overflowed to inf (rows near 1e19 and up),
         # instead of rstd = 0 and a silently finite row; 0 otherwise. Per row, not per element.
         rstd = 1.0 / tl.sqrt(var + eps) + (var - var)
-    xhat = xc * rstd[:, None]
+    if NORM == 0:
+        xhat = xc
+    else:
+        xhat = xc * rstd[:, None]
     if not (EVEN_D and EVEN_B):
         # Padded rows have zero variance: with eps=0 their rstd is inf, so mask them to exact
         # zeros (a NaN there would poison the weight-gradient sums of the whole tile).
@@ -118,11 +189,12 @@ def _normalize_tanh(
         else:
             beta = tl.load(LNB + f * stride_lnb_f + cols, mask=cmask, other=0.0).to(tl.float32)
         a = a + beta[None, :]
-    t = _tanh_of(a, FAST_TANH)
+    t = _activate(a, ACT, FAST_TANH)
     if not (EVEN_D and EVEN_B):
-        # Zero the padded columns and rows so that they add nothing to the dots with the weight.
+        # Zero the padded columns and rows so that they add nothing to the dots with the weight
+        # (sigmoid(0) is not 0).
         t = tl.where(mask, t, 0.0)
-    return xhat, t, mean, rstd, g
+    return xhat, a, t, mean, rstd, g
 
 
 @triton.jit
@@ -139,11 +211,11 @@ def _row_linear(t, w, USE_DOT: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: t
 
 
 @triton.jit
-def _bias_relu_store(z, bias, y_ptrs, ymask, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr):
+def _bias_act_store(z, bias, y_ptrs, ymask, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, OUT_ACT: tl.constexpr,
+                    FAST_TANH: tl.constexpr):
     if HAS_BIAS:
         z += bias[None, :]
-    # relu that keeps NaN, as torch.relu does (tl.maximum would turn NaN into 0).
-    y = tl.where(z < 0.0, 0.0, z)
+    y = _activate(z, OUT_ACT, FAST_TANH)
     if MASKED:
         tl.store(y_ptrs, y.to(y_ptrs.dtype.element_ty), mask=ymask)
     else:
@@ -151,10 +223,12 @@ def _bias_relu_store(z, bias, y_ptrs, ymask, HAS_BIAS: tl.constexpr, MASKED: tl.
 
 
 @triton.jit
-def _store_linear_relu(t, w, bias, y_ptrs, ymask, USE_DOT: tl.constexpr, BLOCK_H: tl.constexpr,
-                       PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr):
-    """y = relu(t @ w^T + bias) for one [rows, BLOCK_H] block, stored through `y_ptrs`."""
-    _bias_relu_store(_row_linear(t, w, USE_DOT, BLOCK_H, PRECISION), bias, y_ptrs, ymask, HAS_BIAS, MASKED)
+def _store_linear_act(t, w, bias, y_ptrs, ymask, USE_DOT: tl.constexpr, BLOCK_H: tl.constexpr,
+                      PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, OUT_ACT: tl.constexpr,
+                      FAST_TANH: tl.constexpr):
+    """y = out_act(t @ w^T + bias) for one [rows, BLOCK_H] block, stored through `y_ptrs`."""
+    _bias_act_store(_row_linear(t, w, USE_DOT, BLOCK_H, PRECISION), bias, y_ptrs, ymask, HAS_BIAS, MASKED, OUT_ACT,
+                    FAST_TANH)
 
 
 @triton.jit
@@ -166,14 +240,15 @@ def _load_rows(ptrs, rmask, EVEN_B: tl.constexpr, EVICT: tl.constexpr):
 
 
 @triton.jit
-def _chunked_ln_tanh_linear(
+def _chunked_norm_act_linear(
     x_rows, rmask, f, D, H, eps,
     W, LNW, LNB, stride_x_d, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f,
     HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr, FAST_TANH: tl.constexpr, EVEN_B: tl.constexpr,
     X_EVICT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    NORM: tl.constexpr, ACT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """(z = tanh(LN(x)) @ w^T, mean, rstd) of a row tile, BLOCK_K columns at a time (D == BLOCK_D).
+    """(z = act(norm(x)) @ w^T, mean, rstd) of a row tile, BLOCK_K columns at a time (D == BLOCK_D).
 
     Only a [rows, BLOCK_K] slice of x and of the weight is live at once, instead of the whole
     [rows, D] tile and [H, D] weight (with 3xTF32 those held 255 registers and spilled). The
@@ -185,27 +260,39 @@ def _chunked_ln_tanh_linear(
     hs = tl.arange(0, BLOCK_H)
     mean = tl.zeros([BLOCK_B], dtype=tl.float32)
     m2 = tl.zeros([BLOCK_B], dtype=tl.float32)
-    for kc in tl.static_range(BLOCK_D // BLOCK_K):
-        xk = _load_rows(x_rows[:, None] + (kc * BLOCK_K + ks)[None, :] * stride_x_d, rmask, EVEN_B, X_EVICT)
-        mk = tl.sum(xk, axis=1) / BLOCK_K
-        dk = xk - mk[:, None]
-        delta = mk - mean
-        # n_a rows of statistics so far combine with BLOCK_K new ones (constants at compile time).
-        mean = mean + delta * (BLOCK_K / (kc * BLOCK_K + BLOCK_K))
-        m2 = m2 + tl.sum(dk * dk, axis=1) + delta * delta * (kc * BLOCK_K * BLOCK_K / (kc * BLOCK_K + BLOCK_K))
+    if NORM != 0:
+        for kc in tl.static_range(BLOCK_D // BLOCK_K):
+            xk = _load_rows(x_rows[:, None] + (kc * BLOCK_K + ks)[None, :] * stride_x_d, rmask, EVEN_B, X_EVICT)
+            if NORM == 2:
+                m2 = m2 + tl.sum(xk * xk, axis=1)  # mean stays 0
+            else:
+                mk = tl.sum(xk, axis=1) / BLOCK_K
+                dk = xk - mk[:, None]
+                delta = mk - mean
+                # n_a rows of statistics so far combine with BLOCK_K new ones (constants at compile time).
+                mean = mean + delta * (BLOCK_K / (kc * BLOCK_K + BLOCK_K))
+                m2 = m2 + tl.sum(dk * dk, axis=1) + delta * delta * (kc * BLOCK_K * BLOCK_K / (kc * BLOCK_K + BLOCK_K))
     var = m2 / D
-    rstd = 1.0 / tl.sqrt(var + eps) + (var - var)  # NaN where the variance overflowed (see above)
+    if NORM == 1:
+        rstd = 1.0 / tl.sqrt(var + eps) + (var - var)  # NaN where the variance overflowed (see above)
+    elif NORM == 2:
+        rstd = 1.0 / tl.sqrt(var + eps)
+    else:
+        rstd = tl.full([BLOCK_B], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
     hmask = hs < H
     for kc in tl.static_range(BLOCK_D // BLOCK_K):
         cols = kc * BLOCK_K + ks
         xk = _load_rows(x_rows[:, None] + cols[None, :] * stride_x_d, rmask, EVEN_B, "")
-        a = (xk - mean[:, None]) * rstd[:, None]
+        if NORM == 0:
+            a = xk
+        else:
+            a = (xk - mean[:, None]) * rstd[:, None]
         if HAS_LNW:
             a = a * tl.load(LNW + f * stride_lnw_f + cols).to(tl.float32)[None, :]
         if HAS_LNB:
             a = a + tl.load(LNB + f * stride_lnb_f + cols).to(tl.float32)[None, :]
-        t = _tanh_of(a, FAST_TANH)
+        t = _activate(a, ACT, FAST_TANH)
         if not EVEN_B:
             t = tl.where(rmask[:, None], t, 0.0)  # padded rows: rstd may be inf, t NaN
         wk = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :], mask=hmask[:, None], other=0.0)
@@ -225,6 +312,7 @@ def _forward_tile(
     stride_y_f, stride_y_b,
     eps,
     HAS_BIAS: tl.constexpr, HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
+    NORM: tl.constexpr, ACT: tl.constexpr, OUT_ACT: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FAST_TANH: tl.constexpr, SAVE_STATS: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr, W_LOADED: tl.constexpr,
@@ -241,16 +329,16 @@ def _forward_tile(
     x_ptrs = x_rows[:, None] + cols[None, :] * stride_x_d
     stat_ptrs = STATS + f * B + rows
     if BLOCK_K < BLOCK_D:
-        z, mean, rstd = _chunked_ln_tanh_linear(
+        z, mean, rstd = _chunked_norm_act_linear(
             x_rows, rmask, f, D, H, eps, W, LNW, LNB, stride_x_d, stride_w_f, stride_w_h,
             stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_B, X_EVICT, DOT_DTYPE,
-            DOT_PRECISION, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K,
+            DOT_PRECISION, NORM, ACT, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K,
         )
     else:
-        _, t, mean, rstd, _ = _normalize_tanh(
+        _, _, t, mean, rstd, _ = _normalize_activate(
             x_ptrs, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
             stat_ptrs, stat_ptrs + stats_half, rmask, HAS_LNW, HAS_LNB, FAST_TANH, False,
-            EVEN_D, EVEN_B, X_EVICT,
+            EVEN_D, EVEN_B, X_EVICT, NORM, ACT,
         )
     if SAVE_STATS:
         if EVEN_B:
@@ -266,13 +354,14 @@ def _forward_tile(
         bias = tl.zeros([BLOCK_H], dtype=tl.float32)
         if HAS_BIAS:
             bias = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
-        _bias_relu_store(z, bias, y_row[:, None] + hs[None, :], rmask[:, None] & hmask[None, :], HAS_BIAS, True)
+        _bias_act_store(z, bias, y_row[:, None] + hs[None, :], rmask[:, None] & hmask[None, :], HAS_BIAS, True,
+                        OUT_ACT, FAST_TANH)
     elif W_LOADED:
         hs = tl.arange(0, BLOCK_H)
         if USE_DOT:
             t = t.to(DOT_DTYPE)
-        _store_linear_relu(t, w1, bias1, y_row[:, None] + hs[None, :], rmask[:, None] & (hs < H)[None, :],
-                           USE_DOT, BLOCK_H, DOT_PRECISION, HAS_BIAS, not (EVEN_B and BLOCK_H == 1))
+        _store_linear_act(t, w1, bias1, y_row[:, None] + hs[None, :], rmask[:, None] & (hs < H)[None, :],
+                          USE_DOT, BLOCK_H, DOT_PRECISION, HAS_BIAS, not (EVEN_B and BLOCK_H == 1), OUT_ACT, FAST_TANH)
     else:
         if USE_DOT:
             t = t.to(DOT_DTYPE)
@@ -289,8 +378,9 @@ def _forward_tile(
             bias = tl.zeros([BLOCK_H], dtype=tl.float32)
             if HAS_BIAS:
                 bias = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
-            _store_linear_relu(t, w, bias, y_row[:, None] + hs[None, :], rmask[:, None] & hmask[None, :],
-                               USE_DOT, BLOCK_H, DOT_PRECISION, HAS_BIAS, not (EVEN_B and BLOCK_H == 1))
+            _store_linear_act(t, w, bias, y_row[:, None] + hs[None, :], rmask[:, None] & hmask[None, :],
+                              USE_DOT, BLOCK_H, DOT_PRECISION, HAS_BIAS, not (EVEN_B and BLOCK_H == 1), OUT_ACT,
+                              FAST_TANH)
 
 
 @triton.jit
@@ -303,6 +393,7 @@ def ln_tanh_linear_relu_fwd(
     stride_y_f, stride_y_b,
     eps,
     HAS_BIAS: tl.constexpr, HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
+    NORM: tl.constexpr, ACT: tl.constexpr, OUT_ACT: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FAST_TANH: tl.constexpr, SAVE_STATS: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
@@ -338,16 +429,16 @@ def ln_tanh_linear_relu_fwd(
                 tile, f, w1, bias1, X, W, BIAS, LNW, LNB, Y, STATS, B, D, H, stats_half,
                 stride_x_f, stride_x_b, stride_x_d, stride_w_f, stride_w_h,
                 stride_bias_f, stride_lnw_f, stride_lnb_f, stride_y_f, stride_y_b, eps,
-                HAS_BIAS, HAS_LNW, HAS_LNB, USE_DOT, DOT_DTYPE, DOT_PRECISION, FAST_TANH, SAVE_STATS,
-                EVEN_D, EVEN_B, X_EVICT, BLOCK_K == BLOCK_D, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K,
+                HAS_BIAS, HAS_LNW, HAS_LNB, NORM, ACT, OUT_ACT, USE_DOT, DOT_DTYPE, DOT_PRECISION, FAST_TANH,
+                SAVE_STATS, EVEN_D, EVEN_B, X_EVICT, BLOCK_K == BLOCK_D, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K,
             )
     else:
         _forward_tile(
             pid_b, f, w1, bias1, X, W, BIAS, LNW, LNB, Y, STATS, B, D, H, stats_half,
             stride_x_f, stride_x_b, stride_x_d, stride_w_f, stride_w_h,
             stride_bias_f, stride_lnw_f, stride_lnb_f, stride_y_f, stride_y_b, eps,
-            HAS_BIAS, HAS_LNW, HAS_LNB, USE_DOT, DOT_DTYPE, DOT_PRECISION, FAST_TANH, SAVE_STATS,
-            EVEN_D, EVEN_B, X_EVICT, False, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K,
+            HAS_BIAS, HAS_LNW, HAS_LNB, NORM, ACT, OUT_ACT, USE_DOT, DOT_DTYPE, DOT_PRECISION, FAST_TANH,
+            SAVE_STATS, EVEN_D, EVEN_B, X_EVICT, False, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K,
         )
 
 
@@ -371,6 +462,7 @@ def ln_tanh_linear_relu_bwd(
     stride_part_prog,
     eps, inv_d,
     HAS_BIAS: tl.constexpr, HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
+    NORM: tl.constexpr, ACT: tl.constexpr, OUT_ACT: tl.constexpr,
     USE_DOT: tl.constexpr, BWD_DOT_PRECISION: tl.constexpr, FAST_TANH: tl.constexpr,
     LOAD_STATS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -406,10 +498,10 @@ def ln_tanh_linear_relu_bwd(
         mask = rmask[:, None] & cmask[None, :]
         x_ptrs = X + f * stride_x_f + rows64[:, None] * stride_x_b + cols[None, :] * stride_x_d
         stat_ptrs = STATS + f * B + rows64
-        xhat, t, _, rstd, g = _normalize_tanh(
+        xhat, a, t, _, rstd, g = _normalize_activate(
             x_ptrs, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
             stat_ptrs, stat_ptrs + stats_half, rmask, HAS_LNW, HAS_LNB, FAST_TANH, LOAD_STATS,
-            EVEN_D, EVEN_B, X_EVICT,
+            EVEN_D, EVEN_B, X_EVICT, NORM, ACT,
         )
         # Any strides: the gradient of `y.sum()` is an expanded scalar (all strides 0), read as it is.
         gy_ptrs = GY + f * stride_gy_f + rows64[:, None] * stride_gy_b + hs[None, :] * stride_gy_h
@@ -417,10 +509,16 @@ def ln_tanh_linear_relu_bwd(
             gy = tl.load(gy_ptrs).to(tl.float32)
         else:
             gy = tl.load(gy_ptrs, mask=rmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
-        # relu'(z) from z recomputed in fp32 (one small dot): the mask is that of the exact
-        # function even where a bf16 forward rounded z across zero, and y need not be kept.
-        z = _row_linear(t, w, USE_DOT, BLOCK_H, BWD_DOT_PRECISION) + bias[None, :]
-        dz = tl.where(z > 0, gy, 0.0)
+        # out_act'(z) from z recomputed in fp32 (one small dot): the relu mask is that of the
+        # exact function even where a bf16 forward rounded z across zero, and y need not be kept.
+        if OUT_ACT == 0:
+            dz = gy
+        else:
+            z = _row_linear(t, w, USE_DOT, BLOCK_H, BWD_DOT_PRECISION) + bias[None, :]
+            if OUT_ACT == 3:
+                dz = tl.where(z > 0, gy, 0.0)
+            else:
+                dz = gy * _activate_grad(z, _activate(z, OUT_ACT, FAST_TANH), OUT_ACT, FAST_TANH)
         if USE_DOT:
             # fp32 operands for every input dtype: dx = rstd * (projection of dt) cancels, and
             # rounding dz to bf16 first would cost ~3e-2 relative error in dx.
@@ -434,7 +532,7 @@ def ln_tanh_linear_relu_bwd(
             dt = tl.sum(dz[:, :, None] * w[None, :, :], axis=1)
             acc_w += tl.sum(dz[:, :, None] * t[:, None, :], axis=0)
         acc_b_rows += dz
-        da = dt * (1.0 - t * t)
+        da = dt * _activate_grad(a, t, ACT, FAST_TANH)
         if not (EVEN_D and EVEN_B):
             da = tl.where(mask, da, 0.0)
         if HAS_LNW:
@@ -442,10 +540,16 @@ def ln_tanh_linear_relu_bwd(
         if HAS_LNB:
             acc_lnb_rows += da
         dxhat = da * g[None, :]
-        # inv_d = 1/D correctly rounded on the host: a GPU fp32 `/` is approximate (2 ulp).
-        c1 = tl.sum(dxhat * xhat, axis=1) * inv_d
-        c2 = tl.sum(dxhat, axis=1) * inv_d
-        dx = (dxhat - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        if NORM == 0:
+            dx = dxhat
+        else:
+            # inv_d = 1/D correctly rounded on the host: a GPU fp32 `/` is approximate (2 ulp).
+            c1 = tl.sum(dxhat * xhat, axis=1) * inv_d
+            if NORM == 2:
+                dx = (dxhat - xhat * c1[:, None]) * rstd[:, None]
+            else:
+                c2 = tl.sum(dxhat, axis=1) * inv_d
+                dx = (dxhat - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
         # dx has x's strides, D not necessarily innermost (a permuted [D, B, F] buffer).
         dx_ptrs = DX + f * stride_dx_f + rows64[:, None] * stride_dx_b + cols[None, :] * stride_dx_d
         if EVEN_D and EVEN_B:

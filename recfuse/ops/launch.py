@@ -1,4 +1,7 @@
-"""Tensors -> kernel launches for `recfuse::ln_tanh_linear_relu` (forward and backward).
+"""Tensors -> kernel launches for `recfuse::ln_tanh_linear_relu` and `recfuse::feature_mlp`.
+
+Every entry point takes the call's `chain` (`recfuse.chain.Chain`: norm, activation, out
+activation; default LayerNorm -> tanh -> relu), which becomes three constexprs of one kernel family.
 
 A call's *signature* (shapes, strides, dtypes, devices and 16-byte alignment of every tensor,
 which parameters are present, eps, feature_dim) fixes everything but the data pointers: the
@@ -22,6 +25,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from ..chain import DEFAULT, codes as chain_codes
 from .._checks import call_signature as signature, tensor_signature as _tensor_signature
 from . import configs, kernels
 from ._compiled_launch import CompiledLaunchCache
@@ -165,7 +169,8 @@ class ForwardPlan:
         return y, stats
 
 
-def forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=False) -> ForwardPlan:
+def forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=False,
+                 chain=DEFAULT) -> ForwardPlan:
     """The launch plan of a forward call (built on a signature's first call, then cached).
 
     Parameters must have contiguous rows (stride 1 in their last dim), as `forward` ensures.
@@ -177,12 +182,12 @@ def forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_sta
         (256, 3)
     """
     if configs.override_active():
-        return _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats)
-    key = signature(x, weight, bias, ln_weight, ln_bias, eps, feature_dim) + (save_stats,)
+        return _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats, chain)
+    key = signature(x, weight, bias, ln_weight, ln_bias, eps, feature_dim) + (save_stats, chain)
     plan = _FORWARD_PLANS.get(key)
     if plan is None:
         plan = _FORWARD_PLANS[key] = _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
-                                                         save_stats)
+                                                         save_stats, chain)
     return plan
 
 
@@ -191,8 +196,10 @@ _FORWARD_PLANS: dict = {}
 _FWD_NOT_PERSISTENT: set = set()
 
 
-def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats) -> ForwardPlan:
+def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats,
+                        chain=DEFAULT) -> ForwardPlan:
     F, B, D, H = _sizes(x, weight, feature_dim)
+    save_stats = save_stats and chain.norm is not None  # without a norm there are no row stats
     dev = x.device
     cfg = configs.forward_config(D, H, x.dtype, _config_device(dev))
     even_d = D == cfg.block_d
@@ -222,8 +229,10 @@ def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, s
         float(eps),
     )
     chunked = cfg.block_k and cfg.use_dot and even_d and H <= cfg.block_h
+    norm, act, out_act = chain_codes(chain)
     meta = dict(
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
+        NORM=norm, ACT=act, OUT_ACT=out_act,
         USE_DOT=cfg.use_dot, **_dot_args(x.dtype, dev.type), FAST_TANH=_fast_tanh(x.dtype, dev.type),
         SAVE_STATS=save_stats, EVEN_D=even_d, EVEN_B=even_b, X_EVICT=cfg.x_evict,
         PERSISTENT=persistent, TILE_STAGES=cfg.tile_stages,
@@ -238,11 +247,12 @@ def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, s
                        (2, F, B) if save_stats else None)
 
 
-def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=False, key=None):
+def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=False, key=None, chain=DEFAULT):
     """Run the fused forward kernel; returns y in x's layout with D replaced by H.
 
     With ``save_stats`` returns ``(y, stats)``: stats is [2, F, B] fp32, every row's LayerNorm
-    mean and rstd, for `backward` to read instead of recomputing (8 bytes a row: O(F*B)).
+    mean and rstd, for `backward` to read instead of recomputing (8 bytes a row: O(F*B)); None
+    for a chain without a norm.
     ``key``: the call's `signature`, when the caller has it already.
 
     Example:
@@ -250,13 +260,13 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=Fa
         >>> y = forward(torch.randn(3, 64, 256), torch.randn(1, 256), None, None, None, 1e-5, 0)  # doctest: +SKIP
     """
     if key is not None and not configs.override_active():
-        plan = _FORWARD_PLANS.get(key + (save_stats,))
+        plan = _FORWARD_PLANS.get(key + (save_stats, chain))
         if plan is not None:  # a stored plan's parameters had contiguous rows, so these do too
             y, stats = plan(x, weight, bias, ln_weight, ln_bias)
             return (y, stats) if save_stats else y
     weight = _contiguous_rows(weight)
     bias, ln_weight, ln_bias = _contiguous_rows(bias), _contiguous_rows(ln_weight), _contiguous_rows(ln_bias)
-    plan = forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats)
+    plan = forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats, chain)
     try:
         y, stats = plan(x, weight, bias, ln_weight, ln_bias)
     except OutOfResources as err:
@@ -268,7 +278,7 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=Fa
         log.warning("recfuse: forward D=%d H=%d %s: %s; using one program per tile", D, H, x.dtype, err)
         _FWD_NOT_PERSISTENT.add((D, H, x.dtype, x.device.type))
         _FORWARD_PLANS.clear()
-        return forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats)
+        return forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats, chain=chain)
     return (y, stats) if save_stats else y
 
 
@@ -344,7 +354,8 @@ _BWD_PRECISION: dict = {}
 _WARNED: set = set()
 
 
-def backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats=None) -> Optional[BackwardPlan]:
+def backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats=None,
+                  chain=DEFAULT) -> Optional[BackwardPlan]:
     """The launch plan of a backward call, or None where the composite backward does the shape.
 
     Example:
@@ -355,18 +366,18 @@ def backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
         (False, 3)
     """
     if configs.override_active():
-        return _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats)
+        return _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, chain)
     key = (_tensor_signature(grad_y),) + signature(x, weight, bias, ln_weight, ln_bias, eps, feature_dim) + (
-        stats is not None,)
+        stats is not None, chain)
     plan = _BACKWARD_PLANS.get(key)
     if plan is None:
-        plan = _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats)
+        plan = _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, chain)
         if plan is not None:
             _BACKWARD_PLANS[key] = plan
     return plan
 
 
-def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats):
+def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, chain=DEFAULT):
     F, B, D, H = _sizes(x, weight, feature_dim)
     dev = x.device
     cfg = configs.backward_config(D, H, x.dtype, _config_device(dev))
@@ -396,8 +407,10 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
         K,
         float(eps), 1.0 / D if D else 0.0,
     )
+    norm, act, out_act = chain_codes(chain)
     meta = dict(
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
+        NORM=norm, ACT=act, OUT_ACT=out_act,
         USE_DOT=cfg.use_dot, BWD_DOT_PRECISION=_BWD_PRECISION.get(unfit_key, _fp32_dot_precision(dev.type)),
         FAST_TANH=_fast_tanh(x.dtype, dev.type, backward=True),
         LOAD_STATS=stats is not None,
@@ -418,10 +431,10 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
         BLOCK_J=8, BLOCK_K=block_k,
     )
     return BackwardPlan(cfg, (P, F), ints, meta, (F * P, K), reduce_grid, (F, P, K, H, D), reduce_meta,
-                        zero_dx=D == 1)
+                        zero_dx=D == 1 and chain.norm == "layer_norm")
 
 
-def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats=None, key=None):
+def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats=None, key=None, chain=DEFAULT):
     """Gradients (dx, dweight, dbias, dln_weight, dln_bias); empty tensors for absent parameters.
 
     ``stats``: the [2, F, B] mean/rstd a ``forward(..., save_stats=True)`` returned, read
@@ -435,17 +448,17 @@ def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stat
         >>> gx, gw, gb, glw, glb = backward(gy, x, w, None, None, None, 1e-5, 0)  # doctest: +SKIP
     """
     if key is not None and not configs.override_active():
-        plan = _BACKWARD_PLANS.get((_tensor_signature(grad_y),) + key + (stats is not None,))
+        plan = _BACKWARD_PLANS.get((_tensor_signature(grad_y),) + key + (stats is not None, chain))
         if plan is not None:
             return plan(grad_y, x, weight, bias, ln_weight, ln_bias, stats if plan.meta["LOAD_STATS"] else None)
     weight = _contiguous_rows(weight)
     bias, ln_weight, ln_bias = _contiguous_rows(bias), _contiguous_rows(ln_weight), _contiguous_rows(ln_bias)
-    plan = backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats)
+    plan = backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, chain)
     D, H = x.shape[2], weight.shape[-2]
     unfit_key = (D, H, x.dtype, weight.dim(), x.device.type)
     if plan is None:
         return _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
-                                          "the backward kernel does not cover", unfit_key)
+                                          "the backward kernel does not cover", unfit_key, chain)
     try:
         return plan(grad_y, x, weight, bias, ln_weight, ln_bias, stats if plan.meta["LOAD_STATS"] else None)
     except OutOfResources as err:
@@ -456,17 +469,17 @@ def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stat
         if plan.meta["BWD_DOT_PRECISION"] != "ieee":
             log.warning("recfuse: backward D=%d H=%d %s: %s; retrying with fp32 FMA dots", D, H, x.dtype, err)
             _BWD_PRECISION[unfit_key] = "ieee"
-            return backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats)
+            return backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, chain=chain)
         _BWD_UNFIT.add(unfit_key)
         return _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
-                                          f"the backward kernel ran out of resources ({err}) for", unfit_key)
+                                          f"the backward kernel ran out of resources ({err}) for", unfit_key, chain)
 
 
-def _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, why, key):
-    from .composite import composite_backward as _composite_backward
+def _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, why, key, chain):
+    from .composite import composite_backward
 
     D, H = key[0], key[1]
     level = logging.DEBUG if key in _WARNED else logging.WARNING  # once per shape, not per step
     _WARNED.add(key)
     log.log(level, "recfuse: %s D=%d, H=%d, %s; using the torch composite backward", why, D, H, x.dtype)
-    return _composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    return composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, chain)

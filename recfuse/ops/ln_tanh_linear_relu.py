@@ -30,8 +30,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .._checks import ValidatedSignatures, check_op_args
 from . import _cpu_compiled
-from ..reference import batched_ln_tanh_linear_relu
-from .composite import _empty, composite_backward as _composite_backward
+from ..chain import DEFAULT
+from ..reference import batched_feature_mlp, batched_ln_tanh_linear_relu
+from .composite import _empty, composite_backward
 
 __all__ = ["ln_tanh_linear_relu", "uses_triton"]
 
@@ -71,8 +72,10 @@ def _fwd_op(
 
 
 def _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=False, eager_entry=False,
-                  key=None):
+                  key=None, chain=DEFAULT):
     """y, or with ``save_stats`` (y, per-row mean/rstd for the backward; None on the composite).
+
+    ``chain``: which `feature_mlp` chain (`recfuse.chain.Chain`); the default is this op's.
 
     ``eager_entry``: called from the public function's real-tensor eager path, where CPU tensors
     may run the Inductor-compiled composite (`_cpu_compiled`); the custom op's impl never does.
@@ -81,12 +84,13 @@ def _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_st
     if x.dtype is not torch.float64 and uses_triton(x.device):
         from . import launch
 
-        return launch.forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=save_stats, key=key)
+        return launch.forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=save_stats, key=key,
+                              chain=chain)
     y = None
-    if eager_entry and x.device.type == "cpu":
+    if eager_entry and x.device.type == "cpu" and chain is DEFAULT:
         y = _cpu_compiled.forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
     if y is None:
-        y = batched_ln_tanh_linear_relu(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+        y = batched_feature_mlp(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, chain)
     return (y, None) if save_stats else y
 
 
@@ -117,16 +121,17 @@ def _bwd_op(
 
 
 def _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats=None, eager_entry=False,
-                   key=None):
+                   key=None, chain=DEFAULT):
     if x.dtype is not torch.float64 and uses_triton(x.device):
         from . import launch
 
-        return launch.backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, key=key)
-    if eager_entry and x.device.type == "cpu":
+        return launch.backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, key=key,
+                               chain=chain)
+    if eager_entry and x.device.type == "cpu" and chain is DEFAULT:
         grads = _cpu_compiled.backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
         if grads is not None:
             return grads
-    return _composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    return composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, chain)
 
 
 @_bwd_op.register_fake
@@ -143,15 +148,16 @@ def _bwd_fake(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
     )
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, ln_weight, ln_bias, eps, feature_dim = inputs
+def _setup_context(ctx, inputs, output, chain=DEFAULT):
+    x, weight, bias, ln_weight, ln_bias, eps, feature_dim = inputs[:7]
     # Only the inputs: the backward recomputes every activation (and the relu mask) from x.
     ctx.save_for_backward(x, weight, bias, ln_weight, ln_bias)
     ctx.eps = eps
     ctx.feature_dim = feature_dim
+    ctx.chain = chain
 
 
-def _differentiable_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+def _differentiable_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, chain=DEFAULT):
     """The five gradients as differentiable tensors, for a double backward (``create_graph=True``).
 
     Recomputes the chain with the batched torch composite under autograd and differentiates it
@@ -162,7 +168,7 @@ def _differentiable_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, f
         # A view per argument, so that one tensor passed twice gets each position's gradient.
         args = [t.view_as(t) if t is not None and t.requires_grad else t
                 for t in (x, weight, bias, ln_weight, ln_bias)]
-        y = batched_ln_tanh_linear_relu(*args, eps, feature_dim)
+        y = batched_feature_mlp(*args, eps, feature_dim, chain)
         wanted = [i for i, t in enumerate(args) if t is not None and t.requires_grad]
         grads = torch.autograd.grad(y, [args[i] for i in wanted], grad_y, create_graph=True, allow_unused=True)
     out = [None] * 5
@@ -171,13 +177,15 @@ def _differentiable_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, f
     return tuple(out)
 
 
-def _backward(ctx, grad_y, backward_fn=_bwd_op):
+def _backward(ctx, grad_y, backward_fn=_bwd_op, n_nontensor=2):
+    """Gradients of the five tensor inputs, then None for the `n_nontensor` other inputs."""
     x, weight, bias, ln_weight, ln_bias = ctx.saved_tensors
     if torch.is_grad_enabled() and _any_requires_grad(grad_y, x, weight, bias, ln_weight, ln_bias):
         # create_graph=True (grad mode is off in a plain backward): the gradients must be
         # differentiable themselves.
-        grads = _differentiable_backward(grad_y, x, weight, bias, ln_weight, ln_bias, ctx.eps, ctx.feature_dim)
-        return grads + (None, None)
+        grads = _differentiable_backward(grad_y, x, weight, bias, ln_weight, ln_bias, ctx.eps, ctx.feature_dim,
+                                         ctx.chain)
+        return grads + (None,) * n_nontensor
     gx, gw, gb, glw, glb = backward_fn(
         grad_y, x, weight, bias, ln_weight, ln_bias, ctx.eps, ctx.feature_dim
     )
@@ -187,9 +195,7 @@ def _backward(ctx, grad_y, backward_fn=_bwd_op):
         gb if bias is not None else None,
         glw if ln_weight is not None else None,
         glb if ln_bias is not None else None,
-        None,
-        None,
-    )
+    ) + (None,) * n_nontensor
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -206,22 +212,22 @@ class _EagerLnTanhLinearRelu(torch.autograd.Function):
     # The ctx-in-forward style on purpose: with a separate setup_context, Function.apply binds
     # default arguments through inspect.signature on every call (~10 us).
     @staticmethod
-    def forward(ctx, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, key):
+    def forward(ctx, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, key, chain=DEFAULT):
         args = (x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
         # The kernel keeps each row's mean and rstd (8 bytes a row) so that the backward skips
         # two of its five row reductions.
-        y, ctx.stats = _forward_impl(*args, save_stats=True, eager_entry=True, key=key)
+        y, ctx.stats = _forward_impl(*args, save_stats=True, eager_entry=True, key=key, chain=chain)
         ctx.key = key  # the saved tensors' signature: the backward's plan key starts with it
-        _setup_context(ctx, args, y)
+        _setup_context(ctx, args, y, chain)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         stats = ctx.stats
         ctx.stats = None
-        grads = _backward(ctx, grad_y, backward_fn=functools.partial(_backward_impl, stats=stats, eager_entry=True,
-                                                                     key=ctx.key))
-        return grads + (None,)
+        return _backward(ctx, grad_y, backward_fn=functools.partial(_backward_impl, stats=stats, eager_entry=True,
+                                                                    key=ctx.key, chain=ctx.chain),
+                         n_nontensor=4)
 
 
 _VALIDATED = ValidatedSignatures()
@@ -236,7 +242,7 @@ _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda
 # is autocast); the op computes in float32 (more accurate than a 16-bit Linear) and casts y.
 
 
-def _autocast_call(fn, device_type, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+def _autocast_call(fn, device_type, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, *chain_args):
     """fn(...) with autocast off for `device_type`, y cast to the autocast dtype.
 
     Parameters of mixed dtypes (bf16 x, fp32 LayerNorm weights: fine for an eager model under
@@ -247,11 +253,11 @@ def _autocast_call(fn, device_type, x, weight, bias, ln_weight, ln_bias, eps, fe
     dtypes = {t.dtype for t in tensors if isinstance(t, torch.Tensor)}
     if torch.float64 in dtypes or not all(d.is_floating_point for d in dtypes):
         with torch.autocast(device_type, enabled=False):
-            return fn(*tensors, eps, feature_dim)
+            return fn(*tensors, eps, feature_dim, *chain_args)
     if len(dtypes) > 1:
         tensors = tuple(t if t is None else t.to(torch.float32) for t in tensors)
     with torch.autocast(device_type, enabled=False):
-        y = fn(*tensors, eps, feature_dim)
+        y = fn(*tensors, eps, feature_dim, *chain_args)
     return y.to(torch.get_autocast_dtype(device_type))
 
 
@@ -274,7 +280,9 @@ for _device_type, _key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
 # vmap over the op itself (torch.func.vmap of a transformed graph, which calls torch.ops.recfuse...):
 # the vmapped dim N is folded into the feature dim, so one call of the op on N*F features (the
 # kernels on CUDA) computes all N; unbatched per-feature parameters are repeated N times.
-def _vmap_rule(info, in_dims, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+def _vmap_rule(info, in_dims, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, *chain_args,
+               op=_op_positional):
+    """`op`: how to call the custom op on the folded tensors (``chain_args`` passed through)."""
     n = info.batch_size
     x_dim, w_dim, b_dim, lw_dim, lb_dim = in_dims[:5]
 
@@ -301,7 +309,7 @@ def _vmap_rule(info, in_dims, x, weight, bias, ln_weight, ln_bias, eps, feature_
     bias = features_first(bias, b_dim, 2)
     ln_weight = features_first(ln_weight, lw_dim, 2)
     ln_bias = features_first(ln_bias, lb_dim, 2)
-    y = torch.ops.recfuse.ln_tanh_linear_relu(xf, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    y = op(xf, weight, bias, ln_weight, ln_bias, eps, feature_dim, *chain_args)
     if feature_dim == 0:
         return y.view(n, F, *y.shape[1:]), 0
     return y.view(y.shape[0], n, F, y.shape[2]), 1

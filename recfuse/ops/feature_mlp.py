@@ -1,0 +1,174 @@
+"""`recfuse::feature_mlp`: the op family norm -> activation -> Linear -> out activation per feature.
+
+The same machinery as `ln_tanh_linear_relu` (layouts, dtypes, shared or per-feature parameters,
+fp32 accumulation, deterministic fused backward, fake impl, autocast, vmap, double backward); the
+chain (`recfuse.chain.Chain`) travels as three string arguments of the custom op and becomes three
+constexprs of the one kernel family in `kernels.py`. The default chain (LayerNorm -> tanh -> relu)
+is `recfuse.ln_tanh_linear_relu` itself: `feature_mlp` calls it, so a graph, a compiled model or
+an exported program of the default chain holds the same `recfuse::ln_tanh_linear_relu` node.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from .._checks import ValidatedSignatures, check_chain_args, check_op_args
+from ..chain import DEFAULT, from_schema, to_schema
+from ..reference import batched_feature_mlp
+from .ln_tanh_linear_relu import (
+    _EagerLnTanhLinearRelu, _any_requires_grad, _autocast_call, _backward, _backward_impl, _empty, _forward_impl,
+    _functorch_active, _is_plain_eager, _setup_context, _vmap_rule, ln_tanh_linear_relu,
+)
+
+__all__ = ["feature_mlp"]
+
+
+@torch.library.custom_op("recfuse::feature_mlp", mutates_args=())
+def _fwd_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    ln_weight: Optional[torch.Tensor],
+    ln_bias: Optional[torch.Tensor],
+    eps: float,
+    feature_dim: int,
+    norm: str,
+    activation: str,
+    out_activation: str,
+) -> torch.Tensor:
+    return _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
+                         chain=from_schema(norm, activation, out_activation))
+
+
+@_fwd_op.register_fake
+def _fwd_fake(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, norm, activation, out_activation):
+    return x.new_empty((x.shape[0], x.shape[1], weight.shape[-2]))
+
+
+@torch.library.custom_op("recfuse::feature_mlp_backward", mutates_args=())
+def _bwd_op(
+    grad_y: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    ln_weight: Optional[torch.Tensor],
+    ln_bias: Optional[torch.Tensor],
+    eps: float,
+    feature_dim: int,
+    norm: str,
+    activation: str,
+    out_activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
+                          chain=from_schema(norm, activation, out_activation))
+
+
+@_bwd_op.register_fake
+def _bwd_fake(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, norm, activation, out_activation):
+    def like(t):
+        return _empty(x) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
+
+    return torch.empty_like(x), like(weight), like(bias), like(ln_weight), like(ln_bias)
+
+
+def _setup_chain_context(ctx, inputs, output):
+    _setup_context(ctx, inputs, output, from_schema(*inputs[7:10]))
+
+
+def _chain_backward(ctx, grad_y):
+    names = to_schema(ctx.chain)
+    return _backward(ctx, grad_y, backward_fn=lambda *args: _bwd_op(*args, *names), n_nontensor=5)
+
+
+_fwd_op.register_autograd(_chain_backward, setup_context=_setup_chain_context)
+
+
+def _op_positional(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, norm, activation, out_activation):
+    return torch.ops.recfuse.feature_mlp(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, norm, activation,
+                                         out_activation)
+
+
+def _public_positional(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, norm, activation, out_activation):
+    return feature_mlp(x, weight, bias, norm=norm, ln_weight=ln_weight, ln_bias=ln_bias, eps=eps,
+                       activation=activation, out_activation=out_activation, feature_dim=feature_dim)
+
+
+_AUTOCAST_LIB = torch.library.Library("recfuse", "IMPL")
+for _device_type, _key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
+    _AUTOCAST_LIB.impl("feature_mlp", functools.partial(_autocast_call, _op_positional, _device_type), _key)
+
+torch.library.register_vmap("recfuse::feature_mlp", functools.partial(_vmap_rule, op=_op_positional))
+
+_VALIDATED = ValidatedSignatures()
+
+
+def feature_mlp(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    norm: Optional[str] = "layer_norm",
+    ln_weight: Optional[torch.Tensor] = None,
+    ln_bias: Optional[torch.Tensor] = None,
+    eps: float = 1e-5,
+    activation: Optional[str] = "tanh",
+    out_activation: Optional[str] = "relu",
+    feature_dim: int = 0,
+) -> torch.Tensor:
+    """out_activation(Linear(activation(norm(x_f)))) for every feature slice f, in one op.
+
+    Args:
+        x: [F, B, D] (``feature_dim=0``) or [B, F, D] (``feature_dim=1``), float32/bfloat16/float16
+            (float64 runs the exact torch composite), any strides (a [B, F*D] buffer viewed as
+            [B, F, D] is read in place).
+        weight: [H, D] shared by all features, or [F, H, D] one per feature.
+        bias: None, [H] or [F, H].
+        norm: ``"layer_norm"``, ``"rms_norm"`` (x * rsqrt(mean(x^2) + eps), as
+            ``torch.nn.RMSNorm``) or None.
+        ln_weight, ln_bias: the norm's affine, None, [D] or [F, D]; must be None without a norm.
+        eps: the norm's epsilon (>= 0).
+        activation, out_activation: after the norm and after the Linear: ``"tanh"``,
+            ``"sigmoid"``, ``"relu"``, ``"gelu"`` (erf), ``"gelu_tanh"`` (tanh approximation),
+            ``"silu"`` or None.
+        feature_dim: which dim of x indexes features.
+
+    Returns:
+        x's layout with D replaced by H, in x's dtype (the autocast dtype under autocast);
+        float32 accumulation for every dtype; differentiable in every tensor argument, with a
+        fused deterministic backward. The default chain is exactly `recfuse.ln_tanh_linear_relu`.
+
+    Example:
+        >>> import torch, recfuse
+        >>> x = torch.randn(32, 16, 64)                        # [B, F, D]
+        >>> w = torch.randn(16, 8, 64, requires_grad=True)     # a Linear(64, 8) per feature
+        >>> y = recfuse.feature_mlp(x, w, norm="rms_norm", activation="silu", out_activation=None,
+        ...                         feature_dim=1)
+        >>> ref = recfuse.reference.feature_mlp(x, w, norm="rms_norm", activation="silu",
+        ...                                     out_activation=None, feature_dim=1)
+        >>> y.shape, torch.allclose(y, ref, atol=1e-4)
+        (torch.Size([32, 16, 8]), True)
+        >>> y.sum().backward()
+    """
+    chain = check_chain_args(norm, activation, out_activation, ln_weight, ln_bias)
+    if chain == DEFAULT:
+        return ln_tanh_linear_relu(x, weight, bias, ln_weight=ln_weight, ln_bias=ln_bias, eps=eps,
+                                   feature_dim=feature_dim)
+    names = to_schema(chain)
+    if isinstance(x, torch.fx.Proxy):
+        return torch.ops.recfuse.feature_mlp(x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim), *names)
+    if isinstance(x, torch.Tensor) and torch.is_autocast_enabled("cuda" if x.is_cuda else x.device.type):
+        return _autocast_call(_public_positional, "cuda" if x.is_cuda else x.device.type,
+                              x, weight, bias, ln_weight, ln_bias, eps, feature_dim, *chain)
+    if _is_plain_eager(x) and not _functorch_active():
+        key = _VALIDATED.check(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+        eps, feature_dim = float(eps), int(feature_dim)
+        if not (torch.is_grad_enabled() and _any_requires_grad(x, weight, bias, ln_weight, ln_bias)):
+            return _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, eager_entry=True, key=key,
+                                 chain=chain)
+        return _EagerLnTanhLinearRelu.apply(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, key, chain)
+    check_op_args(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    if _is_plain_eager(x):
+        return batched_feature_mlp(x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim), chain)
+    return torch.ops.recfuse.feature_mlp(x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim), *names)

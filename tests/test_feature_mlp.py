@@ -1,0 +1,235 @@
+"""`recfuse.feature_mlp`: every chain against the float64 per-slice reference, forward and backward.
+
+The same checks run on the CPU composite (plain run) and on the Triton kernels (``-m interpret``
+under TRITON_INTERPRET=1; on a GPU when one is present).
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import recfuse
+from recfuse.chain import ACTIVATIONS, DEFAULT, NORMS, Chain
+from recfuse.ops import launch
+from op_cases import Case, check_against_float64, rel_err
+
+ALL_CHAINS = [Chain(n, a, o) for n, a, o in itertools.product(NORMS, ACTIVATIONS, ACTIVATIONS)]
+
+
+def chain_id(c: Chain) -> str:
+    return "-".join(str(v) for v in c)
+
+
+def _case_for(chain: Chain, **kw) -> Case:
+    kw.setdefault("ln", "per_feature")
+    if chain.norm is None:
+        kw["ln"] = "none"  # a norm's affine needs a norm
+    return Case(**kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# every combination: CPU composite, then the kernels under the interpreter
+
+
+@pytest.mark.parametrize("chain", ALL_CHAINS, ids=chain_id)
+def test_every_chain_matches_float64_on_the_composite(chain):
+    check_against_float64(_case_for(chain, F=3, B=6, D=12, H=4, feature_dim=1, bias="per_feature"),
+                          torch.float32, chain=chain)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("chain", ALL_CHAINS, ids=chain_id)
+def test_every_chain_matches_float64_in_the_kernels(chain):
+    # D=12: masked columns (sigmoid(0) = 0.5 on padded lanes must add nothing); B=5: masked rows.
+    with launch.trace_launches() as launches:
+        check_against_float64(_case_for(chain, F=2, B=5, D=12, H=3, feature_dim=1, ln="shared"),
+                              torch.float32, chain=chain)
+    assert [k for k, *_ in launches] == ["forward", "backward"]
+
+
+REPRESENTATIVE = [
+    Chain("rms_norm", "silu", None),
+    Chain(None, None, "relu"),          # a per-feature Linear -> relu alone
+    Chain("layer_norm", "gelu", "sigmoid"),
+    Chain(None, "gelu_tanh", "tanh"),
+]
+
+LAYOUT_CASES = [
+    dict(F=3, B=16, D=16, H=1, feature_dim=0, bias="shared"),
+    dict(F=2, B=9, D=24, H=5, feature_dim=1, per_feature_weight=True, bias="none", strided_view=True),
+    dict(F=4, B=8, D=32, H=16, feature_dim=1, per_feature_weight=True, bias="per_feature"),  # tl.dot path
+    dict(F=2, B=7, D=1, H=2, feature_dim=0, eps=0.1),
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case_kw", LAYOUT_CASES, ids=lambda kw: str(Case(**kw)))
+@pytest.mark.parametrize("chain", REPRESENTATIVE, ids=chain_id)
+def test_representative_chains_over_layouts_and_dtypes(chain, case_kw, dtype):
+    check_against_float64(_case_for(chain, **case_kw), dtype, chain=chain)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("chain", REPRESENTATIVE[:3], ids=chain_id)
+def test_k_chunked_forward_of_other_chains(chain):
+    from recfuse.ops import configs
+
+    def chunked(D, H, dt, full_tiles=True):
+        return configs.heuristic_forward(D, H, dt, full_tiles, block_k=16, block_b=16)
+
+    with configs.override(forward=chunked), launch.trace_launches() as launches:
+        check_against_float64(_case_for(chain, F=2, B=32, D=64, H=16), torch.float32, chain=chain)
+    assert [meta["BLOCK_K"] for kind, _, meta, _ in launches if kind == "forward"] == [16]
+
+
+@pytest.mark.parametrize("chain", REPRESENTATIVE, ids=chain_id)
+def test_representative_chains_in_bfloat16_on_the_composite(chain):
+    check_against_float64(_case_for(chain, F=3, B=8, D=16, H=4, feature_dim=1), torch.bfloat16, chain=chain)
+
+
+@settings(max_examples=25, deadline=None)
+# D >= 3: LayerNorm over 2 elements gives +-1 whatever x is, so dx is pure fp32 rounding
+# (test_op.py has explicit D=1 and D=2 cases).
+@given(chain=st.sampled_from(ALL_CHAINS), F=st.integers(1, 4), B=st.integers(1, 9), D=st.integers(3, 20),
+       H=st.integers(1, 6), feature_dim=st.integers(0, 1), per_feature_weight=st.booleans(),
+       bias=st.sampled_from(["none", "shared", "per_feature"]), ln=st.sampled_from(["none", "shared", "per_feature"]))
+def test_property_any_chain_any_shape(chain, F, B, D, H, feature_dim, per_feature_weight, bias, ln):
+    case = _case_for(chain, F=F, B=B, D=D, H=H, feature_dim=feature_dim, per_feature_weight=per_feature_weight,
+                     bias=bias, ln=ln)
+    try:
+        check_against_float64(case, torch.float32, chain=chain)
+    except AssertionError as e:
+        if "degenerate case" in str(e):  # every output exactly zero (relu closed everywhere)
+            return
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# the op's surface
+
+
+def test_default_chain_is_ln_tanh_linear_relu():
+    x, w = torch.randn(3, 5, 8), torch.randn(2, 8)
+    assert torch.equal(recfuse.feature_mlp(x, w), recfuse.ln_tanh_linear_relu(x, w))
+    gm = torch.fx.symbolic_trace(lambda x, w: recfuse.feature_mlp(x, w))
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets == [torch.ops.recfuse.ln_tanh_linear_relu]
+
+
+def test_other_chains_are_one_feature_mlp_node_under_export_and_compile():
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 3, 8))
+
+        def forward(self, x):
+            return recfuse.feature_mlp(x, self.w, norm="rms_norm", activation="gelu", out_activation=None,
+                                       feature_dim=1)
+
+    m, x = M(), torch.randn(6, 4, 8)
+    ep = torch.export.export(m, (x,))
+    ops = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert ops == [torch.ops.recfuse.feature_mlp.default], ops
+    ref = recfuse.reference.feature_mlp(x.double(), m.w.double(), norm="rms_norm", activation="gelu",
+                                        out_activation=None, feature_dim=1)
+    assert rel_err(ep.module()(x), ref) < 1e-5
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    y = compiled(x)
+    y.sum().backward()
+    assert rel_err(y, ref) < 1e-5
+    w64 = m.w.detach().double().requires_grad_(True)
+    recfuse.reference.feature_mlp(x.double(), w64, norm="rms_norm", activation="gelu", out_activation=None,
+                                  feature_dim=1).sum().backward()
+    assert rel_err(m.w.grad, w64.grad) < 1e-5
+
+
+def test_double_backward_and_func_grad_of_another_chain():
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    kw = dict(norm="rms_norm", activation="sigmoid", out_activation="silu")
+    op = torch.ops.recfuse.feature_mlp
+    torch.autograd.gradcheck(lambda x, w: op(x, w, None, None, None, 1e-5, 0, "rms_norm", "sigmoid", "silu"), (x, w))
+    torch.autograd.gradgradcheck(lambda x, w: op(x, w, None, None, None, 1e-5, 0, "rms_norm", "sigmoid", "silu"),
+                                 (x, w))
+    g = torch.func.grad(lambda x: recfuse.feature_mlp(x, w, **kw).sum())(x)
+    x2 = x.detach().requires_grad_(True)
+    recfuse.reference.feature_mlp(x2, w, **kw).sum().backward()
+    assert rel_err(g, x2.grad) < 1e-10
+
+
+def test_autocast_returns_the_autocast_dtype():
+    x, w = torch.randn(2, 5, 8), torch.randn(3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = recfuse.feature_mlp(x, w, norm=None, activation="relu", out_activation="gelu")
+    assert y.dtype == torch.bfloat16
+    ref = recfuse.reference.feature_mlp(x.double(), w.double(), norm=None, activation="relu", out_activation="gelu")
+    assert rel_err(y, ref) < 1e-2
+
+
+def test_vmap_folds_into_the_feature_dim():
+    w = torch.randn(4, 3, 8)
+    xs = torch.randn(2, 4, 5, 8)
+    kw = dict(norm="rms_norm", activation="tanh", out_activation=None)
+    y = torch.func.vmap(lambda x: recfuse.feature_mlp(x, w, **kw))(xs)
+    ref = torch.stack([recfuse.reference.feature_mlp(x.double(), w.double(), **kw) for x in xs])
+    assert rel_err(y, ref) < 1e-5
+
+
+def test_nan_parity_where_torch_gives_nan():
+    x = torch.randn(3, 4, 8)
+    x[1, 2] = 2.0  # a constant row: LayerNorm with eps=0 divides 0 by 0
+    x[0, 1] = 0.0  # a zero row: RMSNorm with eps=0 divides 0 by 0
+    w = torch.randn(2, 8)
+    for norm in ("layer_norm", "rms_norm"):
+        y = recfuse.feature_mlp(x, w, norm=norm, eps=0.0, activation="silu", out_activation="sigmoid")
+        ref = recfuse.reference.feature_mlp(x, w, norm=norm, eps=0.0, activation="silu", out_activation="sigmoid")
+        assert torch.isnan(ref).any()
+        assert torch.equal(torch.isnan(y), torch.isnan(ref)), norm
+        assert rel_err(y[~torch.isnan(y)], ref[~torch.isnan(ref)]) < 1e-5
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(norm="batch_norm"), "norm must be one of 'layer_norm', 'rms_norm' or None, got 'batch_norm'"),
+    (dict(activation="swish"), "activation must be one of"),
+    (dict(out_activation=1), "out_activation must be one of"),
+    (dict(norm=None, ln_weight=torch.ones(8)), "ln_weight is given but norm=None"),
+    (dict(norm=None, ln_bias=torch.ones(8)), "ln_bias is given but norm=None"),
+])
+def test_bad_chains_are_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        recfuse.feature_mlp(torch.randn(2, 3, 8), torch.randn(1, 8), **kwargs)
+
+
+def test_bad_shapes_are_refused_as_by_ln_tanh_linear_relu():
+    with pytest.raises(ValueError, match=r"weight must be \[H, D=8\]"):
+        recfuse.feature_mlp(torch.randn(2, 3, 8), torch.randn(1, 7), norm="rms_norm")
+
+
+# ---------------------------------------------------------------------------------------------
+# on the GPU (skipped without one): realistic sizes, every kernel path, every dtype
+
+CUDA_CASES = [
+    dict(F=8, B=1000, D=64, H=1, feature_dim=1, strided_view=True),                 # row path
+    dict(F=4, B=777, D=160, H=16, feature_dim=1, per_feature_weight=True, bias="per_feature"),  # masked D, dot
+    dict(F=4, B=1024, D=256, H=64, feature_dim=0, ln="shared"),                     # chunked / persistent
+    dict(F=6, B=513, D=48, H=4, feature_dim=1, strided_view=True, bias="none"),
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case_kw", CUDA_CASES, ids=lambda kw: str(Case(**kw)))
+@pytest.mark.parametrize("chain", REPRESENTATIVE + [DEFAULT, Chain("rms_norm", "gelu", "relu")], ids=chain_id)
+def test_chains_on_cuda_match_float64(chain, case_kw, dtype):
+    from recfuse.ops import configs
+
+    case = _case_for(chain, **case_kw)
+    with launch.trace_launches() as launches:
+        check_against_float64(case, dtype, device="cuda", chain=chain)
+    # The kernels ran, not a fallback (the backward kernel covers every shape a config exists for).
+    has_backward = configs.backward_config(case.D, case.H, dtype, torch.cuda.current_device()) is not None
+    assert [k for k, *_ in launches] == ["forward"] + ["backward"] * has_backward
