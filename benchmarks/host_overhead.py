@@ -92,10 +92,14 @@ def build_rows(F_, B, D, H, dtype, dev="cuda"):
         compiled_combined = torch.compile(lambda t: batched_ln_tanh_linear_relu(t.view(B, F_, D), *own, 1e-5, 1),
                                           mode="reduce-overhead")
         graphed_fused = torch.cuda.make_graphed_callables(fused_g, (xg,))
+        # xg among the leaves whose .grad is reset: autograd keeps the first dx as xg.grad without
+        # a copy, and that tensor is a graph output the next replay overwrites.
         return {
-            "transform training step, compile reduce-overhead": train_step(lambda: compiled_fused(xg), list(fused_c.parameters())),
-            "transform training step, make_graphed_callables": train_step(lambda: graphed_fused(xg), list(fused_g.parameters())),
-            "combined training step, compile reduce-overhead": train_step(lambda: compiled_combined(xg), own),
+            "transform training step, compile reduce-overhead":
+                train_step(lambda: compiled_fused(xg), [xg, *fused_c.parameters()]),
+            "transform training step, make_graphed_callables":
+                train_step(lambda: graphed_fused(xg), [xg, *fused_g.parameters()]),
+            "combined training step, compile reduce-overhead": train_step(lambda: compiled_combined(xg), [xg, *own]),
         }
 
     tanh_in = torch.randn(1024, device=dev)

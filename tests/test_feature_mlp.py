@@ -232,4 +232,8 @@ def test_chains_on_cuda_match_float64(chain, case_kw, dtype):
         check_against_float64(case, dtype, device="cuda", chain=chain)
     # The kernels ran, not a fallback (the backward kernel covers every shape a config exists for).
     has_backward = configs.backward_config(case.D, case.H, dtype, torch.cuda.current_device()) is not None
-    assert [k for k, *_ in launches] == ["forward"] + ["backward"] * has_backward
+    kinds = [k for k, *_ in launches]
+    # A backward launch that does not fit the device (3xTF32 operands of H=64 D=256) is retried
+    # once with plain fp32 dots before anything runs: still the kernel, traced twice.
+    assert kinds[0] == "forward" and kinds.count("forward") == 1, kinds
+    assert (kinds[-1] == "backward") == has_backward and kinds.count("backward") <= 2, kinds
