@@ -237,3 +237,27 @@ def test_chains_on_cuda_match_float64(chain, case_kw, dtype):
     # once with plain fp32 dots before anything runs: still the kernel, traced twice.
     assert kinds[0] == "forward" and kinds.count("forward") == 1, kinds
     assert (kinds[-1] == "backward") == has_backward and kinds.count("backward") <= 2, kinds
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("shape, feature_dim", [((0, 4, 8), 0), ((3, 0, 8), 0), ((4, 0, 8), 1), ((2, 3, 1), 0)])
+@pytest.mark.parametrize("chain", [Chain("rms_norm", "silu", None), Chain(None, None, "gelu_tanh")], ids=chain_id)
+def test_empty_and_one_wide_inputs_in_the_kernels(chain, shape, feature_dim):
+    kw = dict(norm=chain.norm, activation=chain.activation, out_activation=chain.out_activation)
+    x = torch.randn(shape, requires_grad=True)
+    w = torch.randn(shape[feature_dim], 2, shape[2], requires_grad=True)
+    y = recfuse.feature_mlp(x, w, feature_dim=feature_dim, **kw)
+    y.sum().backward()
+    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    ref = recfuse.reference.feature_mlp(x64, w64, feature_dim=feature_dim, **kw)
+    assert y.shape == ref.shape
+    if ref.requires_grad:  # F=0: the reference's result is a constant
+        ref.sum().backward()
+    # A norm over one element is ~sign(x): its x-gradient is a cancellation (1 - xhat^2 ~ eps / x^2)
+    # that float32 resolves to ~1e-2 at best, on any path.
+    x_tol = 1e-2 if shape[2] == 1 and chain.norm is not None else 1e-5
+    for out, want, tol in ((y, ref, 1e-5), (x.grad, x64.grad, x_tol), (w.grad, w64.grad, 1e-5)):
+        want = torch.zeros_like(out, dtype=torch.float64) if want is None else want
+        assert out.shape == want.shape
+        if out.numel():
+            assert rel_err(out, want) < tol
