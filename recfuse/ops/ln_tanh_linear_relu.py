@@ -82,11 +82,12 @@ def _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_st
         from . import launch
 
         return launch.forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=save_stats, key=key)
-    y = None
     if eager_entry and x.device.type == "cpu":
-        y = _cpu_compiled.forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
-    if y is None:
-        y = batched_ln_tanh_linear_relu(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+        # (y, saved tensors) with save_stats, else y; None: run the eager composite.
+        out = _cpu_compiled.forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save=save_stats)
+        if out is not None:
+            return out
+    y = batched_ln_tanh_linear_relu(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
     return (y, None) if save_stats else y
 
 
@@ -123,7 +124,7 @@ def _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim
 
         return launch.backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, key=key)
     if eager_entry and x.device.type == "cpu":
-        grads = _cpu_compiled.backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+        grads = _cpu_compiled.backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats)
         if grads is not None:
             return grads
     return _composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
