@@ -1,24 +1,41 @@
-"""CPU fast path: the batched composite (forward) and the analytic backward, compiled by Inductor.
+"""CPU fast path: the op's forward and backward compiled by Inductor (C++), per parameter variant.
 
-On CPU tensors the op's plain eager calls run ``torch.compile`` (Inductor's C++ codegen) of
-`reference.batched_ln_tanh_linear_relu` and of the analytic backward `_composite_backward`,
-one compiled function per parameter-kind variant: which of bias / ln_weight / ln_bias are present,
-each shared or per feature, shared or per-feature weight, feature_dim, eps and the dtypes. Each
-is compiled with ``dynamic=True``, so a new shape of a compiled variant reuses its code (sizes 0
-and 1 are specialised by Dynamo and compile once more); Inductor's on-disk cache
-(``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_$USER``) makes a later process's first
-call cheap. Low-precision inputs are upcast inside the compiled functions (float32 accumulation,
-as on the eager composite and the Triton kernels).
+On CPU tensors the op's plain eager calls (`recfuse.ln_tanh_linear_relu`, and so a transformed
+model and `FusedFeatureProcessor`, which call it) run ``torch.compile`` of three small torch
+functions, one set per variant: which of bias / ln_weight / ln_bias are present, each shared or
+per feature, shared or per-feature weight, its [H, D], eps, feature_dim and the dtype.
+
+* inference forward: x -> y. For a narrow Linear (H <= `SMALL_H`) the matmul is written as a
+  broadcast-multiply-sum, so Inductor emits one C++ loop over rows: each row of x is read once,
+  normalised, tanh'd and reduced against the weight in cache; nothing of size [F, B, D] is written.
+* training forward: the same, also returning what the backward needs: the float32 tanh output
+  t ([F, B, D]), the rows' mean and rstd and the relu mask. On a CPU tanh is most of the
+  forward's time, so the backward reads t instead of recomputing it (the GPU kernels recompute:
+  there memory traffic is the cost).
+* backward: the five gradients from grad_y, x and those saved tensors; nothing is recomputed.
+
+Sizes: F and B are dynamic (marked on a variant's first call), D and H static (part of the
+variant), so the loops over a row have constant trip counts and a new F or B reuses the code
+(sizes 0 and 1 are specialised and compile once more). Inputs are passed detached, so
+requires_grad (inference, frozen parameters) never compiles again. Low-precision inputs are
+computed in float32 and y cast back (the numerics contract of the eager composite and the
+kernels); NaN where the eager composite has NaN; no atomics, so results are deterministic.
+
+First-call cost (2-core AMD EPYC, idle machine): ~6 s for a variant's first compile in a fresh
+process with an empty Inductor cache (about half of it is Dynamo/Inductor's own start in the
+process), ~3 s for each further graph of the variant; a later process reads the compiled code
+from Inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_$USER``)
+in ~0.5-2.5 s; a new F or B of a compiled variant costs nothing. `INDUCTOR_OPTIONS` keeps it low.
+benchmarks/results/split_stack_vs_combined_cpu.txt has the measured numbers.
 
 When a compile fails (no C++ compiler, an Inductor error) the variant falls back to the eager
-composite for the rest of the process, with one warning. The fast path is used only for real
-tensors on the eager path of `recfuse.ln_tanh_linear_relu` (inference, and the forward/backward
-of its autograd.Function); the custom op's own implementation (what torch.compile, export and
-``torch.ops.recfuse...`` calls run) stays on the eager composite.
+composite for the rest of the process, with one warning; a second backward through a retained
+graph (the saved tensors are consumed by the first) runs the eager composite backward. The
+custom op's own implementation (what torch.compile, export and ``torch.ops.recfuse...`` calls
+run) stays on the eager composite, so that tracing and fake tensors see plain torch code.
 
-Switch (``eager`` is the default for now: the first call of a variant compiles for ~10-13 s on a
-2-core machine, over the 10 s budget, and the CPU benchmark has not yet shown the compiled path
-against `torch.compile(combined)`; opt in with ``compiled``):
+Switch (``compiled`` is the default: it is faster than ``torch.compile`` of the batched
+composite at the benchmark's CPU shapes, forward and training step):
 
 * ``RECFUSE_CPU_BACKEND=compiled|eager`` in the environment, read at import;
 * ``recfuse.ops.set_cpu_backend("eager")`` (returns the previous setting);
@@ -42,15 +59,16 @@ log = logging.getLogger(__name__)
 
 CPU_BACKENDS = ("compiled", "eager")
 _ENV = "RECFUSE_CPU_BACKEND"
+_DEFAULT_BACKEND = "compiled"
 
 _LOW_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _backend_from_env() -> str:
-    value = os.environ.get(_ENV, "eager").strip().lower() or "eager"
+    value = os.environ.get(_ENV, _DEFAULT_BACKEND).strip().lower() or _DEFAULT_BACKEND
     if value not in CPU_BACKENDS:
-        warnings.warn(f"{_ENV}={value!r} is not one of {CPU_BACKENDS}; using 'eager'", stacklevel=2)
-        return "eager"
+        warnings.warn(f"{_ENV}={value!r} is not one of {CPU_BACKENDS}; using {_DEFAULT_BACKEND!r}", stacklevel=2)
+        return _DEFAULT_BACKEND
     return value
 
 
@@ -72,7 +90,7 @@ def get_cpu_backend() -> str:
 
 
 def set_cpu_backend(backend: str, *, dynamo_backend: Union[str, Callable] = "inductor") -> str:
-    """Choose how CPU tensors run the op: ``"compiled"`` (Inductor C++) or ``"eager"`` (the default).
+    """Choose how CPU tensors run the op: ``"compiled"`` (Inductor C++, the default) or ``"eager"``.
 
     Sets the process-wide default and this thread's setting; returns the previous backend.
     ``dynamo_backend`` is the ``torch.compile`` backend of the compiled path (tests pass one that
@@ -160,14 +178,23 @@ def _linear(t: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torc
     return z if b is None else z + b
 
 
+def _row_sum(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Sum of g [F, B, ...] over B, and over F too where the parameter p is shared, accumulated
+    in float64. float64 on purpose: Inductor guards a float32 sum over more than 4096 elements
+    (it switches to a cascade accumulator there), so float32 sums over the dynamic rows would
+    compile the backward again the first time F*B crosses 4096; a float64 sum has no such
+    guard, and is at least as accurate."""
+    per_feature = p.dim() == g.dim() - 1     # [F, K] / [F, H, D] parameters keep F
+    return g.sum(1 if per_feature else (0, 1), dtype=torch.float64)
+
+
 def _linear_backward(dz: torch.Tensor, t: torch.Tensor, w: torch.Tensor):
     """(dt, gw) of z = t @ w.T: dt = dz @ w [F, B, D], gw = dz.T @ t ([H, D] or [F, H, D])."""
     if w.shape[-2] <= SMALL_H:
         wb = w.unsqueeze(1) if w.dim() == 3 else w
         dt = (dz.unsqueeze(-1) * wb).sum(-2)
         outer = dz.unsqueeze(-1) * t.unsqueeze(-2)              # [F, B, H, D], fused into its sum
-        gw = outer.sum(1) if w.dim() == 3 else outer.sum((0, 1))
-        return dt, gw
+        return dt, _row_sum(outer, w)
     if w.dim() == 3:
         return torch.bmm(dz, w), torch.bmm(dz.transpose(1, 2), t)
     H, D = w.shape
@@ -228,8 +255,7 @@ def _make_backward(eps: float, feature_dim: int) -> Callable:
         def reduce_param(g, p):  # sum over B, and over F when the parameter is shared
             if p is None:
                 return x.new_empty((0,))
-            g = g.sum(1)
-            return (g if p.dim() == 2 else g.sum(0)).to(p.dtype)
+            return _row_sum(g, p).to(p.dtype)
 
         gb = reduce_param(dz, bias)
         glw = reduce_param(da * xhat, ln_weight)
