@@ -29,6 +29,7 @@ columns:
               on the device; CPU: top-level aten/recfuse ops, which does not see the C++ loops
               Inductor generates)
     speedup   eager split_stack's time / the row's time, wall and GPU
+    x cc      torch.compile(combined)'s wall time / the row's (the CPU target: recfuse rows >= 1)
     %copy     the row's effective bandwidth as a percentage of a device-to-device copy timed in
               the same run: forward moves bytes(x) + bytes(y), forward+backward
               3 bytes(x) + 3 bytes(y) (backward re-reads x and y, reads grad_y, writes grad_x).
@@ -38,6 +39,16 @@ columns:
               CPU: n/a
     rel err   largest ||out - ref|| / ||ref|| against float64 over y (and, with --backward, the
               gradients of x, weight and bias); tolerance 1e-5 fp32, 1e-2 bf16, 5e-3 fp16
+
+On a CPU (`make bench` without a GPU) the defaults are the issue's CPU shapes (16,256,64 /
+32,2048,64 / 64,4096,64, H=1) in fp32 and bf16, forward and training step (--no-backward: forward
+only), rows CPU_DEFAULT_ROWS (torch.compile(split_stack) and Inductor batch fusion compile for
+minutes at F=64; --rows adds them). Each case's rows are timed interleaved: `repeats` rounds of one
+call per row (median per row), so the load of a shared machine falls on all rows alike. Before
+the cases, recfuse's first calls (compiling a CPU variant) are timed in fresh processes with an
+empty and with a warm Inductor cache (--no-first-call skips it). The progress bar is on stderr and
+closed before the table; the profiler's C-level output is silenced. --save also writes the table
+as split_stack_vs_combined_cpu.txt.
 
 A row whose feature is missing (recfuse.transform not written yet, no GPU for CUDA graphs) is
 shown as "n/a (reason)"; a row that raises is shown as "error (reason)"; both are logged and the
@@ -58,7 +69,11 @@ import copy
 import fnmatch
 import json
 import logging
+import os
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +111,9 @@ ROW_LABELS = {
     "recfuse_op": "recfuse op",
 }
 BASELINE_ROW = "split_stack"
+PEER_ROW = "compile_combined"      # the CPU target: recfuse rows at least as fast as this one
+CPU_DEFAULT_ROWS = ["split_stack", "combined", "compile_combined", "recfuse_transform", "fused_feature_processor",
+                    "recfuse_op"]
 BENCHMARK = "split_stack_vs_combined"   # tags our JSON among other results in benchmarks/results/
 
 
@@ -148,9 +166,11 @@ def default_cases(device: torch.device) -> list[tuple[tuple[int, int, int, int],
     if device.type == "cuda":
         return [((16, 1024, 256, 1), fp32), ((128, 8192, 256, 1), fp32),
                 ((128, 8192, 256, 1), bf16), ((128, 8192, 256, 16), fp32)]
-    # F drives compile time (torch.compile(split_stack) traces F slices; its backward at F=64
-    # compiles for about a minute here), so the larger CPU shape grows B, not F.
-    return [((16, 256, 64, 1), fp32), ((32, 2048, 64, 1), fp32)]
+    # The issue's CPU shapes, fp32 and bf16. torch.compile(split_stack) traces F slices (its
+    # backward at F=64 compiles for about a minute here), so its rows are not in the CPU default
+    # (CPU_DEFAULT_ROWS); --rows brings them back.
+    shapes = [(16, 256, 64, 1), (32, 2048, 64, 1), (64, 4096, 64, 1)]
+    return [(s, dt) for s in shapes for dt in (fp32, bf16)]
 
 
 def build_cases(args, device) -> list[Case]:
@@ -537,6 +557,7 @@ def run_row(key: str, inputs: Inputs, ref: Reference, case: Case, device, args) 
     result["errors"] = errors
     result["max_rel_err"] = max(errors.values())
     result["tolerance"] = tolerance
+    result["first_call_s"] = first_call_s     # recfuse rows: includes compiling a new CPU variant
     if key in COMPILED_ROWS:
         result["compile_s"] = first_call_s
         log.info("%s: compiled in %.1f s", key, first_call_s)
@@ -549,6 +570,12 @@ def run_row(key: str, inputs: Inputs, ref: Reference, case: Case, device, args) 
         result["status"] = "inaccurate"
         log.warning("%s: error %.2e above tolerance %.0e (%s); timed anyway", key,
                     result["max_rel_err"], tolerance, errors)
+    if device.type == "cpu":
+        # Timed later, interleaved with the case's other rows (`time_rows_interleaved`).
+        result["_step"] = step
+        for _ in range(args.warmup):
+            step()
+        return result
     try:
         for _ in range(args.warmup):
             step()
@@ -561,6 +588,32 @@ def run_row(key: str, inputs: Inputs, ref: Reference, case: Case, device, args) 
         log.warning("%s: error while timing (%s: %s)", key, type(e).__name__, e)
         return {**result, "status": "error", "reason": f"timing: {type(e).__name__}: {_first_line(e)}"}
     return result
+
+
+def time_rows_interleaved(rows: list[dict], repeats: int) -> None:
+    """CPU: `repeats` rounds, each timing one call of every row in turn; a row's wall_us is the
+    median of its calls. Interleaving spreads whatever else the machine runs (a shared 2-core
+    host) over all rows alike, instead of charging it to whichever row ran at the time. Then
+    the ops per call, from the profiler with its C-level output silenced."""
+    live = [r for r in rows if "_step" in r]
+    times = {id(r): [] for r in live}
+    for _ in range(repeats):
+        for r in live:
+            t0 = time.perf_counter()
+            r["_step"]()
+            times[id(r)].append(time.perf_counter() - t0)
+    for r in live:
+        step = r.pop("_step")
+        r["wall_us"] = statistics.median(times[id(r)]) * 1e6
+        r["wall_us_min"] = min(times[id(r)]) * 1e6
+        r["gpu_us"] = None
+        r["extra_peak_bytes"] = None
+        try:
+            r["kernels_per_call"] = kernels_per_call(step, "cpu", calls=3)
+            r["kernels_counted"] = "aten ops"
+        except Exception as e:  # noqa: BLE001
+            log.warning("%s: profiler failed (%s: %s)", r["key"], type(e).__name__, e)
+            r["kernels_per_call"] = None
 
 
 def _first_line(e: Exception) -> str:
@@ -581,11 +634,14 @@ def _inductor_batch_counters() -> dict:
 def add_ratios(rows: list[dict], case: Case, copy: dict) -> None:
     """Speedups over eager split_stack and % of copy bandwidth, from numbers of this run only."""
     base = next((r for r in rows if r["key"] == BASELINE_ROW and "wall_us" in r), None)
+    peer = next((r for r in rows if r["key"] == PEER_ROW and "wall_us" in r), None)
     floor_us = case.bytes_moved() / (copy["GBps"] * 1e9) * 1e6
     for r in rows:
         if "wall_us" not in r:
             continue
         r["speedup_wall"] = base["wall_us"] / r["wall_us"] if base else None
+        # > 1: faster than torch.compile(combined) (the CPU target of DESIGN.md is >= 1)
+        r["vs_compile_combined"] = peer["wall_us"] / r["wall_us"] if peer else None
         r["speedup_gpu"] = (base["gpu_us"] / r["gpu_us"]) if base and r.get("gpu_us") and base.get("gpu_us") else None
         t = r["gpu_us"] if r.get("gpu_us") is not None else r["wall_us"]
         r["pct_copy_bw"] = 100.0 * floor_us / t
@@ -605,6 +661,8 @@ def run_case(case: Case, keys: list[str], device, args, progress) -> dict:
         progress.update()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if device.type == "cpu":
+        time_rows_interleaved(rows, args.repeats)
     torch._dynamo.reset()
     add_ratios(rows, case, copy_stats)
     return {"F": case.F, "B": case.B, "D": case.D, "H": case.H, "dtype": dtype_name(case.dtype),
@@ -620,7 +678,7 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{suffix}"
 
 
-COLUMNS = ["row", "wall us", "GPU us", "kernels", "x wall", "x GPU", "%copy", "+peak MiB", "rel err"]
+COLUMNS = ["row", "wall us", "GPU us", "kernels", "x wall", "x GPU", "x cc", "%copy", "+peak MiB", "rel err"]
 
 
 def table_lines(results: dict) -> list[str]:
@@ -632,7 +690,7 @@ def table_lines(results: dict) -> list[str]:
         lines.append(f"== F={c['F']} B={c['B']} D={c['D']} H={c['H']} {c['dtype']} {c['mode']} on "
                      f"{results['env']['device_name']} | copy of x+y: {copy_stats['time_us']:.1f} us "
                      f"({copy_stats['GBps']:.1f} GB/s) ==")
-        widths = [28, 10, 10, 9, 7, 7, 7, 10, 9]
+        widths = [28, 10, 10, 9, 7, 7, 7, 7, 10, 9]
         header = [("aten ops" if h == "kernels" and results["env"]["device"] == "cpu" else h) for h in COLUMNS]
         lines.append("".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths))))
         for r in c["rows"]:
@@ -645,18 +703,30 @@ def table_lines(results: dict) -> list[str]:
             cells = [r["label"], _fmt(r["wall_us"], ".1f"), _fmt(r.get("gpu_us"), ".1f"),
                      _fmt(kernels, ".0f" if kernels is None or kernels == int(kernels) else ".1f"),
                      _fmt(r.get("speedup_wall"), ".2f"), _fmt(r.get("speedup_gpu"), ".2f"),
+                     _fmt(r.get("vs_compile_combined"), ".2f"),
                      _fmt(r.get("pct_copy_bw"), ".1f", "%"), _fmt(None if peak is None else peak / 2**20, ".1f"),
                      err]
             lines.append("".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(cells, widths))))
     kinds = {r.get("kernels_counted") for c in results["cases"] for r in c["rows"]} - {None}
     if "aten ops" in kinds:
         lines.append("\naten ops = top-level aten/recfuse ops per call (Inductor's C++ loops are not aten ops)")
-    lines.append("x wall / x GPU: speedup over eager split_stack in this run; '!' = error above tolerance")
+    lines.append("x wall / x GPU: speedup over eager split_stack in this run; x cc: torch.compile(combined)'s wall "
+                 "time / the row's (>= 1: at least as fast); '!' = error above tolerance")
+    env = results["env"]
+    if env.get("loadavg_start") is not None:
+        lines.append(f"machine load average (1, 5, 15 min) at start {tuple(round(v, 2) for v in env['loadavg_start'])}, "
+                     f"end {tuple(round(v, 2) for v in env.get('loadavg_end') or ())} on {env.get('cpu_threads')} "
+                     f"threads; recfuse CPU backend: {results.get('cpu_backend')}")
+    first = results.get("first_call")
+    if first:
+        lines.append("")
+        lines.append("recfuse CPU first calls (fresh process, " + first.get("shape", "") + "): " + ", ".join(
+            f"{k} {v:.2f} s" for k, v in first.items() if isinstance(v, float)))
     return lines
 
 
 def select_rows(patterns: Optional[list[str]], device) -> list[str]:
-    keys = list(ROW_BUILDERS)
+    keys = list(ROW_BUILDERS) if torch.device(device).type == "cuda" or patterns else list(CPU_DEFAULT_ROWS)
     if patterns:
         wanted = [p for arg in patterns for p in arg.split(",") if p]
         unknown = [p for p in wanted if not fnmatch.filter(keys, p)]
@@ -677,8 +747,12 @@ def parse_args(argv=None):
                    help="dtypes to run every shape in (default: the device's default cases)")
     p.add_argument("--shapes", nargs="+", type=parse_shape, default=None, metavar="F,B,D[,H]",
                    help="shapes to run (H defaults to 1)")
-    p.add_argument("--backward", action="store_true",
-                   help="also run forward+backward (a training step) for every case")
+    p.add_argument("--backward", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run forward+backward (a training step) for every case (default: on for the "
+                        "CPU, off for a GPU)")
+    p.add_argument("--first-call", action=argparse.BooleanOptionalAction, default=None,
+                   help="CPU: time recfuse's first calls (compiling a CPU variant) in fresh processes, "
+                        "with an empty and with the warm Inductor cache (default: on with the default cases)")
     p.add_argument("--rows", nargs="+", default=None, metavar="PATTERN",
                    help="only rows whose key matches one of these shell patterns (comma lists too)")
     p.add_argument("--repeats", type=int, default=None,
@@ -703,6 +777,8 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but torch sees no GPU")
     args.repeats = args.repeats or (100 if device.type == "cuda" else 20)
+    if args.backward is None:
+        args.backward = device.type == "cpu"   # CPU: training steps measured by default too
     cases = build_cases(args, device)
     keys = select_rows(args.rows, device)
     env = environment(device)
@@ -716,15 +792,30 @@ def main(argv=None) -> int:
                "settings": {"repeats": args.repeats, "warmup": args.warmup, "seed": args.seed,
                             "rows": keys, "tolerance": {dtype_name(k): v for k, v in TOLERANCE.items()}},
                "cases": []}
+    if args.first_call is None:
+        args.first_call = device.type == "cpu" and args.shapes is None and args.dtype is None
+    if args.first_call and device.type == "cpu":
+        results["first_call"] = measure_first_calls((cases[0].F, cases[0].B, cases[0].D, cases[0].H))
+    results["cpu_backend"] = recfuse.ops.get_cpu_backend() if device.type == "cpu" else None
+    if hasattr(os, "getloadavg"):
+        # A shared machine: other processes' load skews CPU timings (interleaving spreads it over
+        # the rows); kept so that a reader can tell a quiet run from a busy one.
+        results["env"]["loadavg_start"] = os.getloadavg()
     with logging_redirect_tqdm(), tqdm(total=len(cases) * len(keys), unit="row", file=sys.stderr) as progress:
         for case in cases:
             results["cases"].append(run_case(case, keys, device, args, progress))
+    sys.stderr.flush()   # the progress bar is done before the table starts
+    if hasattr(os, "getloadavg"):
+        results["env"]["loadavg_end"] = os.getloadavg()
 
     print("\n".join(table_lines(results)))
     if args.save:
         stem = conventional_stem(args.save, env)
         args.json = args.json or stem.with_suffix(".json")
         args.plot = args.plot or stem.with_suffix(".png")
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        stem.with_suffix(".txt").write_text("\n".join(table_lines(results)).lstrip("\n") + "\n")
+        log.info("wrote %s", stem.with_suffix(".txt"))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(json_safe(results), indent=1, allow_nan=False) + "\n")
@@ -735,6 +826,51 @@ def main(argv=None) -> int:
         render_results.plot_results(results, args.plot)
         log.info("wrote %s", args.plot)
     return 0
+
+
+_FIRST_CALL_SCRIPT = r"""
+import json, sys, time
+import torch, recfuse
+F, B, D, H = (int(v) for v in sys.argv[1].split(","))
+x = torch.randn(B, F * D).view(B, F, D).requires_grad_(True)
+lin = torch.nn.Linear(D, H)
+out = {}
+def call(x):
+    return recfuse.ln_tanh_linear_relu(x, lin.weight, lin.bias, eps=0.0, feature_dim=1)
+t0 = time.perf_counter(); y = call(x); out["training forward"] = time.perf_counter() - t0
+t0 = time.perf_counter(); y.sum().backward(); out["backward"] = time.perf_counter() - t0
+with torch.no_grad():
+    t0 = time.perf_counter(); call(x); out["inference forward"] = time.perf_counter() - t0
+x2 = torch.randn(B + 100, (F + 3) * D).view(B + 100, F + 3, D).requires_grad_(True)
+t0 = time.perf_counter(); call(x2).sum().backward(); out["new shape training step"] = time.perf_counter() - t0
+out["backend"] = recfuse.ops.get_cpu_backend()
+print("FIRST_CALL " + json.dumps(out))
+"""
+
+
+def measure_first_calls(shape: tuple[int, int, int, int]) -> dict:
+    """recfuse's first calls on the CPU in fresh processes (the op on the puzzler's layout, fp32):
+    "cold" with an empty Inductor cache directory, "warm" a second process on the same directory
+    (what a later run of a program pays). Each includes the process's first use of Dynamo and
+    Inductor, as a program's first call does."""
+    F, B, D, H = shape
+    result = {"shape": f"F={F} B={B} D={D} H={H} fp32"}
+    with tempfile.TemporaryDirectory(prefix="recfuse_inductor_") as cache:
+        repo = str(Path(__file__).resolve().parent.parent)
+        path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "RECFUSE_CPU_BACKEND": "compiled", "PYTHONPATH": path}
+        for label in ("cold", "warm"):
+            proc = subprocess.run([sys.executable, "-c", _FIRST_CALL_SCRIPT, f"{F},{B},{D},{H}"], env=env,
+                                  capture_output=True, text=True, timeout=600)
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FIRST_CALL ")), None)
+            if proc.returncode != 0 or line is None:
+                log.warning("first-call run (%s) failed: %s", label, proc.stderr.strip().splitlines()[-1:])
+                continue
+            times = json.loads(line[len("FIRST_CALL "):])
+            result.update({f"{label} {k}": v for k, v in times.items() if isinstance(v, float)})
+            log.info("first calls (%s cache): %s", label, ", ".join(f"{k} {v:.2f} s" for k, v in times.items()
+                                                                   if isinstance(v, float)))
+    return result
 
 
 def conventional_stem(directory: Path, env: dict) -> Path:

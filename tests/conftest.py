@@ -1,8 +1,8 @@
 """Shared test set-up: interpreter-marked tests run only in a process started with
 TRITON_INTERPRET=1 (`make test-interpret`), because Triton reads that variable when it compiles.
 
-The suite runs the op's CPU path on the eager composite (compiling each parameter variant with
-Inductor would cost seconds per test); tests/test_cpu_compiled.py switches the compiled path on
+The suite runs the op's CPU path on the eager composite (the library's default, `compiled`, would
+compile each parameter variant with Inductor for seconds per test); tests/test_cpu_compiled.py switches the compiled path on
 with `recfuse.ops.cpu_backend("compiled")`. Set RECFUSE_CPU_BACKEND=compiled to run everything
 compiled (subprocesses the tests start inherit the variable)."""
 import os

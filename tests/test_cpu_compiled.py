@@ -79,9 +79,9 @@ def test_new_shape_reuses_compiled_variant():
     with recfuse.ops.cpu_backend("compiled"):
         _fwd_bwd(tensors, dtype, case.feature_dim)   # compiled already, or compiles here
         graphs = _graphs()
-        # Another F and B (rows stay > 4096: Inductor's C++ reductions switch accumulator above
-        # 4096 rows, a guard that compiles once more when a variant crosses it).
-        bigger = make_inputs(Case(11, 800, 32, 4, feature_dim=0, bias="shared", ln="per_feature"))
+        # Another F and B, across 4096 rows (8*600 -> 5*500): float32 sums over more than 4096
+        # elements carry an Inductor guard, which the backward's float64 row sums avoid.
+        bigger = make_inputs(Case(5, 500, 32, 4, feature_dim=0, bias="shared", ln="per_feature"))
         y, grads = _fwd_bwd(bigger, dtype, 0)
         assert _graphs() == graphs, "a new shape of a compiled variant recompiled"
     _assert_matches_eager(bigger, dtype, 0)
@@ -107,24 +107,91 @@ def test_compiled_nan_rows():
     assert torch.isnan(y[1, 2]).all() and torch.isnan(y[3, 5]).all() and not torch.isnan(y[0]).any()
 
 
-def test_compile_failure_falls_back_to_eager():
-    def broken_backend(gm, example_inputs):
-        raise RuntimeError("simulated: no C++ compiler")
+def _broken_backend(gm, example_inputs):
+    raise RuntimeError("simulated: no C++ compiler")
 
-    x, w = torch.randn(3, 5, 8, requires_grad=True), torch.randn(2, 8, requires_grad=True)
+
+def _backward_only_broken_backend(gm, example_inputs):
+    """Runs the traced forward graphs as they are (no compile cost) and fails on the backward's
+    (the one graph with grad_y and the saved tensors: 6 or more tensor inputs)."""
+    if sum(isinstance(t, torch.Tensor) for t in example_inputs) >= 6:
+        raise RuntimeError("simulated: backward does not compile")
+    return gm.forward
+
+
+def _eager_reference(x, w):
     with recfuse.ops.cpu_backend("eager"):
         y_ref = recfuse.ln_tanh_linear_relu(x, w)
         gx_ref, gw_ref = torch.autograd.grad(y_ref.sum(), [x, w])
-    with recfuse.ops.cpu_backend("compiled", dynamo_backend=broken_backend):
-        with pytest.warns(RuntimeWarning, match="using the eager composite"):
+    return y_ref, gx_ref, gw_ref
+
+
+def test_compile_failure_falls_back_to_eager():
+    """A forward that does not compile: one warning, then the eager composite (forward and
+    backward) for that variant, same numbers."""
+    x, w = torch.randn(3, 5, 8, requires_grad=True), torch.randn(2, 8, requires_grad=True)
+    y_ref, gx_ref, gw_ref = _eager_reference(x, w)
+    with recfuse.ops.cpu_backend("compiled", dynamo_backend=_broken_backend):
+        with pytest.warns(RuntimeWarning, match="training forward failed.*using the eager composite"):
             y = recfuse.ln_tanh_linear_relu(x, w)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # one warning per variant, then quietly eager
+            gx, gw = torch.autograd.grad(y.sum(), [x, w])
+            y2 = recfuse.ln_tanh_linear_relu(x, w)
+    assert torch.equal(y, y_ref) and torch.equal(y2, y_ref)
+    assert torch.equal(gx, gx_ref) and torch.equal(gw, gw_ref)
+
+
+def test_backward_compile_failure_falls_back_to_eager():
+    x, w = torch.randn(3, 5, 8, requires_grad=True), torch.randn(2, 8, requires_grad=True)
+    y_ref, gx_ref, gw_ref = _eager_reference(x, w)
+    with recfuse.ops.cpu_backend("compiled", dynamo_backend=_backward_only_broken_backend):
+        y = recfuse.ln_tanh_linear_relu(x, w)
         with pytest.warns(RuntimeWarning, match="backward failed"):
             gx, gw = torch.autograd.grad(y.sum(), [x, w])
         with warnings.catch_warnings():
-            warnings.simplefilter("error")  # one warning per variant, then quietly eager
-            y2 = recfuse.ln_tanh_linear_relu(x.detach(), w.detach())
-    assert torch.equal(y, y_ref) and torch.equal(y2, y_ref.detach())
-    assert torch.equal(gx, gx_ref) and torch.equal(gw, gw_ref)
+            warnings.simplefilter("error")
+            gx2, gw2 = torch.autograd.grad(recfuse.ln_tanh_linear_relu(x, w).sum(), [x, w])
+    torch.testing.assert_close(y, y_ref)
+    for out, ref in ((gx, gx_ref), (gw, gw_ref), (gx2, gx_ref), (gw2, gw_ref)):
+        torch.testing.assert_close(out, ref)
+
+
+def test_second_backward_through_retained_graph():
+    """The compiled backward consumes the forward's saved tensors; a second backward through a
+    retained graph runs the eager composite backward, with the same gradients."""
+    case, dtype = CASES[0]
+    x, w, b, lw, lb, gy = make_inputs(case)
+    leaves = [t.detach().to(dtype).requires_grad_(True) for t in (x, w, b, lw, lb)]
+    with recfuse.ops.cpu_backend("compiled"):
+        y = recfuse.ln_tanh_linear_relu(leaves[0], leaves[1], leaves[2], ln_weight=leaves[3], ln_bias=leaves[4])
+        first = torch.autograd.grad(y, leaves, gy.to(dtype), retain_graph=True)
+        second = torch.autograd.grad(y, leaves, gy.to(dtype))
+    for a, b_ in zip(first, second):
+        assert rel_err(a, b_) < TOLERANCE[dtype]
+
+
+def test_frozen_and_inference_calls_do_not_recompile():
+    """requires_grad is not part of what compiles: inference, frozen parameters and training
+    calls of one variant share its compiled code."""
+    case, dtype = CASES[0]
+    x, w, b, lw, lb, gy = [t.to(dtype) for t in make_inputs(case)]
+    with recfuse.ops.cpu_backend("compiled"):
+        _fwd_bwd((x, w, b, lw, lb, gy), dtype, 0)      # compiled already, or compiles here
+        with torch.no_grad():
+            recfuse.ln_tanh_linear_relu(x, w, b, ln_weight=lw, ln_bias=lb)   # inference graph
+        graphs = _graphs()
+        with torch.no_grad():
+            recfuse.ln_tanh_linear_relu(x.requires_grad_(True), w, b, ln_weight=lw, ln_bias=lb)
+        x.requires_grad_(False)
+        xs = x.detach().requires_grad_(True)             # frozen parameters: only x trains
+        y = recfuse.ln_tanh_linear_relu(xs, w, b, ln_weight=lw, ln_bias=lb)
+        y.backward(gy)
+        assert _graphs() == graphs, "requires_grad alone compiled again"
+    with recfuse.ops.cpu_backend("eager"):
+        x_ref = x.detach().requires_grad_(True)
+        recfuse.ln_tanh_linear_relu(x_ref, w, b, ln_weight=lw, ln_bias=lb).backward(gy)
+    assert rel_err(xs.grad, x_ref.grad) < TOLERANCE[dtype]
 
 
 def test_eager_switch_compiles_nothing():
@@ -157,7 +224,7 @@ def test_switch_api():
 
 
 @pytest.mark.parametrize("value,expected", [("eager", "eager"), ("compiled", "compiled"), (" Compiled ", "compiled"),
-                                            ("", "eager"), (None, "eager")])
+                                            ("", "compiled"), (None, "compiled")])
 def test_environment_variable(monkeypatch, value, expected):
     """What `recfuse.ops` reads from RECFUSE_CPU_BACKEND at import (the function it calls)."""
     if value is None:
@@ -170,4 +237,4 @@ def test_environment_variable(monkeypatch, value, expected):
 def test_environment_variable_unknown_value_warns(monkeypatch):
     monkeypatch.setenv("RECFUSE_CPU_BACKEND", "fast")
     with pytest.warns(UserWarning, match="RECFUSE_CPU_BACKEND"):
-        assert _cpu_compiled._backend_from_env() == "eager"
+        assert _cpu_compiled._backend_from_env() == "compiled"

@@ -1,24 +1,41 @@
-"""CPU fast path: the batched composite (forward) and the analytic backward, compiled by Inductor.
+"""CPU fast path: the op's forward and backward compiled by Inductor (C++), per parameter variant.
 
-On CPU tensors the op's plain eager calls run ``torch.compile`` (Inductor's C++ codegen) of
-`reference.batched_ln_tanh_linear_relu` and of the analytic backward `_composite_backward`,
-one compiled function per parameter-kind variant: which of bias / ln_weight / ln_bias are present,
-each shared or per feature, shared or per-feature weight, feature_dim, eps and the dtypes. Each
-is compiled with ``dynamic=True``, so a new shape of a compiled variant reuses its code (sizes 0
-and 1 are specialised by Dynamo and compile once more); Inductor's on-disk cache
-(``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_$USER``) makes a later process's first
-call cheap. Low-precision inputs are upcast inside the compiled functions (float32 accumulation,
-as on the eager composite and the Triton kernels).
+On CPU tensors the op's plain eager calls (`recfuse.ln_tanh_linear_relu`, and so a transformed
+model and `FusedFeatureProcessor`, which call it) run ``torch.compile`` of three small torch
+functions, one set per variant: which of bias / ln_weight / ln_bias are present, each shared or
+per feature, shared or per-feature weight, its [H, D], eps, feature_dim and the dtype.
+
+* inference forward: x -> y. For a narrow Linear (H <= `SMALL_H`) the matmul is written as a
+  broadcast-multiply-sum, so Inductor emits one C++ loop over rows: each row of x is read once,
+  normalised, tanh'd and reduced against the weight in cache; nothing of size [F, B, D] is written.
+* training forward: the same, also returning what the backward needs: the float32 tanh output
+  t ([F, B, D]), the rows' mean and rstd and the relu mask. On a CPU tanh is most of the
+  forward's time, so the backward reads t instead of recomputing it (the GPU kernels recompute:
+  there memory traffic is the cost).
+* backward: the five gradients from grad_y, x and those saved tensors; nothing is recomputed.
+
+Sizes: F and B are dynamic (marked on a variant's first call), D and H static (part of the
+variant), so the loops over a row have constant trip counts and a new F or B reuses the code
+(sizes 0 and 1 are specialised and compile once more). Inputs are passed detached, so
+requires_grad (inference, frozen parameters) never compiles again. Low-precision inputs are
+computed in float32 and y cast back (the numerics contract of the eager composite and the
+kernels); NaN where the eager composite has NaN; no atomics, so results are deterministic.
+
+First-call cost (2-core AMD EPYC, idle machine): ~6 s for a variant's first compile in a fresh
+process with an empty Inductor cache (about half of it is Dynamo/Inductor's own start in the
+process), ~3 s for each further graph of the variant; a later process reads the compiled code
+from Inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_$USER``)
+in ~0.5-2.5 s; a new F or B of a compiled variant costs nothing. `INDUCTOR_OPTIONS` keeps it low.
+benchmarks/results/split_stack_vs_combined_cpu.txt has the measured numbers.
 
 When a compile fails (no C++ compiler, an Inductor error) the variant falls back to the eager
-composite for the rest of the process, with one warning. The fast path is used only for real
-tensors on the eager path of `recfuse.ln_tanh_linear_relu` (inference, and the forward/backward
-of its autograd.Function); the custom op's own implementation (what torch.compile, export and
-``torch.ops.recfuse...`` calls run) stays on the eager composite.
+composite for the rest of the process, with one warning; a second backward through a retained
+graph (the saved tensors are consumed by the first) runs the eager composite backward. The
+custom op's own implementation (what torch.compile, export and ``torch.ops.recfuse...`` calls
+run) stays on the eager composite, so that tracing and fake tensors see plain torch code.
 
-Switch (``eager`` is the default for now: the first call of a variant compiles for ~10-13 s on a
-2-core machine, over the 10 s budget, and the CPU benchmark has not yet shown the compiled path
-against `torch.compile(combined)`; opt in with ``compiled``):
+Switch (``compiled`` is the default: it is faster than ``torch.compile`` of the batched
+composite at the benchmark's CPU shapes, forward and training step):
 
 * ``RECFUSE_CPU_BACKEND=compiled|eager`` in the environment, read at import;
 * ``recfuse.ops.set_cpu_backend("eager")`` (returns the previous setting);
@@ -42,15 +59,16 @@ log = logging.getLogger(__name__)
 
 CPU_BACKENDS = ("compiled", "eager")
 _ENV = "RECFUSE_CPU_BACKEND"
+_DEFAULT_BACKEND = "compiled"
 
 _LOW_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _backend_from_env() -> str:
-    value = os.environ.get(_ENV, "eager").strip().lower() or "eager"
+    value = os.environ.get(_ENV, _DEFAULT_BACKEND).strip().lower() or _DEFAULT_BACKEND
     if value not in CPU_BACKENDS:
-        warnings.warn(f"{_ENV}={value!r} is not one of {CPU_BACKENDS}; using 'eager'", stacklevel=2)
-        return "eager"
+        warnings.warn(f"{_ENV}={value!r} is not one of {CPU_BACKENDS}; using {_DEFAULT_BACKEND!r}", stacklevel=2)
+        return _DEFAULT_BACKEND
     return value
 
 
@@ -72,7 +90,7 @@ def get_cpu_backend() -> str:
 
 
 def set_cpu_backend(backend: str, *, dynamo_backend: Union[str, Callable] = "inductor") -> str:
-    """Choose how CPU tensors run the op: ``"compiled"`` (Inductor C++) or ``"eager"`` (the default).
+    """Choose how CPU tensors run the op: ``"compiled"`` (Inductor C++, the default) or ``"eager"``.
 
     Sets the process-wide default and this thread's setting; returns the previous backend.
     ``dynamo_backend`` is the ``torch.compile`` backend of the compiled path (tests pass one that
@@ -132,22 +150,134 @@ def _fresh_code(fn: Callable, name: str) -> Callable:
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
-def _make_forward(eps: float, feature_dim: int) -> Callable:
-    from ..reference import batched_ln_tanh_linear_relu
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _per_feature(p: Optional[torch.Tensor], compute: torch.dtype) -> Optional[torch.Tensor]:
+    """A [F, K] parameter as [F, 1, K] (broadcast over B); a shared [K] one as it is."""
+    if p is None:
+        return None
+    p = p.to(compute)
+    return p.unsqueeze(1) if p.dim() == 2 else p
+
+
+# At or below this many outputs the Linear is written as broadcast-multiply-sum over D (or H),
+# which Inductor fuses into the row's loop (x read once, nothing of size [F, B, D] written but
+# what the backward keeps); above it, a matmul (Inductor calls the BLAS one).
+SMALL_H = 8
+
+
+def _linear(t: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    """z = t @ w.T + b on [F, B, D] features-first t; w [H, D] or [F, H, D]."""
+    if w.shape[-2] <= SMALL_H:
+        wb = w.unsqueeze(1) if w.dim() == 3 else w              # [F, 1, H, D] or [H, D]
+        z = (t.unsqueeze(-2) * wb).sum(-1)
+    else:
+        z = torch.bmm(t, w.transpose(1, 2)) if w.dim() == 3 else torch.matmul(t, w.t())
+    return z if b is None else z + b
+
+
+def _row_sum(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Sum of g [F, B, ...] over B, and over F too where the parameter p is shared, accumulated
+    in float64. float64 on purpose: Inductor guards a float32 sum over more than 4096 elements
+    (it switches to a cascade accumulator there), so float32 sums over the dynamic rows would
+    compile the backward again the first time F*B crosses 4096; a float64 sum has no such
+    guard, and is at least as accurate."""
+    per_feature = p.dim() == g.dim() - 1     # [F, K] / [F, H, D] parameters keep F
+    return g.sum(1 if per_feature else (0, 1), dtype=torch.float64)
+
+
+def _linear_backward(dz: torch.Tensor, t: torch.Tensor, w: torch.Tensor):
+    """(dt, gw) of z = t @ w.T: dt = dz @ w [F, B, D], gw = dz.T @ t ([H, D] or [F, H, D])."""
+    if w.shape[-2] <= SMALL_H:
+        wb = w.unsqueeze(1) if w.dim() == 3 else w
+        dt = (dz.unsqueeze(-1) * wb).sum(-2)
+        outer = dz.unsqueeze(-1) * t.unsqueeze(-2)              # [F, B, H, D], fused into its sum
+        return dt, _row_sum(outer, w)
+    if w.dim() == 3:
+        return torch.bmm(dz, w), torch.bmm(dz.transpose(1, 2), t)
+    H, D = w.shape
+    return torch.matmul(dz, w), torch.matmul(dz.reshape(-1, H).t(), t.reshape(-1, D))
+
+
+def _make_forward(eps: float, feature_dim: int, save: bool) -> Callable:
+    """y, or with `save` (y, t, mean, rstd, mask): t = the float32 tanh output [F, B, D], the
+    rows' LayerNorm statistics [F, B, 1] and z > 0 [F, B, H], what `_make_backward` reads
+    instead of recomputing them."""
 
     def forward(x, weight, bias, ln_weight, ln_bias):
-        return batched_ln_tanh_linear_relu(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+        out_dtype = x.dtype
+        compute = _compute_dtype(x.dtype)
+        xf = x.to(compute)
+        xf = xf if feature_dim == 0 else xf.transpose(0, 1)    # features first: [F, B, D]
+        D = x.shape[-1]
+        if save:
+            h, mean, rstd = torch.ops.aten.native_layer_norm(xf, [D], None, None, eps)
+        else:
+            h = torch.nn.functional.layer_norm(xf, (D,), None, None, eps)
+        lw, lb = _per_feature(ln_weight, compute), _per_feature(ln_bias, compute)
+        if lw is not None:
+            h = h * lw
+        if lb is not None:
+            h = h + lb
+        t = torch.tanh(h)
+        z = _linear(t, weight.to(compute), _per_feature(bias, compute))
+        y = torch.relu(z).to(out_dtype)
+        y = (y if feature_dim == 0 else y.transpose(0, 1)).contiguous()
+        if save:
+            return y, t, mean, rstd, z > 0
+        return y
 
     return forward
 
 
 def _make_backward(eps: float, feature_dim: int) -> Callable:
-    from .composite import composite_backward as _composite_backward
+    """The five gradients from grad_y, x, the forward's saved t/mean/rstd/mask and the parameters.
 
-    def backward(grad_y, x, weight, bias, ln_weight, ln_bias):
-        return _composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    Nothing of the forward is recomputed: no LayerNorm statistics, no tanh (most of the forward's
+    time on a CPU), no z."""
+
+    def backward(grad_y, x, t, mean, rstd, mask, weight, bias, ln_weight, ln_bias):
+        compute = _compute_dtype(x.dtype)
+        xf = x.to(compute)
+        gy = grad_y.to(compute)
+        if feature_dim == 1:
+            xf, gy = xf.transpose(0, 1), gy.transpose(0, 1)
+        # NaN where the variance overflowed (rstd = 1/sqrt(inf) = 0), as the kernels and the
+        # eager composite backward give, not a finite dx.
+        rstd = torch.where(rstd == 0, torch.full((), float("nan"), dtype=compute), rstd)
+        xhat = (xf - mean) * rstd
+        dz = torch.where(mask, gy, torch.zeros((), dtype=compute))
+        dt, gw = _linear_backward(dz, t, weight.to(compute))
+        da = dt * (1 - t * t)
+
+        def reduce_param(g, p):  # sum over B, and over F when the parameter is shared
+            if p is None:
+                return x.new_empty((0,))
+            return _row_sum(g, p).to(p.dtype)
+
+        gb = reduce_param(dz, bias)
+        glw = reduce_param(da * xhat, ln_weight)
+        glb = reduce_param(da, ln_bias)
+        lw = _per_feature(ln_weight, compute)
+        dxhat = da if lw is None else da * lw
+        gx = rstd * (dxhat - dxhat.mean(-1, keepdim=True) - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+        # In x's layout (x is usually contiguous in it), so that no copy follows.
+        gx = (gx if feature_dim == 0 else gx.transpose(0, 1)).to(x.dtype).contiguous()
+        return gx, gw.to(weight.dtype), gb, glw, glb
 
     return backward
+
+
+# Inductor options of the compiled path (first-call time on a 2-core machine):
+# * compile_threads=1: compile the one C++ kernel in this process; a pool of compile workers
+#   (the default, one per core) costs seconds to start and has nothing to run in parallel.
+# * pattern_matcher=False: none of Inductor's pattern rewrites applies to this graph, and
+#   building their tables is ~1 s of the first compile in a process.
+INDUCTOR_OPTIONS = {"compile_threads": 1, "pattern_matcher": False, "cpp.vec_isa_ok": True}
+
+_WHAT = {"fwd": "forward", "fwd_save": "training forward", "bwd": "backward"}
 
 
 def _compiled(which: str, key: tuple, dynamo_backend) -> Any:
@@ -158,11 +288,47 @@ def _compiled(which: str, key: tuple, dynamo_backend) -> Any:
             fn = _CACHE.get(full_key)
             if fn is None:
                 eps, feature_dim = key[0], key[1]
-                make = _make_forward if which == "fwd" else _make_backward
-                plain = _fresh_code(make(eps, feature_dim), f"recfuse_cpu_{which}_{len(_CACHE)}")
-                fn = torch.compile(plain, dynamic=True, backend=dynamo_backend)
+                if which == "bwd":
+                    plain = _make_backward(eps, feature_dim)
+                else:
+                    plain = _make_forward(eps, feature_dim, save=which == "fwd_save")
+                plain = _fresh_code(plain, f"recfuse_cpu_{which}_{len(_CACHE)}")
+                # dynamic=None: sizes are static unless marked (`_mark_dynamic`): F and B are
+                # marked on the first call, D and H (the parameters' shapes) stay static, so the
+                # C++ loops over a row have constant trip counts, as torch.compile of a fixed
+                # shape gives. A new F or B reuses the code.
+                options = dict(INDUCTOR_OPTIONS) if dynamo_backend == "inductor" else None
+                fn = torch.compile(plain, dynamic=None, backend=dynamo_backend, options=options)
+                fn = _FirstCall(fn)
                 _CACHE[full_key] = fn
     return fn
+
+
+class _FirstCall:
+    """A compiled function that marks the batch dims of its first call's inputs dynamic."""
+
+    __slots__ = ("fn", "called")
+
+    def __init__(self, fn):
+        self.fn, self.called = fn, False
+
+    def __call__(self, *args):
+        if not self.called:
+            _mark_dynamic(args)
+            self.called = True
+        return self.fn(*args)
+
+
+def _mark_dynamic(args) -> None:
+    """F and B dynamic: dims 0 and 1 of 3D tensors (x, grad_y, t, mean, rstd, a per-feature
+    weight's F), dim 0 of 2D ones (per-feature bias / LayerNorm parameters). Sizes 0 and 1 stay
+    specialised (Dynamo's rule), so those compile once more if they come."""
+    for t in args:
+        if isinstance(t, torch.Tensor):
+            dims = (0, 1) if t.dim() == 3 else (0,) if t.dim() == 2 else ()
+            for d in dims:
+                if t.shape[d] > 1:
+                    torch._dynamo.maybe_mark_dynamic(t, d)
 
 
 def _variant(x, weight, bias, ln_weight, ln_bias, eps, feature_dim) -> Optional[tuple]:
@@ -172,20 +338,23 @@ def _variant(x, weight, bias, ln_weight, ln_bias, eps, feature_dim) -> Optional[
     if weight.numel() == 0:  # H == 0 or D == 0: nothing to compile
         return None
     return (float(eps), int(feature_dim), x.dtype, _kind(weight, 3), _kind(bias, 2),
-            _kind(ln_weight, 2), _kind(ln_bias, 2))
+            _kind(ln_weight, 2), _kind(ln_bias, 2), tuple(weight.shape[-2:]))
 
 
 def _run(which: str, key: tuple, args: tuple):
     fn = _compiled(which, key, _STATE.dynamo_backend)
     if fn is _FAILED:
         return None
+    # Detached: requires_grad is part of Dynamo's guards, and the compiled functions never build
+    # an autograd graph (the op's autograd.Function runs `backward`), so a frozen parameter or an
+    # inference call must not compile again.
+    args = tuple(None if a is None else a.detach() for a in args)
     try:
-        with torch.no_grad():
-            return fn(*args)
+        return fn(*args)
     except Exception as e:  # noqa: BLE001 - any compile failure: the eager composite instead
         _CACHE[(which, _STATE.dynamo_backend, key)] = _FAILED
         warnings.warn(
-            f"recfuse: compiling the CPU {'forward' if which == 'fwd' else 'backward'} failed "
+            f"recfuse: compiling the CPU {_WHAT[which]} failed "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); using the eager "
             f"composite for this variant. Set {_ENV}=eager to skip compiling.",
             RuntimeWarning, stacklevel=3)
@@ -193,26 +362,49 @@ def _run(which: str, key: tuple, args: tuple):
         return None
 
 
-def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim) -> Optional[torch.Tensor]:
-    """y from the compiled composite, or None where the caller should run the eager composite."""
+class Saved(tuple):
+    """What the compiled training forward keeps for the compiled backward: (t, mean, rstd, z > 0)."""
+
+    __slots__ = ()
+
+
+def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save=False):
+    """The compiled composite's y, or None where the caller should run the eager composite.
+
+    With ``save``: (y, saved) where saved is a `Saved` (the float32 tanh output and the rows'
+    LayerNorm statistics) for `backward`, or None (then `backward` recomputes everything).
+    """
     key = _variant(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
     if key is None:
         return None
-    return _run("fwd", key, (x, weight, bias, ln_weight, ln_bias))
+    args = (x, weight, bias, ln_weight, ln_bias)
+    if not save:
+        return _run("fwd", key, args)
+    out = _run("fwd_save", key, args)
+    if out is None:
+        return None
+    return out[0], Saved(out[1:])
 
 
-def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim) -> Optional[tuple]:
-    """The five gradients (as `_composite_backward` returns them), or None (eager instead)."""
+def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, saved=None) -> Optional[tuple]:
+    """The five gradients (as `composite_backward` returns them), or None (eager instead).
+
+    Needs the `Saved` tensors of the compiled training forward; without them (a second backward
+    through a retained graph) the caller runs the eager composite backward.
+    """
+    if not isinstance(saved, Saved):
+        return None
     key = _variant(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
     if key is None or grad_y.dtype != x.dtype:
         return None
-    out = _run("bwd", key, (grad_y, x, weight, bias, ln_weight, ln_bias))
+    out = _run("bwd", key, (grad_y, x, *saved, weight, bias, ln_weight, ln_bias))
     if out is None:
         return None
     gx = out[0]
-    like_x = torch.empty_like(x)  # x's strides, as the eager composite's and the kernel's dx
-    if gx.stride() != like_x.stride():
-        gx = like_x.copy_(gx)
+    if not (x.is_contiguous() and gx.is_contiguous()):
+        like_x = torch.empty_like(x)  # x's strides, as the eager composite's and the kernel's dx
+        if gx.stride() != like_x.stride():
+            gx = like_x.copy_(gx)
     return (gx,) + tuple(out[1:])
 
 

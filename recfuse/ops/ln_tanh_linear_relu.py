@@ -86,11 +86,12 @@ def _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_st
 
         return launch.forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=save_stats, key=key,
                               chain=chain)
-    y = None
     if eager_entry and x.device.type == "cpu" and chain is DEFAULT:
-        y = _cpu_compiled.forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
-    if y is None:
-        y = batched_feature_mlp(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, chain)
+        # (y, saved tensors) with save_stats, else y; None: run the eager composite.
+        out = _cpu_compiled.forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save=save_stats)
+        if out is not None:
+            return out
+    y = batched_feature_mlp(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, chain)
     return (y, None) if save_stats else y
 
 
@@ -128,7 +129,7 @@ def _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim
         return launch.backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, key=key,
                                chain=chain)
     if eager_entry and x.device.type == "cpu" and chain is DEFAULT:
-        grads = _cpu_compiled.backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+        grads = _cpu_compiled.backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats)
         if grads is not None:
             return grads
     return composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, chain)
