@@ -601,3 +601,74 @@ def test_save_load_of_a_model_with_string_annotations():
     x = x_of(B * NF * D)
     again = roundtrip(recfuse.transform(m, (x, B, D)))
     assert rel(again(x, B, D), m(x, B, D)) < TOL
+
+
+class ManyFeatures(nn.Module):
+    """The benchmark's per-feature model (benchmarks/transform_time.py) at a size the fast paths
+    of capture (the model copy, the tracer's argument lowering) are exercised at scale."""
+
+    def __init__(self, features: int, d: int = 4, h: int = 2):
+        super().__init__()
+        self.d = d
+        self.lns = nn.ModuleList([nn.LayerNorm(d) for _ in range(features)])
+        self.linear = nn.Linear(d, h)
+        nontrivial_affine(self)
+
+    def forward(self, x):
+        return F.relu(self.linear(torch.stack([torch.tanh(ln(s)) for ln, s in zip(self.lns, x.split(self.d, 1))], 1)))
+
+
+def test_a_model_of_many_features_matches_the_untouched_original():
+    model = ManyFeatures(600)
+    untouched = copy.deepcopy(model)
+    x = x_of(3, 600 * 4)
+    fused = recfuse.transform(model, (x,))
+    assert len(fused.recfuse_report.groups) == 1
+    for (name, p), (_, q) in zip(model.state_dict(keep_vars=True).items(), untouched.state_dict().items()):
+        assert torch.equal(p, q), name
+    assert not {id(p) for p in fused.parameters()} & {id(p) for p in model.parameters()}
+    x2 = x_of(4, 600 * 4, seed=1)
+    assert rel(fused(x2), untouched(x2)) < TOL
+    fused.load_state_dict(untouched.state_dict())
+    assert rel(fused(x2), untouched(x2)) < TOL
+
+
+def test_the_fast_model_copy_equals_copy_deepcopy():
+    from recfuse.fx.capture import deepcopy_module
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.items, self.t, self.lin = [1, 2], torch.ones(3), nn.Linear(2, 2)
+            self.alias = self.lin
+            self.register_buffer("b", torch.zeros(2), persistent=False)
+            self.lin.register_forward_hook(lambda *a: None)
+
+    def describe(m):
+        out = []
+        for name, mod in m.named_modules(remove_duplicate=False):
+            d = {}
+            for k, v in mod.__dict__.items():
+                if k in ("_parameters", "_buffers"):
+                    d[k] = {n: None if t is None else (type(t), t.requires_grad, t.tolist()) for n, t in v.items()}
+                elif k == "_modules":
+                    d[k] = list(v)
+                elif isinstance(v, torch.Tensor):
+                    d[k] = v.tolist()
+                elif isinstance(v, (dict, set)):
+                    d[k] = (type(v), len(v))
+                else:
+                    d[k] = v if not callable(v) else type(v)
+            out.append((name, type(mod), d))
+        return out
+
+    seq = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Dropout(), nn.Embedding(5, 3),
+                        nn.ModuleDict({"a": nn.LayerNorm(3)}))
+    seq[0].weight.requires_grad_(False)
+    seq[4]["a"].weight = seq[3].weight  # tied across modules
+    for m in (seq, Odd(), nn.TransformerEncoderLayer(8, 2)):
+        a, b = copy.deepcopy(m), deepcopy_module(m)
+        assert describe(a) == describe(b)
+        assert not {id(t) for t in m.parameters()} & {id(t) for t in b.parameters()}
+    b = deepcopy_module(seq)
+    assert b[4]["a"].weight is b[3].weight
