@@ -60,7 +60,7 @@ class OpInfo:
     """One per-slice op in normal form.
 
     kind: 'layer_norm', 'rms_norm' (both with attrs eps and shape; an RMSNorm's eps may be None:
-    ``torch.finfo(x.dtype).eps`` at run time), 'linear', an activation (`ACTIVATIONS`; gelu's
+    F.rms_norm's default for the input's dtype, at run time), 'linear', an activation (`ACTIVATIONS`; gelu's
     attr 'approximate', leaky_relu's 'negative_slope', softplus's 'beta' and 'threshold', elu's
     'alpha') or 'view' (view/reshape/squeeze/unsqueeze/flatten/contiguous). attrs: the
     hyper-parameters that must match across slices. params: name -> ParamRef or None.
@@ -154,7 +154,7 @@ def _normalized_shape(shape) -> Optional[tuple]:
 
 
 def _eps_attr(eps) -> Optional[float]:
-    """A norm's eps as an attr: a float, or None (RMSNorm's "the dtype's machine epsilon")."""
+    """A norm's eps as an attr: a float, or None (RMSNorm's default, which depends on the dtype)."""
     return None if eps is None else float(eps)
 
 

@@ -69,8 +69,8 @@ def _describe_activation(op) -> str:
 
 @dataclass(frozen=True)
 class ChainMatch:
-    """A group read as one fused chain: `chain`, the norm's eps (None: RMSNorm's dtype epsilon,
-    resolved at run time), where the norm and the Linear are in ``chain ops + takes``, and the
+    """A group read as one fused chain: `chain`, the norm's eps (None: RMSNorm's default,
+    `dtype_eps` of the input at run time), where the norm and the Linear are in ``chain ops + takes``, and the
     followers taken in (`takes`).
 
     Example:
@@ -260,15 +260,16 @@ def _ref_dtype(r, root) -> Optional[torch.dtype]:
 
 @_graph_leaf
 def dtype_eps(x: torch.Tensor) -> float:
-    """``torch.finfo(x.dtype).eps``: the eps of an RMSNorm built with eps=None, read at run time
-    from the tensor it normalizes (as `F.rms_norm` does), so a model moved to another dtype after
-    the transform still gets its own dtype's eps.
+    """The eps `F.rms_norm` uses when given eps=None, for x: the machine epsilon of its compute
+    type (float64 for float64, else float32: 16-bit inputs get float32's epsilon, not their own,
+    whatever the docs say). Read at run time from the tensor being normalized, so a model moved
+    to another dtype after the transform gets what the per-slice RMSNorm would have used.
 
     Example:
-        >>> dtype_eps(torch.zeros(1, dtype=torch.bfloat16))
-        0.0078125
+        >>> dtype_eps(torch.zeros(1, dtype=torch.bfloat16)) == torch.finfo(torch.float32).eps
+        True
     """
-    return torch.finfo(x.dtype).eps
+    return torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
 
 
 def eps_text(m: ChainMatch) -> str:
@@ -276,10 +277,10 @@ def eps_text(m: ChainMatch) -> str:
 
     Example:
         >>> eps_text(ChainMatch(Chain("rms_norm", None, None), None, 0, 1, ()))
-        'eps=finfo(dtype).eps at run time'
+        "eps=None (F.rms_norm's default for the input's dtype, at run time)"
     """
     if m.chain.norm is None:
         return ""
     if m.eps is None:
-        return "eps=finfo(dtype).eps at run time"
+        return "eps=None (F.rms_norm's default for the input's dtype, at run time)"
     return f"eps={fmt_float(m.eps)}"

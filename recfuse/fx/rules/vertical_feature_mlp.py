@@ -3,8 +3,8 @@ node: every chain of the op family (`recfuse.chain.Chain`) except the default on
 `vertical_ln_tanh_linear_relu` claims first.
 
 The norm is a LayerNorm or an RMSNorm over the last dim (module or function; with or without
-affine; an RMSNorm's eps=None becomes ``torch.finfo(x.dtype).eps`` read at run time, as
-`F.rms_norm` does); the activations are tanh, sigmoid, relu, gelu (erf or tanh approximation)
+affine; an RMSNorm's eps=None becomes what `F.rms_norm` uses then, read at run time from the
+input's dtype: `vertical_base.dtype_eps`); the activations are tanh, sigmoid, relu, gelu (erf or tanh approximation)
 and silu, in any spelling `patterns.classify` knows. The Linear may be one per slice (stacked
 into [F, H, D]), one shared in the chain, or one after the stack (with what follows it). A lone
 Linear (no norm, no activation) is fused too: the op then is a batched matmul that reads the
