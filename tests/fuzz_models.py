@@ -149,6 +149,8 @@ def random_spec(seed: int, features=(), force=()) -> Spec:
         if s.inplace == "tanh_":
             s.tanh = "method"
             s.act = "tanh"
+        if s.inplace != "relu_" and s.norm == "none":
+            s.norm = "layer_norm"  # the in-place op would change the input's own slice
     if "dropout" in on:
         s.dropout = r.choice(["module", "functional"])
         s.dropout_p = r.choice([0.0, 0.3])
