@@ -316,3 +316,17 @@ def test_parameter_dtype_other_than_the_slices_is_declined():
     assert count_feature_mlp(gm) == 0 and gm.recfuse_report.groups[0].fusion == "horizontal_chain"
     assert "layer_norm weight has dtype torch.float32 but the slices are torch.bfloat16" in text
     torch.testing.assert_close(gm(x), want, rtol=2e-2, atol=2e-3)  # bfloat16 rounding of the batched matmul
+
+
+# ---------------------------------------------------------------------------------------------
+# the Triton kernels themselves (interpreter)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("spec", [FUSED[0][1], FUSED[1][1], FUSED[6][1]], ids=[FUSED[i][0] for i in (0, 1, 6)])
+def test_fused_chain_under_the_interpreter(spec):
+    m = build(spec)
+    gen = torch.Generator().manual_seed(4)
+    gm = recfuse.transform(m, (torch.randn(3, spec.F * spec.D, generator=gen),))
+    assert count_feature_mlp(gm) == 1
+    assert_equivalent(m, gm, (torch.randn(5, spec.F * spec.D, generator=gen),), tol=1e-5)
