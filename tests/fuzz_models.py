@@ -8,6 +8,9 @@ Python, so torch.fx sees one straight-line per-feature graph:
     x --split spelling--> F slices [B, D] --per slice: [LayerNorm] [exotics] [tanh] [Linear] [relu]-->
       --stack spelling--> [Linear -> relu after the stack] [BatchNorm1d] [buffer scale] --> y
 
+The exotic feature "chain" swaps the op family's other members in: RMSNorm or no norm for the
+LayerNorm, another activation for tanh and for relu (each as a function, a module or a method).
+
 Everything a model needs (parameters, buffers, inputs) comes from `torch.manual_seed(spec.seed)`,
 so `build(spec)` gives bit-identical models every time it is called.
 """
@@ -34,7 +37,14 @@ FEATURES = {
     "buffer": "a registered buffer (scale) read in forward",
     "dict_input": "dict-of-tensors input (x[name], x.values() or x.items()), called with keys in another order",
     "side_output": "a per-slice intermediate returned as a second output",
+    "chain": "another chain of the feature_mlp family: RMSNorm (eps None or a float) or no norm, other activations "
+             "(sigmoid, relu, gelu, gelu tanh, silu; leaky_relu and softplus, which only batch) as functions, "
+             "modules or methods",
 }
+# Drawn from a random stream of their own, so that the specs of every other feature stay as they were.
+_OWN_STREAM = ("chain",)
+CHAIN_ACTS = ["sigmoid", "relu", "gelu", "gelu_tanh", "silu", "leaky_relu", "softplus"]
+CHAIN_OUT_ACTS = ["relu", "sigmoid", "gelu", "silu", "tanh", "leaky_relu"]
 
 
 @dataclass
@@ -68,6 +78,13 @@ class Spec:
     dict_input: bool = False
     dict_spelling: str = "getitem"  # 'getitem' (x[name]) | 'values' (x.values()) | 'items' (x.items())
     side_output: int | None = None  # index of the slice whose intermediate is returned too
+    # chain (the op family): the norm (spelled by `ln`), the activation after it (spelled by
+    # `tanh` when it is tanh; 'none' there means no activation) and the one after the Linear
+    norm: str = "layer_norm"       # 'layer_norm' | 'rms_norm' | 'none'
+    rms_eps: float | None = None   # RMSNorm's eps (None: the dtype's machine epsilon)
+    act: str = "tanh"              # 'tanh' | one of CHAIN_ACTS
+    out_act: str = "relu"          # one of CHAIN_OUT_ACTS (only when `relu`)
+    act_spelling: str = "function"  # 'function' | 'module' | 'method' (method: sigmoid/relu/tanh only)
     features: tuple = field(default_factory=tuple)
 
     def short(self) -> str:
@@ -110,16 +127,30 @@ def random_spec(seed: int, features=(), force=()) -> Spec:
     s.relu = r.random() < 0.8
     s.transform_mode = r.choice(["train", "eval"])
 
-    on = {f for f in FEATURES if f in force or (f in features and r.random() < 0.5)}
+    on = {f for f in FEATURES if f not in _OWN_STREAM and (f in force or (f in features and r.random() < 0.5))}
+    rc = random.Random(seed * 7919 + 17)
+    on |= {f for f in _OWN_STREAM if f in force or (f in features and rc.random() < 0.5)}
     s.features = tuple(sorted(on))
+    if "chain" in on:
+        s.norm = rc.choice(["layer_norm", "rms_norm", "rms_norm", "none"])
+        s.rms_eps = rc.choice([None, None, 1e-6, 0.1])
+        s.act = rc.choice(["tanh"] + CHAIN_ACTS)
+        s.out_act = rc.choice(CHAIN_OUT_ACTS)
+        s.act_spelling = rc.choice(["function", "module", "method"])
+        if s.norm == "none" and s.lin == "none":
+            s.lin = rc.choice(["after", "shared", "per_feature"])  # else the chain is one activation
     if "inplace" in on:
         s.inplace = r.choice(["relu_", "tanh_", "clamp_", "add_"])
         if s.inplace == "relu_":
             s.relu = True
+            s.out_act = "relu"
             if s.lin == "none":
                 s.lin = r.choice(["shared", "per_feature", "after"])
         if s.inplace == "tanh_":
             s.tanh = "method"
+            s.act = "tanh"
+        if s.inplace != "relu_" and s.norm == "none":
+            s.norm = "layer_norm"  # the in-place op would change the input's own slice
     if "dropout" in on:
         s.dropout = r.choice(["module", "functional"])
         s.dropout_p = r.choice([0.0, 0.3])
@@ -132,6 +163,7 @@ def random_spec(seed: int, features=(), force=()) -> Spec:
         s.frozen = r.choice(["ln", "lin"])
         if s.frozen == "ln":
             s.ln, s.affine = "module", True
+            s.norm = "layer_norm" if s.norm == "none" else s.norm
         else:
             s.lin = "per_feature"
         s.frozen_index = r.randrange(s.F)
@@ -162,6 +194,8 @@ def variant(feature: str, s: Spec) -> str:
         return f"at {s.buffer}"
     if feature == "dict_input":
         return s.dict_spelling
+    if feature == "chain":
+        return s.norm
     return ""
 
 
@@ -186,10 +220,15 @@ class FuzzModel(nn.Module):
         super().__init__()
         s = self.spec = spec
         self.names = [f"f{i}" for i in range(s.F)]
-        if s.ln == "module":
-            self.lns = nn.ModuleList([nn.LayerNorm(s.D, eps=s.eps, elementwise_affine=s.affine) for _ in range(s.F)])
-        elif s.ln == "shared":
-            self.ln = nn.LayerNorm(s.D, eps=s.eps, elementwise_affine=s.affine)
+        if s.norm != "none" and s.ln == "module":
+            self.lns = nn.ModuleList([self._norm_module() for _ in range(s.F)])
+        elif s.norm != "none" and s.ln == "shared":
+            self.ln = self._norm_module()
+        if s.act_spelling == "module":
+            if s.act != "tanh":
+                self.act_mod = _ACT_MODULES[s.act]()
+            if s.relu and s.out_act != "relu":
+                self.out_mod = _ACT_MODULES[s.out_act]()
         width = s.D
         if s.lin in ("after", "shared"):
             self.lin = nn.Linear(s.D, s.H, bias=s.bias)
@@ -207,15 +246,30 @@ class FuzzModel(nn.Module):
             self.bn = nn.BatchNorm1d(s.F * width)
         if s.buffer is not None:
             self.register_buffer("scale", torch.rand(s.D if s.buffer == "slice" else width) + 0.5)
-        for m in self.modules():  # non-trivial LayerNorm affine parameters
-            if isinstance(m, nn.LayerNorm) and m.weight is not None:
+        for m in self.modules():  # non-trivial norm affine parameters
+            if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) and m.weight is not None:
                 with torch.no_grad():
                     m.weight.uniform_(0.5, 1.5)
-                    m.bias.uniform_(-0.5, 0.5)
+                    if getattr(m, "bias", None) is not None:
+                        m.bias.uniform_(-0.5, 0.5)
         if s.frozen == "ln":
             self.lns[s.frozen_index].requires_grad_(False)
         elif s.frozen == "lin":
             self.lins[self.lin_index[s.frozen_index]].requires_grad_(False)
+
+    def _norm_module(self):
+        s = self.spec
+        if s.norm == "rms_norm":
+            return nn.RMSNorm(s.D, eps=s.rms_eps, elementwise_affine=s.affine)
+        return nn.LayerNorm(s.D, eps=s.eps, elementwise_affine=s.affine)
+
+    def _activation(self, h, name, module):
+        """`name` applied to h, spelled as a module (`module`), a method or a function."""
+        if module is not None:
+            return module(h)
+        if self.spec.act_spelling == "method" and name in ("sigmoid", "relu", "tanh"):
+            return getattr(h, name)()
+        return _ACT_FUNCTIONS[name](h)
 
     # -- pieces --------------------------------------------------------------------------------
 
@@ -250,10 +304,14 @@ class FuzzModel(nn.Module):
 
     def _chain(self, i, h):
         s = self.spec
-        if s.ln == "module":
+        if s.norm == "none":
+            pass
+        elif s.ln == "module":
             h = self.lns[i](h)
         elif s.ln == "shared":
             h = self.ln(h)
+        elif s.norm == "rms_norm":
+            h = Fn.rms_norm(h, (s.D,), eps=s.rms_eps)
         else:
             h = Fn.layer_norm(h, (s.D,), eps=s.eps)
         # in-place ops on the LayerNorm output (its backward does not need it)
@@ -265,6 +323,8 @@ class FuzzModel(nn.Module):
             h = h * self.scale
         if s.inplace == "tanh_":
             h.tanh_()  # return value unused
+        elif s.act != "tanh":
+            h = self._activation(h, s.act, getattr(self, "act_mod", None))
         elif s.tanh == "torch":
             h = torch.tanh(h)
         elif s.tanh == "method":
@@ -280,6 +340,8 @@ class FuzzModel(nn.Module):
         return h
 
     def _relu(self, h):
+        if self.spec.out_act != "relu":
+            return self._activation(h, self.spec.out_act, getattr(self, "out_mod", None))
         # relu_ only follows a Linear (relu_ on a tanh output would break tanh's backward)
         if self.spec.inplace == "relu_" and (self.spec.lin != "none"):
             torch.relu_(h)  # return value unused
@@ -323,6 +385,18 @@ class FuzzModel(nn.Module):
                 keys = keys[1:] + keys[:1]  # neither the example's order nor a plain reversal
             return ({k: vals[k] for k in keys},)
         return (torch.randn(B, s.F * s.D, generator=gen),)
+
+
+_ACT_FUNCTIONS = {
+    "tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": Fn.relu, "gelu": Fn.gelu,
+    "gelu_tanh": lambda h: Fn.gelu(h, approximate="tanh"), "silu": Fn.silu,
+    "leaky_relu": lambda h: Fn.leaky_relu(h, 0.2), "softplus": Fn.softplus,
+}
+_ACT_MODULES = {
+    "tanh": nn.Tanh, "sigmoid": nn.Sigmoid, "relu": nn.ReLU, "gelu": nn.GELU,
+    "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "silu": nn.SiLU,
+    "leaky_relu": lambda: nn.LeakyReLU(0.2), "softplus": nn.Softplus,
+}
 
 
 def build(spec: Spec) -> FuzzModel:

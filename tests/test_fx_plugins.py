@@ -103,9 +103,10 @@ def test_a_fusion_registered_from_outside_is_applied(toy_fusion):
 def test_a_registered_fusion_can_be_disabled_by_name(toy_fusion):
     m = PerFeatureTanhRelu()
     x = torch.randn(3, 32)
-    gm = recfuse.transform(m, (x,), fusions=["vertical_ln_tanh_linear_relu", "horizontal_chain"])
+    enabled = ["vertical_ln_tanh_linear_relu", "vertical_feature_mlp", "horizontal_chain"]
+    gm = recfuse.transform(m, (x,), fusions=enabled)
     assert _calls(gm, tanh_relu) == 0
-    report = recfuse.explain(m, (x,), fusions=["vertical_ln_tanh_linear_relu", "horizontal_chain"])
+    report = recfuse.explain(m, (x,), fusions=enabled)
     assert [g.fusion for g in report.groups] == ["horizontal_chain"]
     assert report.disabled == ["tanh_relu"] and "disabled: tanh_relu" in str(report)
     x2 = torch.randn(6, 32)
@@ -119,7 +120,7 @@ def test_disabling_the_vertical_fusion_leaves_the_batched_chain():
     assert count_recfuse(gm) == 0 and count_layer_norm(gm) == 1
     report = gm.recfuse_report
     assert report.groups[0].fusion == "horizontal_chain" and report.groups[0].mode == "horizontal"
-    assert "disabled: vertical_ln_tanh_linear_relu" in str(report)
+    assert "disabled: vertical_ln_tanh_linear_relu, vertical_feature_mlp" in str(report)
     x2 = torch.randn(4 * 3 * 8)
     _close(gm(x2, 4, 8), m(x2, 4, 8))
 
@@ -167,7 +168,8 @@ def test_registering_a_taken_name_or_a_non_fusion_fails():
         register_fusion(object())
     with pytest.raises(ValueError, match="unknown fusion 'nope'"):
         register_fusion(TanhRelu(), before="nope")
-    assert [f.name for f in recfuse.fx.FUSIONS] == ["vertical_ln_tanh_linear_relu", "horizontal_chain"]
+    assert [f.name for f in recfuse.fx.FUSIONS] == ["vertical_ln_tanh_linear_relu", "vertical_feature_mlp",
+                                                    "horizontal_chain"]
 
 
 def test_a_match_that_returns_something_else_is_a_type_error():

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.fx import Graph, Node
 
-from .patterns import submodule
+from .patterns import INPLACE_POS, submodule
 
 __all__ = ["is_inplace", "functionalize_inplace", "keeps_node"]
 
@@ -74,6 +74,9 @@ def is_inplace(node: Node, root: Optional[nn.Module] = None) -> bool:
             return True
         if node.kwargs.get("inplace") is True or "out" in node.kwargs:
             return True
+        pos = INPLACE_POS.get(t)
+        if pos is not None and len(node.args) > pos and node.args[pos] is True:
+            return True  # F.relu(x, True)
         name = getattr(t, "__name__", "")
         return name.endswith("_") and not name.endswith("__") and not name.startswith("_")
     mod = _module(node, root)
@@ -103,6 +106,10 @@ def _out_of_place(node: Node, root) -> bool:
             return True
         if node.kwargs.get("inplace") is True:
             node.kwargs = {**node.kwargs, "inplace": False}
+            return True
+        pos = INPLACE_POS.get(t)
+        if pos is not None and len(node.args) > pos and node.args[pos] is True:
+            node.args = node.args[:pos] + (False,) + node.args[pos + 1:]
             return True
         if "out" in node.kwargs or t is operator.setitem:
             return False

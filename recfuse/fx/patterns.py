@@ -59,9 +59,11 @@ class ParamRef:
 class OpInfo:
     """One per-slice op in normal form.
 
-    kind: 'layer_norm', 'linear', an activation ('tanh', 'relu', 'sigmoid', 'gelu', 'silu') or
-    'view' (view/reshape/squeeze/unsqueeze/flatten/contiguous). attrs: the hyper-parameters that
-    must match across slices. params: name -> ParamRef or None.
+    kind: 'layer_norm', 'rms_norm' (both with attrs eps and shape; an RMSNorm's eps may be None:
+    F.rms_norm's default for the input's dtype, at run time), 'linear', an activation (`ACTIVATIONS`; gelu's
+    attr 'approximate', leaky_relu's 'negative_slope', softplus's 'beta' and 'threshold', elu's
+    'alpha') or 'view' (view/reshape/squeeze/unsqueeze/flatten/contiguous). attrs: the
+    hyper-parameters that must match across slices. params: name -> ParamRef or None.
     """
 
     kind: str
@@ -74,18 +76,32 @@ class OpInfo:
         return dict(self.attrs).get(name, default)
 
 
-ACTIVATIONS = ("tanh", "relu", "sigmoid", "gelu", "silu")
+ACTIVATIONS = ("tanh", "relu", "sigmoid", "gelu", "silu", "leaky_relu", "softplus", "elu")
 
 _FN_ACTIVATION = {
     torch.tanh: "tanh", F.tanh: "tanh", torch.relu: "relu", F.relu: "relu", torch.sigmoid: "sigmoid",
-    F.sigmoid: "sigmoid", F.gelu: "gelu", F.silu: "silu",
+    F.sigmoid: "sigmoid", F.gelu: "gelu", F.silu: "silu", F.leaky_relu: "leaky_relu", F.softplus: "softplus",
+    F.elu: "elu",
 }
-_MODULE_ACTIVATION = {nn.Tanh: "tanh", nn.ReLU: "relu", nn.Sigmoid: "sigmoid", nn.GELU: "gelu", nn.SiLU: "silu"}
+_MODULE_ACTIVATION = {nn.Tanh: "tanh", nn.ReLU: "relu", nn.Sigmoid: "sigmoid", nn.GELU: "gelu", nn.SiLU: "silu",
+                      nn.LeakyReLU: "leaky_relu", nn.Softplus: "softplus", nn.ELU: "elu"}
 _METHOD_ACTIVATION = {"tanh": "tanh", "relu": "relu", "sigmoid": "sigmoid"}
+# Hyper-parameters of the activations that have some: (name, position after the input, default).
+_ACTIVATION_ATTRS = {
+    "gelu": (("approximate", 1, "none"),),
+    "leaky_relu": (("negative_slope", 1, 0.01),),
+    "softplus": (("beta", 1, 1.0), ("threshold", 2, 20.0)),
+    "elu": (("alpha", 1, 1.0),),
+}
+# Position of the `inplace` flag of functions that have one (F.relu(x, True)).
+INPLACE_POS = {F.relu: 1, F.silu: 1, F.leaky_relu: 2, F.elu: 2, F.relu6: 1, F.hardtanh: 3, F.dropout: 3,
+               F.alpha_dropout: 3, F.selu: 1, F.celu: 2, F.hardswish: 1, F.hardsigmoid: 1, F.mish: 1,
+               F.threshold: 3, F.rrelu: 4}
 _VIEW_METHODS = {"view", "reshape", "squeeze", "unsqueeze", "flatten", "contiguous", "view_as", "reshape_as"}
 _VIEW_FNS = {torch.reshape, torch.squeeze, torch.unsqueeze, torch.flatten}
 _LAYER_NORM_FNS = {F.layer_norm, torch.layer_norm}
 _LINEAR_FNS = {F.linear, torch._C._nn.linear}
+_RMS_NORM_FNS = {F.rms_norm, torch.rms_norm}
 
 
 def _arg(node: Node, i: int, name: str, default=None):
@@ -128,6 +144,20 @@ def _has_hooks(mod: nn.Module) -> bool:
                 or getattr(mod, "_backward_pre_hooks", None))
 
 
+def _normalized_shape(shape) -> Optional[tuple]:
+    if isinstance(shape, Node):  # e.g. s.shape[-1:], known from the example
+        shape = value_of(shape)
+    shape = (shape,) if isinstance(shape, int) else tuple(shape) if isinstance(shape, (list, tuple, torch.Size)) else None
+    if shape is None or not all(isinstance(s, int) for s in shape):
+        return None
+    return shape
+
+
+def _eps_attr(eps) -> Optional[float]:
+    """A norm's eps as an attr: a float, or None (RMSNorm's default, which depends on the dtype)."""
+    return None if eps is None else float(eps)
+
+
 def classify(node: Node, root: Optional[nn.Module]) -> Optional[OpInfo]:
     """Normal form of `node` if it is a per-slice op recfuse can batch, else None.
 
@@ -152,12 +182,15 @@ def classify(node: Node, root: Optional[nn.Module]) -> Optional[OpInfo]:
             return OpInfo("layer_norm", node, x, (("eps", float(mod.eps)), ("shape", tuple(mod.normalized_shape))),
                           {"weight": ParamRef(f"{t}.weight") if mod.weight is not None else None,
                            "bias": ParamRef(f"{t}.bias") if getattr(mod, "bias", None) is not None else None})
+        if type(mod) is nn.RMSNorm:
+            return OpInfo("rms_norm", node, x, (("eps", _eps_attr(mod.eps)), ("shape", tuple(mod.normalized_shape))),
+                          {"weight": ParamRef(f"{t}.weight") if mod.weight is not None else None})
         if type(mod) is nn.Linear:
             return OpInfo("linear", node, x, (), {"weight": ParamRef(f"{t}.weight"),
                                                   "bias": ParamRef(f"{t}.bias") if mod.bias is not None else None})
         kind = _MODULE_ACTIVATION.get(type(mod))
         if kind is not None:
-            attrs = (("approximate", mod.approximate),) if kind == "gelu" else ()
+            attrs = tuple((name, getattr(mod, name)) for name, _, _ in _ACTIVATION_ATTRS.get(kind, ()))
             return OpInfo(kind, node, x, attrs)
         if type(mod) is nn.Identity:
             return OpInfo("view", node, x)
@@ -167,15 +200,19 @@ def classify(node: Node, root: Optional[nn.Module]) -> Optional[OpInfo]:
             return None
         x = node.args[0]
         if t in _LAYER_NORM_FNS:
-            shape = _arg(node, 1, "normalized_shape")
-            if isinstance(shape, Node):  # e.g. s.shape[-1:], known from the example
-                shape = value_of(shape)
-            shape = (shape,) if isinstance(shape, int) else tuple(shape) if isinstance(shape, (list, tuple)) else None
+            shape = _normalized_shape(_arg(node, 1, "normalized_shape"))
             eps = _arg(node, 4, "eps", 1e-5)
-            if shape is None or not all(isinstance(s, int) for s in shape) or not isinstance(eps, (int, float)):
+            if shape is None or not isinstance(eps, (int, float)):
                 return None
             return OpInfo("layer_norm", node, x, (("eps", float(eps)), ("shape", shape)),
                           {"weight": _param_ref(_arg(node, 2, "weight")), "bias": _param_ref(_arg(node, 3, "bias"))})
+        if t in _RMS_NORM_FNS:
+            shape = _normalized_shape(_arg(node, 1, "normalized_shape"))
+            eps = _arg(node, 3, "eps", None)
+            if shape is None or not (eps is None or isinstance(eps, (int, float))) or isinstance(eps, bool):
+                return None
+            return OpInfo("rms_norm", node, x, (("eps", _eps_attr(eps)), ("shape", shape)),
+                          {"weight": _param_ref(_arg(node, 2, "weight"))})
         if t in _LINEAR_FNS:
             w = _arg(node, 1, "weight")
             if not isinstance(w, Node):
@@ -183,8 +220,15 @@ def classify(node: Node, root: Optional[nn.Module]) -> Optional[OpInfo]:
             return OpInfo("linear", node, x, (), {"weight": _param_ref(w), "bias": _param_ref(_arg(node, 2, "bias"))})
         if t in _FN_ACTIVATION:
             kind = _FN_ACTIVATION[t]
-            attrs = (("approximate", _arg(node, 1, "approximate", "none")),) if kind == "gelu" else ()
-            return OpInfo(kind, node, x, attrs)
+            if t in INPLACE_POS and _arg(node, INPLACE_POS[t], "inplace", False) is not False:
+                return None  # F.relu(x, True): changes x, which a batched rewrite would not
+            attrs = []
+            for name, pos, default in _ACTIVATION_ATTRS.get(kind, ()):
+                v = _arg(node, pos, name, default)
+                if isinstance(v, Node):
+                    return None  # a hyper-parameter computed in the graph: not comparable across slices
+                attrs.append((name, v))
+            return OpInfo(kind, node, x, tuple(attrs))
         if t in _VIEW_FNS:
             return OpInfo("view", node, x)
         return None

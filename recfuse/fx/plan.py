@@ -233,10 +233,10 @@ def plan_group(sink: Node, sink_kind: str, sink_dim: int, positions: list, chain
     if isinstance(params, str):
         return params
     for op in c0.ops:
-        if op.kind == "layer_norm":
+        if op.kind in ("layer_norm", "rms_norm"):
             ns = op.attr("shape")
             if tuple(core[len(core) - len(ns):]) != tuple(ns):
-                return f"layer_norm normalized_shape {list(ns)} does not match the slice shape {list(core)}"
+                return f"{op.kind} normalized_shape {list(ns)} does not match the slice shape {list(core)}"
     source, fd, slice_shape = _source_plan(chains)
     if slice_shape != start_shape:
         return f"internal: slice shape {start_shape} vs planned {slice_shape}"
@@ -248,7 +248,7 @@ def plan_group(sink: Node, sink_kind: str, sink_dim: int, positions: list, chain
     nd = len(core)  # core dims; batched tensors have nd + 1
     if fd == nd:  # features after the last dim: put them first so row ops stay row ops
         fd = 0
-    ln_dims = max((len(o.attr("shape")) for o in c0.ops if o.kind == "layer_norm"), default=1)
+    ln_dims = max((len(o.attr("shape")) for o in c0.ops if o.kind in ("layer_norm", "rms_norm")), default=1)
     if fd > nd - ln_dims:
         fd = 0
     replaces = _sink_replacement(sink, sink_kind, sink_dim, chains, root) if covers_all else None

@@ -8,7 +8,7 @@ with its reason. The built-in fusions live in `rules/`, one file each.
 
 Example:
     >>> [f.name for f in FUSIONS]
-    ['vertical_ln_tanh_linear_relu', 'horizontal_chain']
+    ['vertical_ln_tanh_linear_relu', 'vertical_feature_mlp', 'horizontal_chain']
     >>> [f.name for f in select_fusions(["horizontal_chain"])]
     ['horizontal_chain']
 """
@@ -95,7 +95,7 @@ def register_fusion(fusion: Fusion, first: bool = False, *, before: Optional[str
         ...     def match(self, plan, analysis): return Decline("never fuses")
         >>> register_fusion(Nothing(), before="horizontal_chain")
         >>> [f.name for f in FUSIONS]
-        ['vertical_ln_tanh_linear_relu', 'nothing', 'horizontal_chain']
+        ['vertical_ln_tanh_linear_relu', 'vertical_feature_mlp', 'nothing', 'horizontal_chain']
         >>> unregister_fusion("nothing").name
         'nothing'
     """

@@ -107,7 +107,7 @@ class FusionReport:
         other = len(self.groups) - v - h
         others = f", {other} by other fusions" if other else ""
         return (f"recfuse: {self.model}: fused {len(self.groups)} group(s) of {n} slices "
-                f"({v} into recfuse.ln_tanh_linear_relu, {h} horizontal{others}), "
+                f"({v} into one fused op, {h} horizontal{others}), "
                 f"{len(self.near_misses)} near-miss(es), {self.seconds:.2f}s")
 
     def __str__(self) -> str:

@@ -96,7 +96,8 @@ def transform(model, example_inputs: Optional[tuple] = None, *, verify: bool = F
 
     Per-slice chains ``split -> LayerNorm -> tanh [-> Linear -> relu] -> stack`` become one batched
     chain over a zero-copy 3D view of the source, and LayerNorm -> tanh -> Linear -> relu becomes
-    one ``recfuse.ln_tanh_linear_relu`` node. Per-feature parameters are stacked once into
+    one ``recfuse.ln_tanh_linear_relu`` node (any other [LayerNorm|RMSNorm] -> [activation] -> Linear ->
+    [activation] chain: one ``recfuse.feature_mlp`` node). Per-feature parameters are stacked once into
     parameters of the result; a state_dict of the original model still loads into it. Build the
     optimizer from the *transformed* model's parameters.
 
@@ -170,7 +171,7 @@ def explain(model, example_inputs: Optional[tuple] = None, *,
         >>> r = recfuse.explain(split_stack, (torch.randn(96), 4, 8, torch.nn.Linear(8, 1)),
         ...                     fusions=["horizontal_chain"])
         >>> r.groups[0].fusion, r.disabled
-        ('horizontal_chain', ['vertical_ln_tanh_linear_relu'])
+        ('horizontal_chain', ['vertical_ln_tanh_linear_relu', 'vertical_feature_mlp'])
     """
     select_fusions(fusions)
     return _run(model, example_inputs, fusions)[1]

@@ -29,6 +29,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .._checks import check_feature_dim
+from ..chain import DEFAULT
 from ..torchrec import is_keyed_tensor, keyed_tensor_parts, make_keyed_tensor, wait_if_lazy_awaitable
 from .features import FeatureLayout
 from .plan import BufferPlan, DictPlan, GroupParams, StackedPlan
@@ -134,8 +135,8 @@ class BufferInput:
             return y
         return make_keyed_tensor(list(self.keys), [out_features] * len(self.keys), y)
 
-    def fused(self, plan: BufferPlan, params: Sequence[GroupParams], eps: float, out_features: int):
-        return self._answer(plan.run(self.values, params, eps), out_features)
+    def fused(self, plan: BufferPlan, params: Sequence[GroupParams], eps, out_features: int, chain=DEFAULT):
+        return self._answer(plan.run(self.values, params, eps, chain), out_features)
 
     def reference(self, layout: FeatureLayout, feature_fn: FeatureFn, out_features: int):
         outs, offset = [], 0
@@ -195,8 +196,8 @@ class StackedInput:
         self.validate(layout)
         return StackedPlan.build(self.x, params, eps, self.feature_dim)
 
-    def fused(self, plan: StackedPlan, params: Sequence[GroupParams], eps: float, out_features: int):
-        return plan.run(self.x, params, eps)
+    def fused(self, plan: StackedPlan, params: Sequence[GroupParams], eps, out_features: int, chain=DEFAULT):
+        return plan.run(self.x, params, eps, chain)
 
     def reference(self, layout: FeatureLayout, feature_fn: FeatureFn, out_features: int):
         outs = [feature_fn(name, self.x.select(self.feature_dim, f)) for f, name in enumerate(layout.names)]
@@ -247,8 +248,8 @@ class DictInput:
         self.validate(layout)
         return DictPlan.build(layout, self.x, params, eps)
 
-    def fused(self, plan: DictPlan, params: Sequence[GroupParams], eps: float, out_features: int):
-        return plan.run(self.x, params, eps)
+    def fused(self, plan: DictPlan, params: Sequence[GroupParams], eps, out_features: int, chain=DEFAULT):
+        return plan.run(self.x, params, eps, chain)
 
     def reference(self, layout: FeatureLayout, feature_fn: FeatureFn, out_features: int):
         return {name: feature_fn(name, t) for name, t in self.x.items()}

@@ -37,9 +37,11 @@ PER_FEATURE_NDIM = (3, 2, 2, 2)
 
 def parameter_shapes(
     group: DimGroup, out_features: int, *, shared_linear: bool, shared_layer_norm: bool,
-    ln_affine: bool, bias: bool,
+    ln_affine: bool, bias: bool, ln_bias: bool = True,
 ) -> dict[str, Optional[tuple[int, ...]]]:
     """kind -> shape of one dim group's parameter, None where the configuration has none.
+
+    `ln_bias`: whether the norm's affine has a bias (LayerNorm's does, RMSNorm's does not).
 
     Example:
         >>> parameter_shapes(DimGroup(8, ("a", "b", "c"), ""), 2, shared_linear=False,
@@ -51,7 +53,7 @@ def parameter_shapes(
         "weight": (H, D) if shared_linear else (n, H, D),
         "bias": ((H,) if shared_linear else (n, H)) if bias else None,
         "ln_weight": ((D,) if shared_layer_norm else (n, D)) if ln_affine else None,
-        "ln_bias": ((D,) if shared_layer_norm else (n, D)) if ln_affine else None,
+        "ln_bias": ((D,) if shared_layer_norm else (n, D)) if ln_affine and ln_bias else None,
     }
 
 
@@ -73,6 +75,7 @@ def reset_group(dim: int, weight, bias, ln_weight, ln_bias) -> None:
         bias.uniform_(-bound, bound)
     if ln_weight is not None:
         ln_weight.fill_(1.0)
+    if ln_bias is not None:
         ln_bias.zero_()
 
 
@@ -109,7 +112,7 @@ class ModulesSpec:
     """
 
     kwargs: dict  # FusedFeatureProcessor(**kwargs)
-    layer_norm_of: Callable[[str], nn.LayerNorm]
+    layer_norm_of: Callable[[str], nn.Module]  # nn.LayerNorm or nn.RMSNorm
     linear_of: Callable[[str], nn.Linear]
 
     def sources(self, name: str) -> dict[str, Optional[torch.Tensor]]:
@@ -122,14 +125,15 @@ class ModulesSpec:
             (torch.Size([2, 4]), None)
         """
         ln, lin = self.layer_norm_of(name), self.linear_of(name)
-        return {"weight": lin.weight, "bias": lin.bias, "ln_weight": ln.weight, "ln_bias": ln.bias}
+        return {"weight": lin.weight, "bias": lin.bias, "ln_weight": ln.weight, "ln_bias": getattr(ln, "bias", None)}
 
 
 def read_modules(layer_norms, linear, feature_names: Optional[Sequence[str]]) -> ModulesSpec:
     """Check a per-feature loop's modules (see `FusedFeatureProcessor.from_modules`).
 
-    All LayerNorms must share eps and elementwise_affine and normalise the last dim only; all
-    Linears share out_features and whether they have a bias, and take their LayerNorm's D.
+    All norms must be of one type (nn.LayerNorm or nn.RMSNorm), share eps and elementwise_affine
+    and normalise the last dim only; all Linears share out_features and whether they have a bias,
+    and take their norm's D.
 
     Example:
         >>> from torch import nn
@@ -139,7 +143,7 @@ def read_modules(layer_norms, linear, feature_names: Optional[Sequence[str]]) ->
         ValueError: linear for feature 'b' has in_features=8 but its LayerNorm normalizes D=4
     """
     names = _names_from_modules(layer_norms, linear, feature_names)
-    ln_of = _per_feature_lookup("layer_norms", layer_norms, names, nn.LayerNorm)
+    ln_of = _per_feature_lookup("layer_norms", layer_norms, names, (nn.LayerNorm, nn.RMSNorm))
     lin_of = _per_feature_lookup("linear", linear, names, nn.Linear)
 
     dims = []
@@ -150,7 +154,12 @@ def read_modules(layer_norms, linear, feature_names: Optional[Sequence[str]]) ->
                 f"layer_norms[{name!r}] normalizes over {tuple(ln.normalized_shape)}; only "
                 f"LayerNorm over the last dim (normalized_shape=(D,)) can be fused"
             )
-        if ln.elementwise_affine and ln.bias is None:
+        if type(ln) is not type(ln_of(names[0])):
+            raise ValueError(
+                f"layer_norms[{name!r}] is an nn.{type(ln).__name__} but layer_norms[{names[0]!r}] an "
+                f"nn.{type(ln_of(names[0])).__name__}; one module runs one norm"
+            )
+        if isinstance(ln, nn.LayerNorm) and ln.elementwise_affine and ln.bias is None:
             raise ValueError(
                 f"layer_norms[{name!r}] has a weight but no bias (bias=False); the fused "
                 f"module's affine LayerNorm has both"
@@ -181,7 +190,8 @@ def read_modules(layer_norms, linear, feature_names: Optional[Sequence[str]]) ->
         embedding_dims=tuple(dims),
         out_features=first_lin.out_features,
         shared_linear=isinstance(linear, nn.Linear),
-        shared_layer_norm=isinstance(layer_norms, nn.LayerNorm),
+        shared_layer_norm=isinstance(layer_norms, (nn.LayerNorm, nn.RMSNorm)),
+        norm="rms_norm" if isinstance(first_ln, nn.RMSNorm) else "layer_norm",
         ln_affine=first_ln.elementwise_affine,
         bias=first_lin.bias is not None,
         eps=first_ln.eps,
@@ -219,8 +229,12 @@ def _names_from_modules(layer_norms, linear, feature_names) -> tuple[str, ...]:
 
 
 def _per_feature_lookup(what: str, modules, names, module_type):
-    """name -> module for a shared module, a dict/ModuleDict or a list/ModuleList of them."""
-    if isinstance(modules, module_type):
+    """name -> module for a shared module, a dict/ModuleDict or a list/ModuleList of them.
+
+    `module_type`: a module class or a tuple of them."""
+    types = module_type if isinstance(module_type, tuple) else (module_type,)
+    type_text = " or ".join(f"nn.{t.__name__}" for t in types)
+    if isinstance(modules, types):
         lookup = {n: modules for n in names}
     elif _is_mapping(modules):
         lookup = {n: modules[n] for n in names}
@@ -228,10 +242,10 @@ def _per_feature_lookup(what: str, modules, names, module_type):
         lookup = dict(zip(names, modules))
     else:
         raise TypeError(
-            f"{what} must be an nn.{module_type.__name__}, a dict/ModuleDict or a list/ModuleList "
+            f"{what} must be an {type_text}, a dict/ModuleDict or a list/ModuleList "
             f"of them, got {type(modules).__name__}"
         )
     for n, m in lookup.items():
-        if not isinstance(m, module_type):
-            raise TypeError(f"{what}[{n!r}] must be an nn.{module_type.__name__}, got {type(m).__name__}")
+        if not isinstance(m, types):
+            raise TypeError(f"{what}[{n!r}] must be an {type_text}, got {type(m).__name__}")
     return lookup.__getitem__

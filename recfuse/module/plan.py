@@ -28,19 +28,36 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from .._checks import check_op_args
-from ..ops import ln_tanh_linear_relu
+from ..chain import DEFAULT, Chain
+from ..ops import feature_mlp, ln_tanh_linear_relu
 from .features import FeatureLayout
 from .parameters import PER_FEATURE_NDIM
 
-__all__ = ["call_op", "GroupRun", "BufferPlan", "StackedPlan", "DictPlan", "PlanCache", "parameters_signature"]
+__all__ = ["call_op", "resolve_eps", "GroupRun", "BufferPlan", "StackedPlan", "DictPlan", "PlanCache", "parameters_signature"]
 
 GroupParams = Sequence[Optional[torch.Tensor]]  # (weight, bias, ln_weight, ln_bias) of one dim group
 
 
+def resolve_eps(eps: Optional[float], x: torch.Tensor) -> float:
+    """The norm's eps for input x: `eps`, or for None (an RMSNorm built with eps=None) what
+    `F.rms_norm` uses then: float32's machine epsilon, float64's for float64 inputs.
+
+    Example:
+        >>> import torch
+        >>> resolve_eps(None, torch.zeros(1, dtype=torch.bfloat16)) == torch.finfo(torch.float32).eps
+        True
+    """
+    if eps is not None:
+        return eps
+    return torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
+
+
 def call_op(
-    x3: torch.Tensor, params: GroupParams, rows: Optional[torch.Tensor], eps: float, feature_dim: int
+    x3: torch.Tensor, params: GroupParams, rows: Optional[torch.Tensor], eps: Optional[float], feature_dim: int,
+    chain: Chain = DEFAULT,
 ) -> torch.Tensor:
-    """`recfuse.ln_tanh_linear_relu` on a 3D view with one dim group's parameters.
+    """`recfuse.ln_tanh_linear_relu` (or `recfuse.feature_mlp` for another `chain`) on a 3D view
+    with one dim group's parameters.
 
     Per-feature parameters are reordered to the view's features (`rows`, None when the view
     holds them in stored order) and every parameter is cast to x's dtype, as autocast would:
@@ -62,10 +79,15 @@ def call_op(
                 p = p.to(dtype)
         prepared.append(p)
     weight, bias, ln_weight, ln_bias = prepared
-    return ln_tanh_linear_relu(x3, weight, bias, ln_weight=ln_weight, ln_bias=ln_bias, eps=eps, feature_dim=feature_dim)
+    if chain == DEFAULT:
+        return ln_tanh_linear_relu(x3, weight, bias, ln_weight=ln_weight, ln_bias=ln_bias, eps=eps,
+                                   feature_dim=feature_dim)
+    return feature_mlp(x3, weight, bias, norm=chain.norm, ln_weight=ln_weight, ln_bias=ln_bias,
+                       eps=resolve_eps(eps, x3), activation=chain.activation, out_activation=chain.out_activation,
+                       feature_dim=feature_dim)
 
 
-def _check_call(x3: torch.Tensor, params: GroupParams, eps: float, feature_dim: int) -> None:
+def _check_call(x3: torch.Tensor, params: GroupParams, eps: Optional[float], feature_dim: int) -> None:
     """The op's own checks of one call, on the parameters as `call_op` will pass them.
 
     Rows are not reordered first: a permutation changes no shape, and a per-feature parameter
@@ -73,7 +95,7 @@ def _check_call(x3: torch.Tensor, params: GroupParams, eps: float, feature_dim: 
     """
     dtype = x3.dtype
     cast = [p if p is None or p.dtype == dtype else p.to(dtype) for p in params]
-    check_op_args(x3, *cast, eps, feature_dim)
+    check_op_args(x3, *cast, resolve_eps(eps, x3), feature_dim)
 
 
 def _rows_index(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -169,9 +191,10 @@ class BufferPlan:
         output_is_view = len(runs) == 1 and runs[0].positions == tuple(range(len(names)))
         return cls(tuple(runs), output_is_view)
 
-    def run(self, values: torch.Tensor, params: Sequence[GroupParams], eps: float) -> torch.Tensor:
+    def run(self, values: torch.Tensor, params: Sequence[GroupParams], eps: Optional[float],
+            chain: Chain = DEFAULT) -> torch.Tensor:
         """[B, sum(D)] -> [B, F*H], features in the buffer's order."""
-        ys = [call_op(r.view(values), params[r.group], r.rows, eps, 1) for r in self.runs]
+        ys = [call_op(r.view(values), params[r.group], r.rows, eps, 1, chain) for r in self.runs]
         if self.output_is_view:
             return ys[0].flatten(1)
         pieces: list = [None] * sum(len(r.positions) for r in self.runs)
@@ -200,8 +223,9 @@ class StackedPlan:
         _check_call(x, params[0], eps, feature_dim)
         return cls(feature_dim)
 
-    def run(self, x: torch.Tensor, params: Sequence[GroupParams], eps: float) -> torch.Tensor:
-        return call_op(x, params[0], None, eps, self.feature_dim)
+    def run(self, x: torch.Tensor, params: Sequence[GroupParams], eps: Optional[float],
+            chain: Chain = DEFAULT) -> torch.Tensor:
+        return call_op(x, params[0], None, eps, self.feature_dim, chain)
 
 
 @dataclass(frozen=True)
@@ -229,10 +253,11 @@ class DictPlan:
             _check_call(first.unsqueeze(1).expand(-1, len(grp.names), -1), params[g], eps, 1)
         return cls(layout)
 
-    def run(self, x: Mapping[str, torch.Tensor], params: Sequence[GroupParams], eps: float) -> dict:
+    def run(self, x: Mapping[str, torch.Tensor], params: Sequence[GroupParams], eps: Optional[float],
+            chain: Chain = DEFAULT) -> dict:
         outs = {}
         for g, grp in enumerate(self.layout.groups):
-            y = call_op(torch.stack([x[n] for n in grp.names], dim=1), params[g], None, eps, 1)
+            y = call_op(torch.stack([x[n] for n in grp.names], dim=1), params[g], None, eps, 1, chain)
             outs.update({n: y[:, j] for j, n in enumerate(grp.names)})
         return {name: outs[name] for name in x}
 

@@ -25,11 +25,12 @@ import torch
 from torch import nn
 
 from .. import reference
+from ..chain import DEFAULT, chain_of
 from ..cuda_graph import CudaGraphCache, ModuleTensors
 from .features import FeatureLayout, check_config
 from .inputs import read_input
 from .parameters import PARAM_KINDS, feature_view, parameter_shapes, read_modules, reset_group
-from .plan import PlanCache, parameters_signature
+from .plan import PlanCache, parameters_signature, resolve_eps
 
 __all__ = ["FusedFeatureProcessor"]
 
@@ -39,11 +40,15 @@ _is_compiling = torch.compiler.is_compiling
 
 
 class FusedFeatureProcessor(nn.Module):
-    """relu(Linear(tanh(LayerNorm_f(x_f)))) for every feature f, fused; looked up by feature name.
+    """out_activation(Linear(activation(norm_f(x_f)))) for every feature f, fused; looked up by
+    feature name. By default relu(Linear(tanh(LayerNorm_f(x_f)))).
 
     Replaces the per-feature loop::
 
         out = [relu(linear(tanh(layer_norm[name](emb[name])))) for name in feature_names]
+
+    or any other chain of `recfuse.feature_mlp`'s family (``norm="rms_norm", activation="silu",
+    out_activation=None``, ...).
 
     Args:
         feature_names: unique names of the F features. They fix the feature order of a
@@ -52,10 +57,19 @@ class FusedFeatureProcessor(nn.Module):
         embedding_dims: one int for all features, or one int per feature (mixed dims).
         out_features: H, the Linear's output size per feature.
         shared_linear: one Linear shared by all features (True) or one per feature (False).
-        shared_layer_norm: one LayerNorm affine shared by all features (True) or one per feature.
-        ln_affine: LayerNorm has a learnable weight and bias (``elementwise_affine``).
+        shared_layer_norm: one norm affine shared by all features (True) or one per feature.
+        ln_affine: the norm has a learnable affine (``elementwise_affine``): LayerNorm a weight
+            and a bias, RMSNorm a weight (as ``nn.RMSNorm``). Default (None): True with a norm.
+            ``norm=None`` has no affine: ``ln_affine=True`` with it is an error.
         bias: the Linear has a bias.
-        eps: LayerNorm epsilon (>= 0).
+        eps: the norm's epsilon (>= 0). With ``norm="rms_norm"`` it may be None, as for
+            ``nn.RMSNorm``: float32's machine epsilon (float64's for float64 inputs), which is what
+            ``F.rms_norm`` uses then, whatever the input's 16-bit dtype.
+        norm: ``"layer_norm"`` (default), ``"rms_norm"`` (x * rsqrt(mean(x^2) + eps)) or None,
+            over each feature's D.
+        activation: after the norm: ``"tanh"`` (default), ``"sigmoid"``, ``"relu"``, ``"gelu"``
+            (erf), ``"gelu_tanh"`` (tanh approximation), ``"silu"`` or None.
+        out_activation: after the Linear, from the same set; default ``"relu"``.
         cuda_graph: opt-in, for inference on fixed shapes: a CUDA tensor input ([B, sum(D)] or
             3D) run without autograd (``torch.no_grad()``/``inference_mode()``, or nothing
             requiring grad) replays a captured CUDA graph, cutting per-call launch overhead.
@@ -72,7 +86,8 @@ class FusedFeatureProcessor(nn.Module):
     ``_d{dim}`` suffix (``weight_d16``, ...); "shared" then means shared within a dim group,
     since one Linear cannot take inputs of two sizes.
 
-    Kernel launches: one ``recfuse.ln_tanh_linear_relu`` call per distinct embedding dim (not yet
+    Kernel launches: one ``recfuse.ln_tanh_linear_relu`` call (``recfuse.feature_mlp`` for
+    another chain) per distinct embedding dim (not yet
     one jagged launch for mixed dims), plus for mixed dims one ``cat`` to put the outputs back in
     input order, and a gather copy for a dim group whose features are not evenly spaced in the
     input buffer. A single-dim [B, F*D] buffer or KeyedTensor is read in place, never copied;
@@ -98,6 +113,15 @@ class FusedFeatureProcessor(nn.Module):
         >>> out = fp({"item": torch.randn(4, 8), "user": torch.randn(4, 8), "ctx": torch.randn(4, 8)})
         >>> sorted(out), out["user"].shape
         (['ctx', 'item', 'user'], torch.Size([4, 2]))
+
+        Another chain: RMSNorm -> silu -> Linear, one Linear per feature, no out activation.
+
+        >>> fp = recfuse.FusedFeatureProcessor(["user", "item", "ctx"], 8, out_features=2, shared_linear=False,
+        ...                                    norm="rms_norm", activation="silu", out_activation=None)
+        >>> torch.allclose(fp(emb), fp.forward_reference(emb), atol=1e-5)
+        True
+        >>> fp.ln_weight.shape, fp.ln_bias                  # RMSNorm's affine is a weight only
+        (torch.Size([3, 8]), None)
     """
 
     def __init__(
@@ -108,23 +132,38 @@ class FusedFeatureProcessor(nn.Module):
         *,
         shared_linear: bool = True,
         shared_layer_norm: bool = False,
-        ln_affine: bool = True,
+        ln_affine: Optional[bool] = None,
         bias: bool = True,
-        eps: float = 1e-5,
+        eps: Optional[float] = 1e-5,
+        norm: Optional[str] = "layer_norm",
+        activation: Optional[str] = "tanh",
+        out_activation: Optional[str] = "relu",
         cuda_graph: bool = False,
         device=None,
         dtype=None,
     ) -> None:
         super().__init__()
-        names, dims = check_config(feature_names, embedding_dims, out_features, eps)
+        chain = chain_of(norm, activation, out_activation)  # raises naming the argument
+        if ln_affine is None:
+            ln_affine = chain.norm is not None
+        elif not isinstance(ln_affine, bool):
+            raise TypeError(f"ln_affine must be a bool or None, got {ln_affine!r}")
+        elif ln_affine and chain.norm is None:
+            raise ValueError("ln_affine=True needs a norm, but norm=None: a norm's affine has nothing to scale "
+                             "without it; leave ln_affine out (or pass False) with norm=None")
+        if eps is None and chain.norm != "rms_norm":
+            raise ValueError(f"eps=None is RMSNorm's default (norm='rms_norm'); with norm={chain.norm!r} pass a "
+                             f"float eps >= 0")
+        names, dims = check_config(feature_names, embedding_dims, out_features, 0.0 if eps is None else eps)
         self.feature_names: tuple[str, ...] = names
         self.embedding_dims: tuple[int, ...] = dims
         self.out_features = int(out_features)
         self.shared_linear = bool(shared_linear)
         self.shared_layer_norm = bool(shared_layer_norm)
-        self.ln_affine = bool(ln_affine)
+        self.ln_affine = ln_affine
         self.has_bias = bool(bias)
-        self.eps = float(eps)
+        self.eps = None if eps is None else float(eps)
+        self.chain = chain
         if not isinstance(cuda_graph, bool):
             raise TypeError(f"cuda_graph must be a bool, got {cuda_graph!r}")
         self.cuda_graph = cuda_graph
@@ -140,6 +179,7 @@ class FusedFeatureProcessor(nn.Module):
             shapes = parameter_shapes(
                 grp, self.out_features, shared_linear=self.shared_linear,
                 shared_layer_norm=self.shared_layer_norm, ln_affine=self.ln_affine, bias=self.has_bias,
+                ln_bias=chain.norm == "layer_norm",
             )
             for kind, shape in shapes.items():
                 param = None if shape is None else nn.Parameter(torch.empty(shape, **factory))
@@ -153,10 +193,22 @@ class FusedFeatureProcessor(nn.Module):
     # -----------------------------------------------------------------------------------------
     # parameters
 
-    def reset_parameters(self) -> None:
-        """Initialise every parameter as nn.LayerNorm and nn.Linear do, per feature.
+    @property
+    def norm(self) -> Optional[str]:
+        return self.chain.norm
 
-        LayerNorm weight 1, bias 0; Linear weight and bias uniform in +-1/sqrt(D) (what
+    @property
+    def activation(self) -> Optional[str]:
+        return self.chain.activation
+
+    @property
+    def out_activation(self) -> Optional[str]:
+        return self.chain.out_activation
+
+    def reset_parameters(self) -> None:
+        """Initialise every parameter as nn.LayerNorm (nn.RMSNorm) and nn.Linear do, per feature.
+
+        Norm weight 1, bias 0; Linear weight and bias uniform in +-1/sqrt(D) (what
         ``kaiming_uniform_(a=sqrt(5))`` gives for fan_in D). torchrec's DistributedModelParallel
         calls this to materialise a module built on the meta device.
 
@@ -182,7 +234,7 @@ class FusedFeatureProcessor(nn.Module):
     def feature_parameters(self, name: str) -> dict[str, Optional[torch.Tensor]]:
         """One feature's parameters as views: weight [H, D], bias [H], ln_weight/ln_bias [D].
 
-        Absent ones (``bias=False``, ``ln_affine=False``) are None.
+        Absent ones (``bias=False``, ``ln_affine=False``, an RMSNorm's ``ln_bias``) are None.
 
         Example:
             >>> fp = FusedFeatureProcessor(["a", "b"], [4, 6], out_features=3, shared_linear=False)
@@ -195,19 +247,25 @@ class FusedFeatureProcessor(nn.Module):
         return feature_view(self._group_parameters()[g], row)
 
     @classmethod
-    def from_modules(cls, layer_norms, linear, feature_names: Optional[Sequence[str]] = None):
+    def from_modules(cls, layer_norms, linear, feature_names: Optional[Sequence[str]] = None, *,
+                     activation: Optional[str] = "tanh", out_activation: Optional[str] = "relu"):
         """Build from an existing per-feature loop's modules, copying their weights.
 
         Args:
             layer_norms: ``nn.ModuleDict`` / dict name -> ``nn.LayerNorm``, ``nn.ModuleList`` /
-                list of ``nn.LayerNorm`` (one per feature), or one ``nn.LayerNorm`` shared by all.
+                list of ``nn.LayerNorm`` (one per feature), or one ``nn.LayerNorm`` shared by all;
+                or the same of ``nn.RMSNorm`` (then ``norm="rms_norm"``, its eps as given, None
+                included).
             linear: one ``nn.Linear`` shared by all features, or a dict / list with one per
                 feature (same conventions as `layer_norms`).
             feature_names: the feature order (of a [B, F*D] input). Defaults to the dict's key
                 order; for lists to ``"0", "1", ...`` (the ModuleList's own keys).
+            activation, out_activation: what the loop applies after the norm and after the
+                Linear (the modules do not say): as in the constructor.
 
-        All LayerNorms must share eps and elementwise_affine; all Linears share out_features and
-        whether they have a bias. The new module is on the device and dtype of the Linear.
+        All norms must be of one type and share eps and elementwise_affine; all Linears share
+        out_features and whether they have a bias. The new module is on the device and dtype of
+        the Linear.
 
         Example:
             >>> from torch import nn
@@ -217,7 +275,7 @@ class FusedFeatureProcessor(nn.Module):
             (('a', 'b'), torch.Size([2, 8]), torch.Size([2, 8]))
         """
         spec = read_modules(layer_norms, linear, feature_names)
-        fp = cls(**spec.kwargs)
+        fp = cls(**spec.kwargs, activation=activation, out_activation=out_activation)
         with torch.no_grad():
             for name in fp.feature_names:
                 sources = spec.sources(name)
@@ -255,13 +313,13 @@ class FusedFeatureProcessor(nn.Module):
         plan = self._plan(inp, params)
         if self.cuda_graph and isinstance(x, torch.Tensor):  # replayed where the rule allows
             return self._cuda_graphs.call(self._fused_tensor, (x, feature_dim), self._module_tensors())
-        return inp.fused(plan, params, self.eps, self.out_features)
+        return inp.fused(plan, params, self.eps, self.out_features, self.chain)
 
     def _fused_tensor(self, x: torch.Tensor, feature_dim: int) -> torch.Tensor:
         """A tensor input whose signature `forward` planned: what a CUDA graph captures."""
         inp = read_input(x, feature_dim)
         params = self._group_parameters()
-        return inp.fused(self._plan(inp, params), params, self.eps, self.out_features)
+        return inp.fused(self._plan(inp, params), params, self.eps, self.out_features, self.chain)
 
     def _plan(self, inp, params):
         """The validated plan of this call's signature, built (and so validated) once per signature.
@@ -279,9 +337,9 @@ class FusedFeatureProcessor(nn.Module):
     def forward_reference(self, x, *, feature_dim: int = 1):
         """Same inputs and result as `forward`, computed feature by feature (the oracle).
 
-        Each feature's [B, D] slice, found by name, goes through
-        `recfuse.reference.ln_tanh_linear_relu` with that feature's own parameters: no stacking,
-        no strided views, no op. Slow; for verification.
+        Each feature's [B, D] slice, found by name, goes through `recfuse.reference.feature_mlp`
+        (the module's chain, per slice) with that feature's own parameters: no stacking, no
+        strided views, no op. Slow; for verification.
 
         Example:
             >>> import torch
@@ -297,9 +355,11 @@ class FusedFeatureProcessor(nn.Module):
     def _reference_feature(self, name: str, x2: torch.Tensor) -> torch.Tensor:
         dtype = x2.dtype
         p = {k: v if v is None or v.dtype == dtype else v.to(dtype) for k, v in self.feature_parameters(name).items()}
-        y = reference.ln_tanh_linear_relu(
-            x2.unsqueeze(0), p["weight"], p["bias"],
-            ln_weight=p["ln_weight"], ln_bias=p["ln_bias"], eps=self.eps, feature_dim=0,
+        chain = self.chain
+        y = reference.feature_mlp(
+            x2.unsqueeze(0), p["weight"], p["bias"], norm=chain.norm,
+            ln_weight=p["ln_weight"], ln_bias=p["ln_bias"], eps=resolve_eps(self.eps, x2), activation=chain.activation,
+            out_activation=chain.out_activation, feature_dim=0,
         )
         return y[0]
 
@@ -309,5 +369,7 @@ class FusedFeatureProcessor(nn.Module):
             f"features={len(self.feature_names)}, embedding_dims={dims}, out_features="
             f"{self.out_features}, shared_linear={self.shared_linear}, shared_layer_norm="
             f"{self.shared_layer_norm}, ln_affine={self.ln_affine}, bias={self.has_bias}, eps={self.eps}"
+            + ("" if self.chain == DEFAULT else
+               f", norm={self.norm!r}, activation={self.activation!r}, out_activation={self.out_activation!r}")
             + (", cuda_graph=True" if self.cuda_graph else "")
         )

@@ -157,7 +157,9 @@ def feature_mlp(
                                    feature_dim=feature_dim)
     names = to_schema(chain)
     if isinstance(x, torch.fx.Proxy):
-        return torch.ops.recfuse.feature_mlp(x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim), *names)
+        # eps may be a node too: an RMSNorm's eps=None is the dtype's epsilon, read at run time
+        eps = eps if isinstance(eps, torch.fx.Proxy) else float(eps)
+        return torch.ops.recfuse.feature_mlp(x, weight, bias, ln_weight, ln_bias, eps, int(feature_dim), *names)
     if isinstance(x, torch.Tensor) and torch.is_autocast_enabled("cuda" if x.is_cuda else x.device.type):
         return _autocast_call(_public_positional, "cuda" if x.is_cuda else x.device.type,
                               x, weight, bias, ln_weight, ln_bias, eps, feature_dim, *chain)

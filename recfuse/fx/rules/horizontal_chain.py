@@ -22,7 +22,10 @@ from ..registry import Claim, Fusion
 
 __all__ = ["HorizontalChain"]
 
-_ACTIVATIONS = {"tanh": torch.tanh, "relu": torch.relu, "sigmoid": torch.sigmoid, "silu": F.silu}
+# Each activation kind's function; its attrs (gelu's approximate, leaky_relu's negative_slope, ...)
+# are passed as keyword arguments.
+_ACTIVATIONS = {"tanh": torch.tanh, "relu": torch.relu, "sigmoid": torch.sigmoid, "silu": F.silu, "gelu": F.gelu,
+                "leaky_relu": F.leaky_relu, "softplus": F.softplus, "elu": F.elu}
 
 
 class HorizontalChain(Fusion):
@@ -46,26 +49,31 @@ class HorizontalChain(Fusion):
         intermediates = []
         for j, op in enumerate(plan.chains[0].ops):
             specs = plan.params[j]
-            if op.kind == "layer_norm":
-                x = self._layer_norm(rw, x, op, specs, j, layout)
+            if op.kind in ("layer_norm", "rms_norm"):
+                x = self._norm(rw, x, op, specs, j, layout)
             elif op.kind == "linear":
                 x = self._linear(rw, plan, x, specs, j, layout)
-            elif op.kind == "gelu":
-                x = rw.fn(F.gelu, [x], {"approximate": op.attr("approximate", "none")})
             else:
-                x = rw.fn(_ACTIVATIONS[op.kind], [x])
+                x = rw.fn(_ACTIVATIONS[op.kind], [x], dict(op.attrs))
             intermediates.append(x)
         rw.finish(x, intermediates)
         return f"batched {plan.ops_text()} on one [F={plan.size}, ...] tensor (input: {plan.source.describe()})"
 
     @staticmethod
-    def _layer_norm(rw, x, op, specs, j, layout):
+    def _norm(rw, x, op, specs, j, layout):
+        """LayerNorm or RMSNorm (weight only; its eps may be None, resolved by F.rms_norm at run
+        time from the dtype, as the per-slice call did)."""
         ws, bs = specs.get("weight"), specs.get("bias")
         ns = list(op.attr("shape"))
+        eps = op.attr("eps")
         if all(s is None or s.shared for s in (ws, bs)):
-            return rw.fn(F.layer_norm, [x, ns, rw.param(ws, f"{j}_ln_weight"), rw.param(bs, f"{j}_ln_bias"),
-                                        op.attr("eps")])
-        x = rw.fn(F.layer_norm, [x, ns, None, None, op.attr("eps")])
+            if op.kind == "rms_norm":
+                return rw.fn(F.rms_norm, [x, ns, rw.param(ws, f"{j}_ln_weight"), eps])
+            return rw.fn(F.layer_norm, [x, ns, rw.param(ws, f"{j}_ln_weight"), rw.param(bs, f"{j}_ln_bias"), eps])
+        if op.kind == "rms_norm":
+            x = rw.fn(F.rms_norm, [x, ns, None, eps])
+        else:
+            x = rw.fn(F.layer_norm, [x, ns, None, None, eps])
         per_feature = (ws is not None and not ws.shared, bs is not None and not bs.shared)
         return rw.fn(runtime.feature_affine, [x, rw.param(ws, f"{j}_ln_weight"), rw.param(bs, f"{j}_ln_bias"),
                                               layout, per_feature])
