@@ -64,13 +64,23 @@ def chain_of(norm, activation, out_activation) -> Chain:
         ...
         ValueError: norm must be one of 'layer_norm', 'rms_norm' or None, got 'batch_norm'
     """
+    try:
+        return _VALID[norm, activation, out_activation]  # the op's hot path: one lookup once seen
+    except (KeyError, TypeError):  # TypeError: an unhashable argument, refused below
+        pass
+    key = (norm, activation, out_activation)
     norm, activation, out_activation = (None if v == "none" else v for v in (norm, activation, out_activation))
     if not isinstance(norm, (str, type(None))) or norm not in NORMS:
         raise ValueError(f"norm must be one of {_choices(NORMS)}, got {norm!r}")
     for name, v in (("activation", activation), ("out_activation", out_activation)):
         if not isinstance(v, (str, type(None))) or v not in ACTIVATIONS:
             raise ValueError(f"{name} must be one of {_choices(ACTIVATIONS)}, got {v!r}")
-    return Chain(norm, activation, out_activation)
+    chain = _VALID[key] = Chain(norm, activation, out_activation)
+    return chain
+
+
+# Validated chains by their arguments as given: at most (3 + 1) * (7 + 1)^2 entries ("none" or None).
+_VALID: dict = {}
 
 
 def codes(chain: Chain) -> tuple[int, int, int]:

@@ -51,19 +51,7 @@ def ln_tanh_linear_relu(
         >>> recfuse.reference.ln_tanh_linear_relu(x, w).shape
         torch.Size([4, 2, 3])
     """
-    s = check_op_args(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
-    slices = x.unbind(feature_dim)
-    outs = []
-    for f, sl in enumerate(slices):
-        h = F_.layer_norm(
-            sl, (s.D,), _feature_param(ln_weight, f, 2), _feature_param(ln_bias, f, 2), eps
-        )
-        h = torch.tanh(h)
-        h = F_.linear(h, _feature_param(weight, f, 3), _feature_param(bias, f, 2))
-        outs.append(torch.relu(h))
-    if not outs:  # F == 0: keep the documented output shape
-        return x.new_zeros(s.out_shape())
-    return torch.stack(outs, dim=feature_dim)
+    return feature_mlp(x, weight, bias, ln_weight=ln_weight, ln_bias=ln_bias, eps=eps, feature_dim=feature_dim)
 
 
 def batched_ln_tanh_linear_relu(

@@ -97,10 +97,8 @@ def _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_st
 
 @_fwd_op.register_fake
 def _fwd_fake(x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
-    H = weight.shape[-2]
-    if feature_dim == 0:
-        return x.new_empty((x.shape[0], x.shape[1], H))
-    return x.new_empty((x.shape[0], x.shape[1], H))
+    # [F, B, H] or [B, F, H]: x's first two dims either way
+    return x.new_empty((x.shape[0], x.shape[1], weight.shape[-2]))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,8 +29,8 @@ from typing import Optional
 
 import torch
 
-from ...chain import DEFAULT, Chain  # noqa: F401 (DEFAULT: doctest)
-from ..patterns import fmt_float
+from ...chain import ACTIVATIONS as CHAIN_ACTIVATIONS, DEFAULT, NORMS, Chain  # noqa: F401 (DEFAULT: doctest)
+from ..patterns import ACTIVATIONS, fmt_float
 from ..plan import GroupPlan, ParamPlan, attr_tensor, ref_shape
 from ..registry import Claim, Decline, Fusion
 from ..runtime import _graph_leaf
@@ -38,11 +38,11 @@ from ..values import tensor_dtype
 
 __all__ = ["ChainMatch", "VerticalChainFusion", "chain_activation", "dtype_eps", "eps_text", "FUSED_ACTIVATIONS"]
 
-_NORMS = ("layer_norm", "rms_norm")
+_NORMS = tuple(n for n in NORMS if n is not None)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-# graph op kinds that are activations (patterns.ACTIVATIONS), whether or not the op has them
-_ACTIVATION_KINDS = ("tanh", "relu", "sigmoid", "gelu", "silu", "leaky_relu", "softplus", "elu")
-FUSED_ACTIVATIONS = ("tanh", "sigmoid", "relu", "gelu", "gelu_tanh", "silu")
+# graph op kinds that are activations, whether or not the op has them
+_ACTIVATION_KINDS = ACTIVATIONS
+FUSED_ACTIVATIONS = tuple(a for a in CHAIN_ACTIVATIONS if a is not None)
 
 
 def chain_activation(op) -> "str | None":
@@ -59,7 +59,7 @@ def chain_activation(op) -> "str | None":
     """
     if op.kind == "gelu":
         return {"none": "gelu", "tanh": "gelu_tanh"}.get(op.attr("approximate", "none"))
-    return op.kind if op.kind in ("tanh", "sigmoid", "relu", "silu") else None
+    return op.kind if op.kind in FUSED_ACTIVATIONS else None
 
 
 def _describe_activation(op) -> str:
