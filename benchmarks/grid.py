@@ -317,9 +317,38 @@ def result_stem(save: str, slug: str, chains) -> str:
     return os.path.join(save, f"grid_{slug}" if list(chains) == [DEFAULT] else f"grid_chains_{slug}")
 
 
-def write_outputs(save: str, slug: str, env: dict, points: list[dict], final: bool) -> None:
+POINT_KEY = ("chain", "layout", "dtype", "affine", "D", "H")
+
+
+def merge_points(saved: list[dict], points: list[dict], date: str) -> list[dict]:
+    """The saved points that ``points`` does not re-measure (each stamped with its run's date),
+    then the new ones.
+
+    Example:
+        >>> old = [{"layout": "BFD", "dtype": "bf16", "affine": "none", "D": 64, "H": h} for h in (1, 4)]
+        >>> new = [dict(old[1], chain=chain_text(DEFAULT), fwd_us=1.0)]
+        >>> [(p["H"], "fwd_us" in p) for p in merge_points(old, new, "2026-01-01")]
+        [(1, False), (4, True)]
+    """
+    def key(p):  # files from before chains were a grid axis have no "chain": the default's
+        return (p.get("chain", chain_text(DEFAULT)),) + tuple(p.get(k) for k in POINT_KEY[1:])
+
+    fresh = {key(p) for p in points if "skipped" not in p}
+    kept = [{**p, "run_date": p.get("run_date", date)} for p in saved if key(p) not in fresh]
+    kept_keys = {key(p) for p in kept}
+    return kept + [p for p in points if "skipped" not in p or key(p) not in kept_keys]
+
+
+def write_outputs(save: str, slug: str, env: dict, points: list[dict], final: bool, merge: bool = False) -> None:
     os.makedirs(save, exist_ok=True)
     stem = result_stem(save, slug, {parse_chain(p.get("chain", chain_text(DEFAULT))) for p in points})
+    if merge and os.path.exists(stem + ".json"):
+        with open(stem + ".json") as fh:
+            saved = json.load(fh)
+        env = {**env, "merged_from": saved["env"].get("merged_from", []) + [saved["env"].get("date", "")]}
+        points = merge_points(saved["points"], points, saved["env"].get("date", "")[:10])
+        if not final:
+            return  # the saved file stays whole until the run has finished
     with open(stem + ".json", "w") as fh:
         json.dump({"env": env, "points": points}, fh, indent=1)
     if final:
@@ -346,6 +375,9 @@ def parse_args(argv=None):
     ap.add_argument("--peer-every", type=int, default=3, help="torch.compile peer on every Nth point; 0 = never")
     ap.add_argument("--check-rows", type=int, default=256, help="batch rows checked against float64")
     ap.add_argument("--save", default=None, help="directory for grid_<gpu>.json/.txt/.png")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the saved file's points that this run does not measure (they keep their "
+                         "'run_date'); the table and heatmap show the union")
     ap.add_argument("--max-seconds", type=float, default=None, help="stop between points after this long")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     return ap.parse_args(argv)
@@ -394,7 +426,7 @@ def main(argv=None) -> int:
         gc.collect()
         if dev == "cuda":
             torch.cuda.empty_cache()
-        if args.save:
+        if args.save and not args.merge:
             write_outputs(args.save, slug, env, points, final=False)
     bar.close()
 
@@ -404,7 +436,7 @@ def main(argv=None) -> int:
     print(table(points, env))
     print(f"total {env['total_s']:.0f} s", file=sys.stderr)
     if args.save:
-        write_outputs(args.save, slug, env, points, final=True)
+        write_outputs(args.save, slug, env, points, final=True, merge=args.merge)
         print(f"wrote {result_stem(args.save, slug, args.chains)}.json/.txt/.png", file=sys.stderr)
     return 0
 

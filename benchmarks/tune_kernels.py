@@ -36,7 +36,8 @@ import triton
 from _common import copy_bandwidth, do_bench_us, environment, perf_counter_us
 from recfuse.ops import configs, launch
 from recfuse.ops.composite import composite_backward
-from recfuse.reference import batched_ln_tanh_linear_relu
+from recfuse.chain import chain_of
+from recfuse.reference import batched_feature_mlp, batched_ln_tanh_linear_relu
 
 log = logging.getLogger("recfuse.tune")
 
@@ -113,9 +114,23 @@ def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.double() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
 
 
+# |z| below this (z ~ N(0, 1) here) is a relu tie: float32 rounding of z decides the mask there.
+RELU_TIE = 1e-4
+
+
 def references(t: dict) -> dict:
-    """float64 composite forward and gradients (inputs upcast), the tuner's check."""
+    """float64 composite forward and gradients (inputs upcast), the tuner's check.
+
+    grad_y is zeroed in place where the float64 z is within `RELU_TIE` of 0 (~1e-4 of the
+    elements): there the relu mask is decided by rounding, and one flipped element moves a
+    gradient's norm by ~1/sqrt(B) (5e-4 at fp32 D=256 H=16, 3xTF32, on the H100), which rejected
+    every correct config of that shape. A miscompiled tile still fails the check.
+    """
     f32 = {k: v.double() for k, v in t.items()}
+    z = batched_feature_mlp(f32["x"], f32["w"], f32["b"], f32["lw"], f32["lb"], 1e-5, 1,
+                            chain_of("layer_norm", "tanh", None))
+    t["gy"].masked_fill_(z.abs() < RELU_TIE, 0)
+    f32["gy"] = t["gy"].double()
     y = batched_ln_tanh_linear_relu(f32["x"], f32["w"], f32["b"], f32["lw"], f32["lb"], 1e-5, 1)
     grads = composite_backward(f32["gy"], f32["x"], f32["w"], f32["b"], f32["lw"], f32["lb"], 1e-5, 1)
     return {"y": y, "grads": grads}

@@ -6,10 +6,13 @@ stay small here: the interpreter runs numpy per program.
 """
 import pytest
 import torch
+import triton.language as tl
 
 import recfuse
 from recfuse.ops import configs, launch
 from op_cases import Case, check_against_float64, check_nan_parity, make_inputs, run_op
+from recfuse.chain import DEFAULT as DEFAULT_CHAIN, chain_of
+from recfuse.ops.composite import composite_backward
 
 pytestmark = pytest.mark.interpret
 
@@ -156,3 +159,38 @@ def test_backward_falls_back_beyond_kernel_tile():
     # H * D past the backward kernel's register tile: the composite backward takes over.
     assert configs.backward_config(1024, 64, torch.float32, "cpu") is None
     check_against_float64(Case(1, 2, 1024, 64, ln="none"), torch.float32)
+
+
+@pytest.mark.parametrize("case, chain", [
+    (Case(2, 64, 64, 16, ln="per_feature", bias="per_feature"), DEFAULT_CHAIN),
+    (Case(2, 33, 40, 20, feature_dim=1, strided_view=True, per_feature_weight=True, ln="shared"), DEFAULT_CHAIN),
+    # dz = grad_y * sigmoid'(z) is not a bf16 value: its lo part is multiplied too.
+    (Case(2, 48, 32, 16, ln="per_feature"), chain_of("rms_norm", "silu", "sigmoid")),
+], ids=str)
+def test_bf16_backward_dots_on_bf16_operands(case, chain, monkeypatch):
+    # bf16 inputs take the backward's bf16 tensor-core path (t, and dz where it is not a bf16
+    # value, split into hi + lo bf16 parts; the interpreter multiplies the same bf16 values in
+    # fp32). It must agree with the fp32-operand path it replaces, and with float64 within the
+    # 16-bit contract.
+    x, w, b, lw, lb, gy = [None if t is None else t.to(torch.bfloat16) for t in make_inputs(case)]
+    if chain.norm == "rms_norm":
+        lb = None
+    args = (gy, x, w, b, lw, lb, case.eps, case.feature_dim)
+    with launch.trace_launches() as seen:
+        bf16_ops = launch.backward(*args, chain=chain)
+    assert seen[-1][2]["BWD_DOT_DTYPE"] == tl.bfloat16 and seen[-1][2]["USE_DOT"]
+    monkeypatch.setattr(launch, "_bwd_dot_dtype", lambda *a: tl.float32)
+    launch._BACKWARD_PLANS.clear()
+    fp32_ops = launch.backward(*args, chain=chain)
+    launch._BACKWARD_PLANS.clear()
+    reference = composite_backward(*[None if t is None else t.double() for t in args[:6]], case.eps,
+                                   case.feature_dim, chain)
+    for name, a, f, r in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), bf16_ops, fp32_ops, reference):
+        if r is None or not f.numel():
+            continue
+        scale = r.norm().clamp_min(1e-12)
+        # dx, bias and LayerNorm grads come out equal (without the lo part of a sigmoid's dz,
+        # 5e-3 apart); the weight's takes t rounded to bf16, 2e-3 to 4e-3 apart.
+        apart = ((a.double() - f.double()).norm() / scale).item()
+        assert apart < (6e-3 if name == "weight" else 1e-3), name
+        assert ((a.double() - r).norm() / scale).item() < 1e-2, name

@@ -226,6 +226,16 @@ def _row_linear(t, w, USE_DOT: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: t
 
 
 @triton.jit
+def _dot_16bit(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b for 16-bit operands with fp32 accumulation. UPCAST (the interpreter, whose numpy
+    dots have no bf16) multiplies the same 16-bit values as fp32: their products are exact in fp32,
+    so only the summation order differs from the tensor cores."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee", out_dtype=tl.float32)
+    return tl.dot(a, b, acc, out_dtype=tl.float32)
+
+
+@triton.jit
 def _bias_act_store(z, bias, y_ptrs, ymask, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, OUT_ACT: tl.constexpr,
                     FAST_TANH: tl.constexpr):
     if HAS_BIAS:
@@ -478,7 +488,8 @@ def ln_tanh_linear_relu_bwd(
     eps, inv_d,
     HAS_BIAS: tl.constexpr, HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
     NORM: tl.constexpr, ACT: tl.constexpr, OUT_ACT: tl.constexpr,
-    USE_DOT: tl.constexpr, BWD_DOT_PRECISION: tl.constexpr, FAST_TANH: tl.constexpr,
+    USE_DOT: tl.constexpr, BWD_DOT_PRECISION: tl.constexpr, BWD_DOT_DTYPE: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    FAST_TANH: tl.constexpr,
     LOAD_STATS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
@@ -492,8 +503,10 @@ def ln_tanh_linear_relu_bwd(
     hs = tl.arange(0, BLOCK_H)
     cmask = cols < D
     hmask = hs < H
+    # BWD_DOT_DTYPE: the operand dtype of the tl.dot path (fp32 with BWD_DOT_PRECISION, or the
+    # 16-bit input dtype on tensor cores with fp32 accumulation, the forward's own rounding).
     w = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :],
-                mask=hmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+                mask=hmask[:, None] & cmask[None, :], other=0.0).to(BWD_DOT_DTYPE if USE_DOT else tl.float32)
     bias = tl.zeros([BLOCK_H], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
@@ -503,8 +516,13 @@ def ln_tanh_linear_relu_bwd(
     # reduced once after the loop: a cross-warp reduction per tile would cost more than the tile,
     # and BLOCK_B short chains instead of one long one keep fp32 sums over 1e6 rows accurate.
     acc_w_rows = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
-    acc_lnw_rows = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
-    acc_lnb_rows = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+    # The tl.dot path sums its tiles' columns as it goes: [BLOCK_B, BLOCK_D] slots beside the
+    # weight and its accumulator cost registers, and a dot tile is long enough to pay for one
+    # cross-warp reduction (H100, F=64 x 256 MB, 32-row tiles: bf16 D=256 H=16 1197 -> 758 us,
+    # D=64 1061 -> 796 us, fp32 D=128 787 -> 705 us; benchmarks/NOTES.md).
+    ACC_ROWS: tl.constexpr = 1 if USE_DOT else BLOCK_B
+    acc_lnw_rows = tl.zeros([ACC_ROWS, BLOCK_D], dtype=tl.float32)
+    acc_lnb_rows = tl.zeros([ACC_ROWS, BLOCK_D], dtype=tl.float32)
     row_start = pid_p * rows_per_program
     for r0 in range(row_start, row_start + rows_per_program, BLOCK_B):
         rows = r0 + tl.arange(0, BLOCK_B)
@@ -518,6 +536,8 @@ def ln_tanh_linear_relu_bwd(
             stat_ptrs, stat_ptrs + stats_half, rmask, HAS_LNW, HAS_LNB, FAST_TANH, LOAD_STATS,
             EVEN_D, EVEN_B, X_EVICT, NORM, ACT,
         )
+        if USE_DOT and BWD_DOT_DTYPE != tl.float32:
+            t_hi = t.to(BWD_DOT_DTYPE)
         # Any strides: the gradient of `y.sum()` is an expanded scalar (all strides 0), read as it is.
         gy_ptrs = GY + f * stride_gy_f + rows64[:, None] * stride_gy_b + hs[None, :] * stride_gy_h
         if EVEN_B and BLOCK_H == 1:
@@ -529,16 +549,35 @@ def ln_tanh_linear_relu_bwd(
         if OUT_ACT == 0:
             dz = gy
         else:
-            z = _row_linear(t, w, USE_DOT, BLOCK_H, BWD_DOT_PRECISION) + bias[None, :]
+            if USE_DOT and BWD_DOT_DTYPE != tl.float32:
+                # t as hi + lo 16-bit parts against the exact 16-bit weight: z to fp32 accuracy,
+                # so the mask is the exact function's as in the fp32-operand path.
+                t_lo = (t - t_hi.to(tl.float32)).to(BWD_DOT_DTYPE)
+                z = _dot_16bit(t_hi, tl.trans(w), tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32), DOT_UPCAST)
+                z = _dot_16bit(t_lo, tl.trans(w), z, DOT_UPCAST) + bias[None, :]
+            else:
+                z = _row_linear(t, w, USE_DOT, BLOCK_H, BWD_DOT_PRECISION) + bias[None, :]
             if OUT_ACT == 3:
                 dz = tl.where(z > 0, gy, 0.0)
             else:
                 dz = gy * _activate_grad(z, _activate(z, OUT_ACT, FAST_TANH), OUT_ACT, FAST_TANH)
-        if USE_DOT:
-            # fp32 operands for every input dtype: dx = rstd * (projection of dt) cancels, and
-            # rounding dz to bf16 first would cost ~3e-2 relative error in dx.
+        if USE_DOT and BWD_DOT_DTYPE == tl.float32:
             dt = tl.dot(dz, w, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
             acc_w += tl.dot(tl.trans(dz), t, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
+        elif USE_DOT:
+            # bf16 tensor cores with fp32 accumulation. dx = rstd * (projection of dt) cancels,
+            # so a dz rounded to bf16 would cost ~3e-2 relative error in dx; the weight is bf16
+            # already (exact), so dz goes in as hi + lo bf16 parts and dt is fp32-accurate. The
+            # weight gradient takes t rounded to bf16, as PyTorch's bf16 autograd does (a lo
+            # part there cost 35 more registers a thread at D=64, spills at D=256).
+            dz_hi = dz.to(BWD_DOT_DTYPE)
+            dt = _dot_16bit(dz_hi, w, tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32), DOT_UPCAST)
+            acc_w = _dot_16bit(tl.trans(dz_hi), t_hi, acc_w, DOT_UPCAST)
+            # A 16-bit grad_y through relu (or no out-activation) is exact in 16 bits already.
+            if not ((OUT_ACT == 0 or OUT_ACT == 3) and GY.dtype.element_ty == BWD_DOT_DTYPE):
+                dz_lo = (dz - dz_hi.to(tl.float32)).to(BWD_DOT_DTYPE)
+                dt = _dot_16bit(dz_lo, w, dt, DOT_UPCAST)
+                acc_w = _dot_16bit(tl.trans(dz_lo), t_hi, acc_w, DOT_UPCAST)
         elif BLOCK_H == 1:
             dz1 = tl.sum(dz, axis=1)
             dt = dz1[:, None] * tl.sum(w, axis=0)[None, :]
@@ -551,9 +590,15 @@ def ln_tanh_linear_relu_bwd(
         if not (EVEN_D and EVEN_B):
             da = tl.where(mask, da, 0.0)
         if HAS_LNW:
-            acc_lnw_rows += da * xhat
+            if USE_DOT:
+                acc_lnw_rows += tl.sum(da * xhat, axis=0, keep_dims=True)
+            else:
+                acc_lnw_rows += da * xhat
         if HAS_LNB:
-            acc_lnb_rows += da
+            if USE_DOT:
+                acc_lnb_rows += tl.sum(da, axis=0, keep_dims=True)
+            else:
+                acc_lnb_rows += da
         dxhat = da * g[None, :]
         if NORM == 0:
             dx = dxhat

@@ -86,6 +86,21 @@ def _fast_tanh(dtype: torch.dtype, device_type: str, backward: bool = False) -> 
     return device_type == "cuda" and dtype in (torch.bfloat16, torch.float16)
 
 
+def _bwd_dot_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype):
+    """Operand dtype of the backward's tl.dot path.
+
+    bf16 x and weight: bf16 tensor cores with fp32 accumulation, z and dt fp32-accurate through
+    hi + lo parts (`kernels.ln_tanh_linear_relu_bwd`); on the H100 1.5-7x faster than fp32
+    operands, gradients within 1.7e-3-2.8e-3 of float64 (PyTorch's bf16 autograd: 1.7e-3).
+    The interpreter multiplies the same bf16 values in fp32 (the plan's DOT_UPCAST).
+    fp32 keeps fp32 operands (3xTF32) for its 1e-4 contract, and fp16 too: gradients below its
+    range (6e-8, common before loss scaling) would flush to zero.
+    """
+    if x_dtype != torch.bfloat16 or w_dtype != torch.bfloat16:
+        return tl.float32
+    return tl.bfloat16
+
+
 def _dot_args(dtype: torch.dtype, device_type: str) -> dict:
     """DOT_DTYPE / DOT_PRECISION constexprs of the forward kernel for x's dtype and device."""
     if device_type == "cpu":  # Triton interpreter: numpy has no bf16 matmul
@@ -385,8 +400,10 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
     if cfg is None or unfit_key in _BWD_UNFIT:
         return None
     if cfg.use_dot:
-        # Not yet for the tl.dot backward: on the H100 it gave dx 3e-3 off at H=16 fp32 with the
-        # saved stats (recomputed, every check passes), which the interpreter does not show.
+        # The tl.dot backward recomputes the row stats: reading them was slower at 5 of 9 shapes
+        # measured on the H100 (bf16 D=64 H=64 1193 -> 1455 us, fp32 D=128 H=16 786 -> 1282).
+        # The "dx 3e-3 off with saved stats" once seen there was a relu tie, not a bug: both
+        # ways flip a z within rounding of 0 now and then (benchmarks/NOTES.md).
         stats = None
     K = configs.partial_row_size(D, H)
     P = configs.programs_per_feature(cfg, F, B, D, H, x.numel() * x.element_size(), _num_sms(dev)) if B > 0 else 1
@@ -412,6 +429,7 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
         NORM=norm, ACT=act, OUT_ACT=out_act,
         USE_DOT=cfg.use_dot, BWD_DOT_PRECISION=_BWD_PRECISION.get(unfit_key, _fp32_dot_precision(dev.type)),
+        BWD_DOT_DTYPE=_bwd_dot_dtype(x.dtype, weight.dtype), DOT_UPCAST=dev.type == "cpu",
         # Not for gelu: its fast form (the tanh form) is biased by up to 5e-4, and recomputing
         # z with it flipped relu masks of the exact chain: dW 1e-2 off float64 in bf16 on the H100.
         FAST_TANH=_fast_tanh(x.dtype, dev.type, backward=True) and "gelu" not in (chain.activation,
