@@ -73,6 +73,34 @@ def test_compiled_matches_float64_and_eager(case, dtype):
     _assert_matches_eager(make_inputs(case), dtype, case.feature_dim)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_features_first_view_of_a_batch_major_buffer(dtype):
+    # `transform`'s graphs pass a [B, F*D] buffer as movedim'd [F, B, D] with feature_dim=0: the
+    # compiled path runs it transposed (rows in memory order) and must give the eager composite's
+    # y and gradients, with its strides, and match float64.
+    F, B, D, H = 5, 300, 16, 2
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randn(B, F * D, generator=g, dtype=torch.float64)
+    x = buf.view(B, F, D).transpose(0, 1)
+    assert _cpu_compiled._swapped(x)
+    w = torch.randn(H, D, generator=g, dtype=torch.float64) / D ** 0.5
+    b = 0.1 + 0.1 * torch.randn(H, generator=g, dtype=torch.float64)
+    lw = 1 + 0.2 * torch.randn(F, D, generator=g, dtype=torch.float64)
+    lb = 0.2 * torch.randn(F, D, generator=g, dtype=torch.float64)
+    gy = torch.randn(F, B, H, generator=g, dtype=torch.float64)
+    tensors = (x.to(dtype), w, b, lw, lb, gy)
+    assert tensors[0].stride() == x.stride()
+    y, grads = _assert_matches_eager(tensors, dtype, feature_dim=0)
+    ran = {(which, key[1]) for (which, _, key) in _cpu_compiled._CACHE if key[2] == dtype and key[-1] == (H, D)}
+    assert ran == {("fwd_save", 1), ("bwd", 1)}  # the batch-major variant, transposed
+    leaves = [t.detach().to(dtype).double().requires_grad_(True) for t in (x, w, b, lw, lb)]
+    y64 = batched_ln_tanh_linear_relu(*leaves, 1e-5, 0)
+    y64.backward(gy.to(dtype).double())
+    assert rel_err(y, y64) < TOLERANCE[dtype]
+    for out, leaf in zip(grads, leaves):
+        assert rel_err(out, leaf.grad) < TOLERANCE[dtype] * (1 if dtype == torch.float32 else 2)
+
+
 def test_new_shape_reuses_compiled_variant():
     case, dtype = CASES[0]
     tensors = make_inputs(case)
