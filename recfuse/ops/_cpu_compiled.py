@@ -207,7 +207,7 @@ def _linear_backward(dz: torch.Tensor, t: torch.Tensor, w: torch.Tensor):
     return torch.matmul(dz, w), torch.matmul(dz.reshape(-1, H).t(), t.reshape(-1, D))
 
 
-def _make_forward(eps: float, feature_dim: int, save: bool) -> Callable:
+def _make_forward(eps: float, feature_dim: int, save: bool, y_transposed: bool = False) -> Callable:
     """y, or with `save` (y, t, mean, rstd, mask): t = the float32 tanh output [F, B, D], the
     rows' LayerNorm statistics [F, B, 1] and z > 0 [F, B, H], what `_make_backward` reads
     instead of recomputing them."""
@@ -235,7 +235,10 @@ def _make_forward(eps: float, feature_dim: int, save: bool) -> Callable:
             h = h + lb
         t = torch.tanh(h)
         z = _linear(t, weight.to(compute), _per_feature(bias, compute, feature_dim), feature_dim)
-        y = torch.relu(z).to(out_dtype).contiguous()
+        y = torch.relu(z).to(out_dtype)
+        # y_transposed: x came as the transposed view of the caller's (`forward`); y is stored
+        # in the caller's dims by this loop, not copied after it.
+        y = (y.transpose(0, 1) if y_transposed else y).contiguous()
         if save:  # the backward works features first
             return y, features_first(t), features_first(mean), features_first(rstd), features_first(z > 0)
         return y
@@ -288,7 +291,8 @@ def _make_backward(eps: float, feature_dim: int) -> Callable:
 #   building their tables is ~1 s of the first compile in a process.
 INDUCTOR_OPTIONS = {"compile_threads": 1, "pattern_matcher": False, "cpp.vec_isa_ok": True}
 
-_WHAT = {"fwd": "forward", "fwd_save": "training forward", "bwd": "backward"}
+_WHAT = {"fwd": "forward", "fwd_save": "training forward", "bwd": "backward",
+         "fwd_t": "forward", "fwd_save_t": "training forward"}
 
 
 def _compiled(which: str, key: tuple, dynamo_backend) -> Any:
@@ -302,7 +306,8 @@ def _compiled(which: str, key: tuple, dynamo_backend) -> Any:
                 if which == "bwd":
                     plain = _make_backward(eps, feature_dim)
                 else:
-                    plain = _make_forward(eps, feature_dim, save=which == "fwd_save")
+                    plain = _make_forward(eps, feature_dim, save=which.startswith("fwd_save"),
+                                          y_transposed=which.endswith("_t"))
                 plain = _fresh_code(plain, f"recfuse_cpu_{which}_{len(_CACHE)}")
                 # dynamic=None: sizes are static unless marked (`_mark_dynamic`): F and B are
                 # marked on the first call, D and H (the parameters' shapes) stay static, so the
@@ -383,7 +388,7 @@ def _swapped(x: torch.Tensor) -> bool:
     """Whether x's dims 0 and 1 are the other way round in memory (a [B, F, D] buffer seen as
     [F, B, D], as `transform`'s graphs pass it): the compiled loops walk dims in order, so they
     run on the transposed view, which visits the rows in memory order (F=16 B=256 D=64, one
-    thread: 813 -> ~660 us for `transform`'s forward)."""
+    thread: 813 -> ~660 us for `transform`'s forward); y is stored in x's dims by the same loop."""
     return x.dim() == 3 and x.shape[0] > 1 and x.shape[1] > 1 and x.stride(0) < x.stride(1)
 
 
@@ -392,23 +397,18 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save=False):
 
     With ``save``: (y, saved) where saved is a `Saved` (the float32 tanh output and the rows'
     LayerNorm statistics) for `backward`, or None (then `backward` recomputes everything).
-    y has x's layout.
+    y is contiguous, as the eager composite and the kernels give it.
     """
-    if _swapped(x):
-        out = forward(x.transpose(0, 1), weight, bias, ln_weight, ln_bias, eps, 1 - feature_dim, save)
-        if out is None:
-            return None
-        # y contiguous in its own dims, as the eager composite and the kernels give it.
-        return (out[0].transpose(0, 1).contiguous(), out[1]) if save else out.transpose(0, 1).contiguous()
+    transposed = _swapped(x)
+    if transposed:  # computed on the view in memory order; y written back in x's dims
+        x, feature_dim = x.transpose(0, 1), 1 - feature_dim
     key = _variant(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
     if key is None:
         return None
-    args = (x, weight, bias, ln_weight, ln_bias)
-    if not save:
-        return _run("fwd", key, args)
-    out = _run("fwd_save", key, args)
-    if out is None:
-        return None
+    which = ("fwd_save" if save else "fwd") + ("_t" if transposed else "")
+    out = _run(which, key, (x, weight, bias, ln_weight, ln_bias))
+    if out is None or not save:
+        return out
     return out[0], Saved(out[1:])
 
 
