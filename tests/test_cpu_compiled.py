@@ -232,16 +232,19 @@ def test_eager_switch_compiles_nothing():
 
 
 def test_switch_api():
-    assert recfuse.ops.get_cpu_backend() == "eager"           # tests/conftest.py's setting
-    with recfuse.ops.cpu_backend("compiled"):
-        assert recfuse.ops.get_cpu_backend() == "compiled"
-        with recfuse.ops.cpu_backend("eager"):
-            assert recfuse.ops.get_cpu_backend() == "eager"
-        assert recfuse.ops.get_cpu_backend() == "compiled"
-    assert recfuse.ops.get_cpu_backend() == "eager"
-    previous = recfuse.ops.set_cpu_backend("compiled")
+    # The suite's backend is tests/conftest.py's (eager, or RECFUSE_CPU_BACKEND's when set).
+    suite = os.environ["RECFUSE_CPU_BACKEND"]
+    other = "eager" if suite == "compiled" else "compiled"
+    assert recfuse.ops.get_cpu_backend() == suite
+    with recfuse.ops.cpu_backend(other):
+        assert recfuse.ops.get_cpu_backend() == other
+        with recfuse.ops.cpu_backend(suite):
+            assert recfuse.ops.get_cpu_backend() == suite
+        assert recfuse.ops.get_cpu_backend() == other
+    assert recfuse.ops.get_cpu_backend() == suite
+    previous = recfuse.ops.set_cpu_backend(other)
     try:
-        assert previous == "eager" and recfuse.ops.get_cpu_backend() == "compiled"
+        assert previous == suite and recfuse.ops.get_cpu_backend() == other
     finally:
         recfuse.ops.set_cpu_backend(previous)
     with pytest.raises(ValueError):
