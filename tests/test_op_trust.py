@@ -6,6 +6,8 @@ kernels (under the interpreter) in a `TRITON_INTERPRET=1` run. The `path` parame
 two: its "triton" value is marked `interpret`, so each process runs the value that matches it.
 Sizes stay tiny (the interpreter runs numpy per program).
 """
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F_
@@ -22,7 +24,19 @@ PATHS = [pytest.param("composite", id="composite"),
          pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                     reason="no CUDA device"))]
 
+# The op's compiled CPU path (Inductor C++, the library's CPU default; the suite runs eager):
+# for the numerical edge cases, which it must get right as the kernels do.
+EDGE_PATHS = PATHS + [pytest.param("compiled", id="compiled", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") == "1", reason="CPU tensors run the Triton interpreter"))]
+
 _FUSED_ON_CUDA = False
+
+
+@pytest.fixture(autouse=True)
+def _restore_cpu_backend():
+    saved = recfuse.ops.get_cpu_backend()
+    yield
+    recfuse.ops.set_cpu_backend(saved)
 
 
 def _on_path(path, cuda_ok=True):
@@ -34,6 +48,8 @@ def _on_path(path, cuda_ok=True):
         return
     # The process decides the path (TRITON_INTERPRET is read at import); make sure it is this one.
     assert uses_triton(torch.device("cpu")) == (path == "triton")
+    if path == "compiled":
+        recfuse.ops.set_cpu_backend("compiled")  # restored by _restore_cpu_backend
 
 
 def _on_cuda(fn):
@@ -396,7 +412,7 @@ def _huge_rows(F, B, D):
     return x
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", EDGE_PATHS)
 @pytest.mark.parametrize("H", [1, 3, 6])
 def test_huge_and_nonfinite_rows_give_nan_where_torch_does(path, H):
     _on_path(path)
@@ -423,12 +439,12 @@ def test_huge_and_nonfinite_rows_give_nan_where_torch_does(path, H):
     assert rel_err(dx[~bad_rows], dx64[~bad_rows]) < TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", EDGE_PATHS)
 def test_constant_huge_row_is_finite_on_the_kernels(path):
     # A constant row of 1e30 has exactly zero variance: its LayerNorm is 0 and y = relu(w @
     # tanh(ln_bias) + b), finite, as float64 gives. torch's float32 CPU layer_norm gives NaN
-    # there (its moments overflow), so the composite path does too; the kernels give the exact
-    # value (their two-pass variance does not overflow on it). Both are checked here.
+    # there (its moments overflow), so the eager composite path does too; the kernels and the
+    # compiled CPU path give the exact value (their two-pass variance does not overflow on it).
     _on_path(path)
     F, B, D, H = 2, 3, 5, 2
     x = torch.randn(F, B, D)
@@ -438,7 +454,8 @@ def test_constant_huge_row_is_finite_on_the_kernels(path):
     ref64 = recfuse.reference.ln_tanh_linear_relu(x.double(), w.double(), b.double(), ln_weight=lw.double(),
                                                   ln_bias=lb.double())
     assert torch.isfinite(ref64).all()
-    if path == "triton":
+    # ("composite" runs compiled too when the suite runs under RECFUSE_CPU_BACKEND=compiled.)
+    if path == "triton" or recfuse.ops.get_cpu_backend() == "compiled":
         assert rel_err(y, ref64) < TOLERANCE[torch.float32]
     else:
         assert torch.isnan(y[1, 1]).all()

@@ -223,10 +223,10 @@ def _make_forward(eps: float, feature_dim: int, save: bool, y_transposed: bool =
         compute = _compute_dtype(x.dtype)
         xf = x.to(compute)
         D = x.shape[-1]
-        # var_mean lowers to one Welford pass over each row; layer_norm's lowering is two
-        # reductions, and Inductor runs each over all rows before the next (x read three times).
         var, mean = torch.var_mean(xf, dim=-1, keepdim=True, correction=0)
-        rstd = torch.rsqrt(var + eps)
+        # NaN where the float32 variance overflowed (rows near 1e19 and up), as the kernels and
+        # the eager composite give, not rstd = 0 and a silently finite row.
+        rstd = torch.where(torch.isinf(var), float("nan"), torch.rsqrt(var + eps))
         h = (xf - mean) * rstd
         lw, lb = _per_feature(ln_weight, compute, feature_dim), _per_feature(ln_bias, compute, feature_dim)
         if lw is not None:
