@@ -10,6 +10,7 @@ original, plus the report and node checks here.
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import os
 import sys
@@ -257,30 +258,26 @@ class TwoLinears(nn.Module):
 
 
 class NormOverTwoDims(nn.Module):
-    def __init__(self, F_=3, D=4):
+    """Per feature: a norm over the slice's last two dims (2, D), an activation, a shared Linear and
+    an optional out-activation. x [B, F, 2, D]."""
+
+    def __init__(self, norm=nn.RMSNorm, act=F.silu, out_act=None, F_=3, D=4):
         super().__init__()
-        self.norms = nn.ModuleList([nn.RMSNorm((2, D)) for _ in range(F_)])
+        self.norms = nn.ModuleList([norm((2, D)) for _ in range(F_)])
         self.lin = nn.Linear(D, 2)
+        self.act, self.out_act = act, out_act
 
-    def forward(self, x):  # x [B, F, 2, D]
-        return torch.stack([self.lin(F.silu(n(s))) for n, s in zip(self.norms, x.unbind(1))], 1)
-
-
-class LayerNormOverTwoDims(nn.Module):
-    def __init__(self, F_=3, D=4):
-        super().__init__()
-        self.norms = nn.ModuleList([nn.LayerNorm((2, D)) for _ in range(F_)])
-        self.lin = nn.Linear(D, 2)
-
-    def forward(self, x):  # x [B, F, 2, D]
-        return torch.stack([torch.relu(self.lin(torch.tanh(n(s)))) for n, s in zip(self.norms, x.unbind(1))], 1)
+    def forward(self, x):
+        outs = [self.lin(self.act(n(s))) for n, s in zip(self.norms, x.unbind(1))]
+        return torch.stack([o if self.out_act is None else self.out_act(o) for o in outs], 1)
 
 
 @pytest.mark.parametrize("model,x,reason", [
     (TwoLinears, (5, 24), "the chain is linear -> tanh -> linear -> silu, not [layer_norm|rms_norm] -> [activation] "
                           "-> linear -> [activation] (it goes on after tanh)"),
     (NormOverTwoDims, (5, 3, 2, 4), "the chain is rms_norm -> silu -> linear on 3D slices, not on [rows, D] slices"),
-    (LayerNormOverTwoDims, (5, 3, 2, 4), "the chain is layer_norm -> tanh -> linear -> relu on 3D slices"),
+    (functools.partial(NormOverTwoDims, nn.LayerNorm, torch.tanh, torch.relu), (5, 3, 2, 4),
+     "the chain is layer_norm -> tanh -> linear -> relu on 3D slices"),
 ], ids=["two_linears", "rms_norm_over_2_dims", "layer_norm_over_2_dims"])
 def test_declined_structures_keep_the_original_numbers(model, x, reason):
     m = model()

@@ -291,8 +291,8 @@ def _make_backward(eps: float, feature_dim: int) -> Callable:
 #   building their tables is ~1 s of the first compile in a process.
 INDUCTOR_OPTIONS = {"compile_threads": 1, "pattern_matcher": False, "cpp.vec_isa_ok": True}
 
-_WHAT = {"fwd": "forward", "fwd_save": "training forward", "bwd": "backward",
-         "fwd_t": "forward", "fwd_save_t": "training forward"}
+# "_t": the same function on a transposed x (`forward`).
+_WHAT = {"fwd": "forward", "fwd_save": "training forward", "bwd": "backward"}
 
 
 def _compiled(which: str, key: tuple, dynamo_backend) -> Any:
@@ -370,7 +370,7 @@ def _run(which: str, key: tuple, args: tuple):
     except Exception as e:  # noqa: BLE001 - any compile failure: the eager composite instead
         _CACHE[(which, _STATE.dynamo_backend, key)] = _FAILED
         warnings.warn(
-            f"recfuse: compiling the CPU {_WHAT[which]} failed "
+            f"recfuse: compiling the CPU {_WHAT[which.removesuffix('_t')]} failed "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); using the eager "
             f"composite for this variant. Set {_ENV}=eager to skip compiling.",
             RuntimeWarning, stacklevel=3)
