@@ -167,6 +167,13 @@ def kernels_per_call(fn: Callable, device="cuda", calls: int = 1):
     """What one call of `fn` dispatches, from torch.profiler over `calls` calls after one
     unprofiled call: on CUDA every device kernel, memcpy and memset; on the CPU the top-level
     aten/recfuse ops (the C++ loops Inductor generates are not ops). An int when whole."""
+    return device_activity(fn, device, calls)[0]
+
+
+def device_activity(fn: Callable, device="cuda", calls: int = 1) -> tuple:
+    """(`kernels_per_call`, device busy time per call in us: the sum of the CUDA kernel, memcpy and
+    memset durations, None on the CPU). Busy time below a call's wall time means the host, not
+    the GPU, sets the rate."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -178,12 +185,15 @@ def kernels_per_call(fn: Callable, device="cuda", calls: int = 1):
         for _ in range(calls):
             fn()
         sync(device)
+    busy_us = None
     if cuda:
-        count = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+        device_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        count = len(device_events)
+        busy_us = sum(e.time_range.elapsed_us() for e in device_events) / calls
     else:
         count = sum(1 for e in prof.events() if _is_top_level_op(e))
     whole, rest = divmod(count, calls)
-    return whole if rest == 0 else count / calls
+    return (whole if rest == 0 else count / calls), busy_us
 
 
 def _is_op(name: str) -> bool:

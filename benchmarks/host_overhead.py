@@ -5,12 +5,15 @@ At the puzzler shape (F=16 B=1024 D=256 H=1 fp32, torchrec layout: a [B, F*D] bu
 host's: Python, argument checks, autograd bookkeeping and kernel launches. Each row is the mean wall
 time per call of a loop of calls with one synchronisation at the end (the rate a training loop can
 issue them), divided by the same for a bare launch of a one-line Triton kernel and for `torch.tanh`
-on 1k elements. Kernels per call come from the profiler.
+on 1k elements. Kernels per call and the GPU busy time per call (the sum of their durations) come
+from the profiler: a busy time near the wall time means the row is GPU-bound, not host-bound.
 
 Rows: the op, `recfuse.transform` of a per-feature model and `FusedFeatureProcessor`, each as a
 forward without grad, a forward recording autograd, and a training step (forward + backward,
 parameter grads set to None before each step); the eager batched composite (`combined`) forward
-and training step as the peers. With ``--profile`` the op's training step is also profiled with
+and training step as the peers; two floors: an nn.Module call of an empty module, and the
+training step of a no-op autograd.Function with the op's tensor interface (what any Python
+custom autograd op costs before it does anything). With ``--profile`` the op's training step is also profiled with
 cProfile (top functions by own time).
 
 Example:
@@ -30,7 +33,7 @@ import pstats
 import torch
 
 import recfuse
-from _common import PerSlice, environment, kernels_per_call, loop_us, op_inputs, sync
+from _common import PerSlice, device_activity, environment, loop_us, op_inputs, sync
 from recfuse.reference import batched_ln_tanh_linear_relu
 
 log = logging.getLogger("recfuse.bench")
@@ -48,6 +51,26 @@ def bare_triton_launch():
     a = torch.randn(1024, device="cuda")
     b = torch.empty_like(a)
     return lambda: _copy[(1,)](a, b, 1024, BLOCK=1024)
+
+
+class _NoOpAutogradOp(torch.autograd.Function):
+    """The op's tensor interface with no work: saves its five inputs, returns empty tensors. Its
+    training step is the floor of any Python custom autograd op (autograd.Function plus the
+    engine's backward, which on CUDA runs on the engine's device thread), for the rows above it."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, lw, lb):
+        ctx.save_for_backward(x, w, b, lw, lb)
+        return x.new_empty(x.shape[:2] + (w.shape[0],))
+
+    @staticmethod
+    def backward(ctx, gy):
+        return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
+
+
+class _EmptyModule(torch.nn.Module):
+    def forward(self, x):
+        return x
 
 
 def build_rows(F_, B, D, H, dtype, dev="cuda"):
@@ -117,6 +140,9 @@ def build_rows(F_, B, D, H, dtype, dev="cuda"):
         "FFP training step": train_step(lambda: ffp(buf), list(ffp.parameters())),
         "combined (eager) forward, no grad": no_grad(combined),
         "combined (eager) training step": train_step(combined, params),
+        # Floors: what any nn.Module call and any Python autograd op cost on this host.
+        "floor: nn.Module call, empty forward": lambda m=_EmptyModule(): m(buf),
+        "floor: no-op autograd.Function training step": train_step(lambda: _NoOpAutogradOp.apply(x3, *params), params),
     }
     try:
         if dev == "cuda":
@@ -148,17 +174,19 @@ def main(argv=None) -> int:
     for name, fn in rows.items():
         try:
             us = loop_us(fn, args.calls, dev, warmup=min(50, args.calls))
-            results[name] = {"us": us, "kernels": kernels_per_call(fn, dev)}
+            kernels, gpu_us = device_activity(fn, dev, calls=5)
+            results[name] = {"us": us, "kernels": kernels, "gpu_busy_us": gpu_us}
         except Exception as e:  # a row that cannot run is reported with its error
             log.warning("%s: %s: %s", name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
     tanh_us = results["torch.tanh 1k (calibration)"]["us"]
     launch_us = results["bare Triton launch"]["us"] if "bare Triton launch" in results else None
-    lines = [f"{'call':38s} {'us/call':>9s} {'launches':>9s} {'tanh':>7s} {'kernels':>8s}"]
+    lines = [f"{'call':46s} {'us/call':>9s} {'launches':>9s} {'tanh':>7s} {'kernels':>8s} {'GPU busy us':>12s}"]
     for name, r in results.items():
         r["bare_launches"] = r["us"] / launch_us if launch_us else None
         r["tanh_calls"] = r["us"] / tanh_us
         launches = "n/a" if r["bare_launches"] is None else f"{r['bare_launches']:.2f}"
-        lines.append(f"{name:38s} {r['us']:9.1f} {launches:>9s} {r['tanh_calls']:7.2f} {r['kernels']:8}")
+        lines.append(f"{name:46s} {r['us']:9.1f} {launches:>9s} {r['tanh_calls']:7.2f} {r['kernels']:8} "
+                     f"{'n/a' if r['gpu_busy_us'] is None else format(r['gpu_busy_us'], '.1f'):>12s}")
     ratios = {
         "transform train / combined train": results["transform training step"]["us"] / results["combined (eager) training step"]["us"],
         "transform fwd / combined fwd (no grad)": results["transform forward, no grad"]["us"] / results["combined (eager) forward, no grad"]["us"],

@@ -127,10 +127,15 @@ def slices_view(src: torch.Tensor, dim: int, start: int, count: int, length: Opt
     """
     if length is None:
         return src if (start == 0 and count == src.shape[dim]) else src.narrow(dim, start, count)
+    # Shapes as lists: torch.Size slicing and concatenation cost more than the reshape itself,
+    # and this runs on every call of a transformed model.
+    shape = list(src.shape)
     if length == -1:  # the slices tile the whole dim
-        return src.reshape(src.shape[:dim] + (count, -1) + src.shape[dim + 1:])
-    x = src if (start == 0 and count * length == src.shape[dim]) else src.narrow(dim, start, count * length)
-    return x.reshape(x.shape[:dim] + (count, length) + x.shape[dim + 1:])
+        shape[dim:dim + 1] = (count, -1)
+        return src.reshape(shape)
+    x = src if (start == 0 and count * length == shape[dim]) else src.narrow(dim, start, count * length)
+    shape[dim:dim + 1] = (count, length)
+    return x.reshape(shape)
 
 
 @_graph_leaf

@@ -53,6 +53,19 @@ def uses_triton(device: torch.device) -> bool:
 # Read once, as Triton does: an environ lookup per call was ~4 us of the op's host overhead.
 _TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+# `launch` (and Triton) imported on the first kernel call, so that recfuse imports where Triton
+# does not (a CPU-only laptop); kept here after that, since `from . import launch` in a hot
+# path costs an import-machinery call (~1 us) every time.
+_LAUNCH = None
+
+
+def _import_launch():
+    global _LAUNCH
+    from . import launch
+
+    _LAUNCH = launch
+    return launch
+
 
 # ---------------------------------------------------------------------------------------------
 # forward
@@ -82,8 +95,7 @@ def _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_st
     ``key``: the call's signature, which finds its launch plan without recomputing it.
     """
     if x.dtype is not torch.float64 and uses_triton(x.device):
-        from . import launch
-
+        launch = _LAUNCH or _import_launch()
         return launch.forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=save_stats, key=key,
                               chain=chain)
     if eager_entry and x.device.type == "cpu" and chain is DEFAULT:
@@ -122,8 +134,7 @@ def _bwd_op(
 def _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats=None, eager_entry=False,
                    key=None, chain=DEFAULT):
     if x.dtype is not torch.float64 and uses_triton(x.device):
-        from . import launch
-
+        launch = _LAUNCH or _import_launch()
         return launch.backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, key=key,
                                chain=chain)
     if eager_entry and x.device.type == "cpu" and chain is DEFAULT:
