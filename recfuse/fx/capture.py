@@ -36,7 +36,7 @@ from torch.fx.immutable_collections import immutable_dict
 from torch.fx.node import Node, map_aggregate
 
 from ..errors import RecfuseError
-from . import runtime
+from . import deferred, runtime
 from .graph_module import TransformedGraphModule
 from .values import VAL_KEY, annotate_from_meta, summarise
 
@@ -174,6 +174,9 @@ class _ValueProxy(Proxy):
 
     def __len__(self):
         v = self.node.meta.get(_LIVE)
+        if type(v) is deferred.Deferred:
+            self.tracer._compute_pending()
+            v = self.node.meta.get(_LIVE)
         if isinstance(v, (tuple, list, Mapping, torch.Tensor)):
             return len(v)
         return super().__len__()
@@ -274,7 +277,12 @@ class _ValueTracer(_ModeTracer):
         self._ph_values = placeholder_values or {}
         self._name_candidates: dict = {}  # target -> the name fx derives from it
         self._checked_graph, self._direct_ok = None, False  # whether `_append_node` may build its nodes
+        self._result_meta: dict = {}  # deferred.op_key -> result metadata
+        self._pending: list = []  # nodes whose value is a Deferred, in graph order
         self._module_at: Optional[dict] = None  # qualified name -> submodule, built on first use
+
+    # Leave values of per-slice ops uncomputed when only their metadata is needed (see `deferred`).
+    defer_values = True
 
     # While tracing, torch.fx routes nn.Module calls and attribute reads through these two hooks to
     # record them; running a module on real example values must bypass them.
@@ -385,6 +393,24 @@ class _ValueTracer(_ModeTracer):
             return _resolve_attr(self.root, node.target)
         args = self._live_arg(node.args)
         kwargs = {k: self._live_arg(v) for k, v in node.kwargs.items()} if node.kwargs else {}
+        if self.defer_values:
+            key = deferred.op_key(op, node.target, args, kwargs, self._submodule)
+            if key is not None and deferred.plain_state():
+                v = self._deferred_value(node, key, args, kwargs)
+                if v is not None:
+                    return v
+            elif key is None and deferred.is_container_getitem(node.target, args):
+                return self._run(node, args, kwargs)
+            if self._pending:
+                # Any other op may change a tensor a pending value reads: compute them first.
+                self._compute_pending()
+                args = self._live_arg(node.args)
+                kwargs = {k: self._live_arg(v) for k, v in node.kwargs.items()} if node.kwargs else {}
+        return self._run(node, args, kwargs)
+
+    def _run(self, node: Node, args: tuple, kwargs: dict, errors: bool = True) -> Any:
+        """Run `node`'s op on values (never proxies); `errors=False` lets its exception through."""
+        op = node.op
         self._executing = True
         grad = torch.is_grad_enabled()
         try:
@@ -396,6 +422,8 @@ class _ValueTracer(_ModeTracer):
             if op == "call_module":
                 return self._submodule(node.target)(*args, **kwargs)
         except Exception as e:
+            if not errors:
+                raise
             raise RecfuseError(
                 f"running the model on example_inputs failed at `{node.format_node()}`: {e}"
             ) from e
@@ -403,6 +431,49 @@ class _ValueTracer(_ModeTracer):
             torch._C._set_grad_enabled(grad)
             self._executing = False
         return None
+
+    def _deferred_value(self, node: Node, key: tuple, args: tuple, kwargs: dict) -> Any:
+        """A `Deferred` for `node` when its result metadata is known for these arguments' metadata
+        (learnt here if need be), its real value when all arguments are real and the metadata is
+        new, None when it must run for real (the stand-ins raised)."""
+        meta = self._result_meta.get(key)
+        if meta is None:
+            has_deferred = [False]
+
+            def real_or_stand_in(a):
+                if type(a) is deferred.Deferred:
+                    has_deferred[0] = True
+                    return deferred.stand_in(a)
+                return a
+
+            stand_args = map_aggregate(args, real_or_stand_in)
+            stand_kwargs = map_aggregate(kwargs, real_or_stand_in)
+            if not has_deferred[0]:
+                v = self._run(node, args, kwargs)
+                if deferred.tensor_meta(v) is not None and type(v) is torch.Tensor:
+                    self._result_meta[key] = deferred.tensor_meta(v)
+                return v
+            try:
+                v = self._run(node, stand_args, stand_kwargs, errors=False)
+            except Exception:
+                return None  # the real run raises the error the user should see, or succeeds
+            if type(v) is not torch.Tensor or deferred.tensor_meta(v) is None:
+                return None
+            meta = self._result_meta[key] = deferred.tensor_meta(v)
+        self._pending.append(node)
+        return deferred.Deferred(node, *meta)
+
+    def _compute_pending(self) -> None:
+        """Compute every deferred value, in graph order, in the plain global state they were
+        deferred in."""
+        pending, self._pending = self._pending, []
+        ctx = contextlib.nullcontext() if deferred.plain_state() else deferred.plain_context()
+        with ctx:
+            for n in pending:
+                if type(n.meta.get(_LIVE)) is deferred.Deferred:
+                    args = self._live_arg(n.args)
+                    kwargs = {k: self._live_arg(v) for k, v in n.kwargs.items()} if n.kwargs else {}
+                    n.meta[_LIVE] = self._run(n, args, kwargs)
 
     def _submodule(self, target: str) -> nn.Module:
         # fx's own map of the root's modules (filled by `trace`), inverted once: get_submodule walks
@@ -694,7 +765,7 @@ def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = Tr
     for n in gm.graph.nodes:
         live = n.meta.pop(_LIVE, None)
         if example_inputs is not None and n.op != "output":
-            n.meta[VAL_KEY] = summarise(live)
+            n.meta[VAL_KEY] = live.value_info() if type(live) is deferred.Deferred else summarise(live)
     changed = _insert_guards(gm, tracer)
     if constants:
         _finish_concrete(gm, constants)
@@ -858,9 +929,11 @@ def deepcopy_module(module: nn.Module, memo: Optional[dict] = None) -> nn.Module
 def _copy_tensor_hooks(model: nn.Module, copied: nn.Module) -> None:
     """Gradient hooks of the model's parameters and buffers on their deep copies (deepcopy drops
     tensor hooks; a transformed model must still scale, clip or log the same gradients)."""
-    pairs = zip(itertools.chain(model.parameters(), model.buffers()),
-                itertools.chain(copied.parameters(), copied.buffers()))
-    for t, c in pairs:
+    originals = list(itertools.chain(model.parameters(), model.buffers()))
+    if not any(getattr(t, "_backward_hooks", None) or getattr(t, "_post_accumulate_grad_hooks", None)
+               for t in originals):
+        return  # the usual case; walking the copy's tensors too took as long again
+    for t, c in zip(originals, itertools.chain(copied.parameters(), copied.buffers())):
         for hook in (getattr(t, "_backward_hooks", None) or {}).values():
             c.register_hook(hook)
         for hook in (getattr(t, "_post_accumulate_grad_hooks", None) or {}).values():
