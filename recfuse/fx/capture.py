@@ -29,18 +29,21 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch import nn
-from torch.fx import GraphModule, Proxy, Tracer
+from torch.fx import Graph, GraphModule, Proxy, Tracer
+from torch.fx.immutable_collections import immutable_dict
 from torch.fx.node import Node, map_aggregate
 
 from ..errors import RecfuseError
-from . import runtime
+from . import deferred, runtime
 from .graph_module import TransformedGraphModule
 from .values import VAL_KEY, annotate_from_meta, summarise
 
 __all__ = ["capture", "RebuildTracer"]
 
 logger = logging.getLogger("recfuse")
+_fx_proxy_log = logging.getLogger("torch.fx.proxy")
 
 # ---------------------------------------------------------------------------------------------
 # the value-carrying tracer
@@ -71,9 +74,109 @@ _MODE = "recfuse_mode"  # on nodes whose value depends on a module's `training` 
 _LIVE = "_recfuse_live"  # real example value, dropped once capture ends
 
 
+def _flat_args(args: tuple, kwargs: dict) -> bool:
+    """Whether every argument is a Node or an atom (None, bool, int, float, str): no nesting, no
+    symbolic ints. Almost every node a per-feature model records is of this kind."""
+    for a in args:
+        if type(a) is not Node and type(a) not in _ATOMIC:
+            return False
+    for a in kwargs.values():
+        if type(a) is not Node and type(a) not in _ATOMIC:
+            return False
+    return True
+
+
+_GRAPH_INTERNALS = ("_graph_namespace", "_insert", "_find_nodes_lookup_table", "_len", "_target_to_str")
+
+
+def _can_append_directly(graph: Graph) -> bool:
+    return graph.owning_module is None and all(hasattr(graph, a) for a in _GRAPH_INTERNALS)
+
+
+def _name_candidate(graph: Graph, target: Any, candidates: dict) -> str:
+    """``graph._target_to_str(target)``, the name fx gives a node, cached per target."""
+    if type(target) is str and target.islower() and not target.startswith("__"):
+        return target  # fx's snake-casing changes nothing here: no capitals, not a dunder
+    try:
+        name = candidates.get(target)
+    except TypeError:  # an unhashable target
+        return graph._target_to_str(target)
+    if name is None:
+        name = candidates[target] = graph._target_to_str(target)
+    return name
+
+
+def _append_node(graph: Graph, kind: str, target: Any, args: tuple, kwargs: dict, name: Optional[str],
+                 type_expr: Any, candidates: dict) -> Node:
+    """``graph.create_node`` for flat arguments (`_flat_args`) of a graph without an owning module,
+    doing what it does but in a third of the time: create_node walks every node's arguments
+    through pytree looking for symbolic ints (there are none in flat arguments) and derives the
+    name from the target with regular expressions (cached per target in `candidates` here)."""
+    if name is None:
+        name = _name_candidate(graph, target, candidates)
+    name = graph._graph_namespace.create_name(name, None)
+    n = Node(graph, name, kind, target, args, kwargs if kwargs else immutable_dict(), type_expr)
+    graph._graph_namespace.associate_name_with_obj(name, n)
+    graph._insert(n)
+    graph._find_nodes_lookup_table.insert(n)
+    graph._len += 1
+    return n
+
+
+_TENSOR_METHOD: dict = {}  # torch function -> whether fx records it as a method call
+
+
+def _is_tensor_method(fn) -> bool:
+    try:
+        found = _TENSOR_METHOD.get(fn)
+    except TypeError:
+        return torch.overrides.is_tensor_method_or_property(fn)
+    if found is None:
+        found = _TENSOR_METHOD[fn] = torch.overrides.is_tensor_method_or_property(fn)
+    return found
+
+
+_LEAVES = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+def _flat_tracer(cls: type, args: tuple, kwargs: dict):
+    """The one tracer of the `cls` proxies among flat arguments (proxies and leaves), or None
+    when there is nesting, another kind of proxy, no proxy or more than one tracer."""
+    tracer = None
+    for a in itertools.chain(args, kwargs.values()):
+        t = type(a)
+        if t is cls:
+            if tracer is None:
+                tracer = a.tracer
+            elif a.tracer is not tracer:
+                return None
+        elif t not in _LEAVES:
+            return None
+    return tracer
+
+
 class _ValueProxy(Proxy):
+    @classmethod
+    def __torch_function__(cls, orig_method, types, args=None, kwargs=None):
+        # Proxy.__torch_function__ for the common case of flat arguments, without its pytree walk
+        # over the arguments and torch.overrides' per-call warning filters (half of a torch call's
+        # tracing cost); anything else goes to fx.
+        args = args if args else ()
+        kwargs = kwargs if kwargs else {}
+        tracer = _flat_tracer(cls, args, kwargs)
+        if tracer is None or not isinstance(tracer, _ValueTracer) or isinstance(
+                orig_method, (torch._C.ScriptMethod, torch._ops.HigherOrderOperator)):
+            return super().__torch_function__(orig_method, types, args, kwargs)
+        if _is_tensor_method(orig_method):
+            return tracer.create_proxy("call_method", orig_method.__name__, args, kwargs)
+        name = _name_candidate(tracer.graph, orig_method.__name__, tracer._name_candidates)
+        return tracer.create_proxy("call_function", orig_method, args, kwargs, name=name)
+
     def __len__(self):
         v = self.node.meta.get(_LIVE)
+        if type(v) is deferred.Deferred:
+            self.tracer._compute_pending()
+            v = self.node.meta.get(_LIVE)
         if isinstance(v, (tuple, list, Mapping, torch.Tensor)):
             return len(v)
         return super().__len__()
@@ -172,6 +275,14 @@ class _ValueTracer(_ModeTracer):
     def __init__(self, placeholder_values: Optional[dict[str, Any]] = None):
         super().__init__()
         self._ph_values = placeholder_values or {}
+        self._name_candidates: dict = {}  # target -> the name fx derives from it
+        self._checked_graph, self._direct_ok = None, False  # whether `_append_node` may build its nodes
+        self._result_meta: dict = {}  # deferred.op_key -> result metadata
+        self._pending: list = []  # nodes whose value is a Deferred, in graph order
+        self._module_at: Optional[dict] = None  # qualified name -> submodule, built on first use
+
+    # Leave values of per-slice ops uncomputed when only their metadata is needed (see `deferred`).
+    defer_values = True
 
     # While tracing, torch.fx routes nn.Module calls and attribute reads through these two hooks to
     # record them; running a module on real example values must bypass them.
@@ -189,6 +300,25 @@ class _ValueTracer(_ModeTracer):
 
     def proxy(self, node: Node) -> Proxy:
         return _ValueProxy(node, self)
+
+    def _can_append_directly(self) -> bool:
+        graph = self.graph
+        if self._checked_graph is not graph:
+            self._checked_graph, self._direct_ok = graph, _can_append_directly(graph)
+        return self._direct_ok and graph.owning_module is None
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> Node:
+        # What TracerBase.create_node does when no fx debugging option is on (mutation checks, stack
+        # traces, preserved node meta, debug logs), with `_append_node` for flat arguments.
+        if (self.check_mutable_operations or self.record_stack_traces or fx_traceback.has_preserved_node_meta()
+                or _fx_proxy_log.isEnabledFor(logging.DEBUG) or not _flat_args(args, kwargs)
+                or not self._can_append_directly()):
+            return super().create_node(kind, target, args, kwargs, name, type_expr)
+        node = _append_node(self.graph, kind, target, args, kwargs, name, type_expr, self._name_candidates)
+        self.node_name_to_scope[node.name] = (self.scope.module_path, self.scope.module_type)
+        if self.module_stack:
+            node.meta["nn_module_stack"] = copy.copy(self.module_stack)
+        return node
 
     def create_arg(self, a: Any) -> Any:
         # The arguments of almost every node are proxies, Python scalars and flat tuples of them;
@@ -263,6 +393,24 @@ class _ValueTracer(_ModeTracer):
             return _resolve_attr(self.root, node.target)
         args = self._live_arg(node.args)
         kwargs = {k: self._live_arg(v) for k, v in node.kwargs.items()} if node.kwargs else {}
+        if self.defer_values:
+            key = deferred.op_key(op, node.target, args, kwargs, self._submodule)
+            if key is not None and deferred.plain_state():
+                v = self._deferred_value(node, key, args, kwargs)
+                if v is not None:
+                    return v
+            elif key is None and deferred.is_container_getitem(node.target, args):
+                return self._run(node, args, kwargs)
+            if self._pending:
+                # Any other op may change a tensor a pending value reads: compute them first.
+                self._compute_pending()
+                args = self._live_arg(node.args)
+                kwargs = {k: self._live_arg(v) for k, v in node.kwargs.items()} if node.kwargs else {}
+        return self._run(node, args, kwargs)
+
+    def _run(self, node: Node, args: tuple, kwargs: dict, errors: bool = True) -> Any:
+        """Run `node`'s op on values (never proxies); `errors=False` lets its exception through."""
+        op = node.op
         self._executing = True
         grad = torch.is_grad_enabled()
         try:
@@ -272,8 +420,10 @@ class _ValueTracer(_ModeTracer):
             if op == "call_method":
                 return getattr(args[0], node.target)(*args[1:], **kwargs)
             if op == "call_module":
-                return self.root.get_submodule(node.target)(*args, **kwargs)
+                return self._submodule(node.target)(*args, **kwargs)
         except Exception as e:
+            if not errors:
+                raise
             raise RecfuseError(
                 f"running the model on example_inputs failed at `{node.format_node()}`: {e}"
             ) from e
@@ -281,6 +431,57 @@ class _ValueTracer(_ModeTracer):
             torch._C._set_grad_enabled(grad)
             self._executing = False
         return None
+
+    def _deferred_value(self, node: Node, key: tuple, args: tuple, kwargs: dict) -> Any:
+        """A `Deferred` for `node` when its result metadata is known for these arguments' metadata
+        (learnt here if need be), its real value when all arguments are real and the metadata is
+        new, None when it must run for real (the stand-ins raised)."""
+        meta = self._result_meta.get(key)
+        if meta is None:
+            has_deferred = [False]
+
+            def real_or_stand_in(a):
+                if type(a) is deferred.Deferred:
+                    has_deferred[0] = True
+                    return deferred.stand_in(a)
+                return a
+
+            stand_args = map_aggregate(args, real_or_stand_in)
+            stand_kwargs = map_aggregate(kwargs, real_or_stand_in)
+            if not has_deferred[0]:
+                v = self._run(node, args, kwargs)
+                if deferred.tensor_meta(v) is not None and type(v) is torch.Tensor:
+                    self._result_meta[key] = deferred.tensor_meta(v)
+                return v
+            try:
+                v = self._run(node, stand_args, stand_kwargs, errors=False)
+            except Exception:
+                return None  # the real run raises the error the user should see, or succeeds
+            if type(v) is not torch.Tensor or deferred.tensor_meta(v) is None:
+                return None
+            meta = self._result_meta[key] = deferred.tensor_meta(v)
+        self._pending.append(node)
+        return deferred.Deferred(node, *meta)
+
+    def _compute_pending(self) -> None:
+        """Compute every deferred value, in graph order, in the plain global state they were
+        deferred in."""
+        pending, self._pending = self._pending, []
+        ctx = contextlib.nullcontext() if deferred.plain_state() else deferred.plain_context()
+        with ctx:
+            for n in pending:
+                if type(n.meta.get(_LIVE)) is deferred.Deferred:
+                    args = self._live_arg(n.args)
+                    kwargs = {k: self._live_arg(v) for k, v in n.kwargs.items()} if n.kwargs else {}
+                    n.meta[_LIVE] = self._run(n, args, kwargs)
+
+    def _submodule(self, target: str) -> nn.Module:
+        # fx's own map of the root's modules (filled by `trace`), inverted once: get_submodule walks
+        # the path on every call.
+        if self._module_at is None:
+            self._module_at = {name: m for m, name in (self.submodule_paths or {}).items()}
+        m = self._module_at.get(target)
+        return m if m is not None else self.root.get_submodule(target)
 
     def iter(self, obj: Proxy):
         v = obj.node.meta.get(_LIVE)
@@ -564,7 +765,7 @@ def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = Tr
     for n in gm.graph.nodes:
         live = n.meta.pop(_LIVE, None)
         if example_inputs is not None and n.op != "output":
-            n.meta[VAL_KEY] = summarise(live)
+            n.meta[VAL_KEY] = live.value_info() if type(live) is deferred.Deferred else summarise(live)
     changed = _insert_guards(gm, tracer)
     if constants:
         _finish_concrete(gm, constants)
@@ -728,9 +929,11 @@ def deepcopy_module(module: nn.Module, memo: Optional[dict] = None) -> nn.Module
 def _copy_tensor_hooks(model: nn.Module, copied: nn.Module) -> None:
     """Gradient hooks of the model's parameters and buffers on their deep copies (deepcopy drops
     tensor hooks; a transformed model must still scale, clip or log the same gradients)."""
-    pairs = zip(itertools.chain(model.parameters(), model.buffers()),
-                itertools.chain(copied.parameters(), copied.buffers()))
-    for t, c in pairs:
+    originals = list(itertools.chain(model.parameters(), model.buffers()))
+    if not any(getattr(t, "_backward_hooks", None) or getattr(t, "_post_accumulate_grad_hooks", None)
+               for t in originals):
+        return  # the usual case; walking the copy's tensors too took as long again
+    for t, c in zip(originals, itertools.chain(copied.parameters(), copied.buffers())):
         for hook in (getattr(t, "_backward_hooks", None) or {}).values():
             c.register_hook(hook)
         for hook in (getattr(t, "_post_accumulate_grad_hooks", None) or {}).values():

@@ -169,7 +169,24 @@ def keeps_node(root: Optional[nn.Module] = None):
         False
     """
 
+    verdicts: dict = {}  # call_function target -> fx's verdict, which depends on the target alone
+
     def impure(node: Node) -> bool:
+        op = node.op
+        if op == "call_module" and root is not None and root is node.graph.owning_module:
+            # fx's rule reads the module's `_is_impure`; one lookup serves both rules
+            mod = _module(node, root)
+            if mod is not None:
+                return getattr(mod, "_is_impure", False) or getattr(mod, "inplace", False) is True
+        elif op == "call_function" and not isinstance(node.target, torch._ops.HigherOrderOperator):
+            # (a higher-order op's verdict depends on its arguments: not cached)
+            try:
+                verdict = verdicts.get(node.target)
+                if verdict is None:
+                    verdict = verdicts[node.target] = node.is_impure()
+            except TypeError:  # an unhashable target
+                verdict = node.is_impure()
+            return verdict or is_inplace(node, root)
         return node.is_impure() or is_inplace(node, root)
 
     return impure
