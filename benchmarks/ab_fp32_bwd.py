@@ -1,6 +1,7 @@
 """A/B of the fp32 backward's tl.dot products: fp32 operands with 3xTF32 ("tf32x3", the old path)
 against fp32 values split into bf16 parts on bf16 tensor cores ("bf16x3": 2 parts, 3 products;
-"bf16x6": 3 parts, 6 products), in one process, on the same inputs.
+"bf16x6": 3 parts, 6 products; "bf16x6z3": bf16x6 but z, which only decides the relu mask, in
+bf16x3), in one process, on the same inputs.
 
 For every (D, H) and mode: the backward alone (the fused backward kernel and the reduction of its
 partial sums, `launch.BackwardPlan`) timed with ``triton.testing.do_bench`` (median), its share
@@ -42,7 +43,7 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", required=True, help="where to write the results")
     ap.add_argument("--shapes", default=None, help=f"DxH,... (default {SHAPES}; --small: {SMALL_SHAPES})")
-    ap.add_argument("--modes", default="tf32x3,bf16x3,bf16x6")
+    ap.add_argument("--modes", default="tf32x3,bf16x3,bf16x6,bf16x6z3")
     ap.add_argument("--cfg-from", default="both", choices=("float32", "bfloat16", "both"),
                     help="whose tuned config the split modes run with (tf32x3 always the fp32 one)")
     ap.add_argument("--mb", type=float, default=256.0, help="MB of fp32 x per shape")
