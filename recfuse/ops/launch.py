@@ -108,8 +108,8 @@ def _bwd_dot_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, fp32_dots: str = 
 # fp32_dots -> (SPLIT_Z, SPLIT_DT, SPLIT_DW) of the backward kernel: the order of the kept cross
 # products of bf16 parts in z = t @ w^T, dt = dz @ w and the weight gradient dz^T @ t
 # (`kernels._dot_parts`). Every gradient vs float64 in the interpreter (F=2 B=256, D 32-512,
-# H 2-64, with and without LayerNorm affine, relu ties zeroed): bf16x3 2.0e-5-4.0e-5, bf16x6
-# 1.1e-7-3e-7, fp32 operands 0.9e-7-2.6e-7. bf16x3 passes the tuner's 1e-4, not the tests' 1e-5.
+# H 2-64, with and without LayerNorm affine, relu ties zeroed; 58 shapes): bf16x3 1.9e-5-4.0e-5
+# (bias 2e-7), bf16x6 and fp32 operands <= 3e-7. bf16x3 passes the tuner's 1e-4, not the tests' 1e-5.
 # "bf16x6z3": z (which only decides the relu mask) in bf16x3, dt and the weight gradient in
 # bf16x6: as accurate as bf16x6 away from relu ties (z ~1e-5 off, so masks flip only within
 # ~1e-5 of 0), and it fits D=256 H=64 on the H100 (204 KB shared memory, bf16x6 244 KB).
