@@ -194,3 +194,39 @@ def test_bf16_backward_dots_on_bf16_operands(case, chain, monkeypatch):
         apart = ((a.double() - f.double()).norm() / scale).item()
         assert apart < (6e-3 if name == "weight" else 1e-3), name
         assert ((a.double() - r).norm() / scale).item() < 1e-2, name
+
+
+@pytest.mark.parametrize("fp32_dots, tol", [("bf16x3", 1e-4), ("bf16x6", 1e-5), ("bf16x6z3", 1e-5)])
+@pytest.mark.parametrize("case", [
+    Case(2, 48, 40, 64, ln="per_feature", bias="per_feature", per_feature_weight=True),  # D not a power of 2
+    Case(2, 32, 64, 16, feature_dim=1, ln="none", eps=0.0),
+    Case(1, 40, 160, 4, ln="shared"),  # H=4 on the tl.dot path (forced below)
+], ids=str)
+def test_fp32_backward_dots_on_split_bf16_operands(case, fp32_dots, tol):
+    # fp32 inputs on bf16 tensor cores: every fp32 operand (t, dz and the weight) split into 2
+    # (bf16x3) or 3 (bf16x6) bf16 parts; the interpreter multiplies the same bf16 values in fp32.
+    # Every gradient within the fp32 contract of float64: bf16x3 the tuner's 1e-4, bf16x6 (and
+    # bf16x6z3, z in bf16x3) the tests' 1e-5. grad_y is zeroed at relu ties (|z64| < 1e-4, as benchmarks/tune_kernels.py
+    # does): there rounding decides the mask on any path.
+    x, w, b, lw, lb, gy = make_inputs(case, generator=torch.Generator().manual_seed(0))
+    fm = (lambda t: t) if case.feature_dim == 0 else (lambda t: t.transpose(0, 1))
+    xc = fm(x) - fm(x).mean(-1, keepdim=True)
+    a = xc * torch.rsqrt((xc * xc).mean(-1, keepdim=True) + case.eps)
+    per_f = lambda p: p[:, None] if p.dim() == 2 else p  # noqa: E731  [F, n] over [F, B, n]
+    if lw is not None:
+        a = a * per_f(lw) + per_f(lb)
+    z = torch.tanh(a) @ w.transpose(-1, -2) + per_f(b)
+    gy = gy.masked_fill(fm(z).abs() < 1e-4, 0)
+    args = [None if t is None else t.float() for t in (gy, x, w, b, lw, lb)]
+    forced = lambda D, H, dtype: configs.heuristic_backward(D, H, dtype, use_dot=True, fp32_dots=fp32_dots)  # noqa: E731
+    with configs.override(backward=forced), launch.trace_launches() as seen:
+        grads = launch.backward(*args, case.eps, case.feature_dim)
+    meta = seen[-1][2]
+    assert meta["USE_DOT"] and meta["BWD_DOT_DTYPE"] == tl.bfloat16 and meta["DOT_UPCAST"]
+    assert (meta["SPLIT_Z"], meta["SPLIT_DT"], meta["SPLIT_DW"]) == launch._FP32_SPLITS[fp32_dots]
+    reference = composite_backward(gy, x, w, b, lw, lb, case.eps, case.feature_dim)
+    for name, g, r in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), grads, reference):
+        if r is None or not g.numel():
+            continue
+        err = ((g.double() - r).norm() / r.norm().clamp_min(1e-12)).item()
+        assert err < tol, f"{name}: {err:.2e}"

@@ -22,7 +22,9 @@ Precision: every dtype accumulates in float32. With ``USE_DOT`` the row tile is 
 recover float32 accuracy, within 1e-5 of float64, where plain TF32 gives ~1e-3) and "ieee" in the
 interpreter; for bf16/fp16 the forward rounds the tanh tile to the input dtype before the
 tensor-core dot (fp32 accumulate), the precision PyTorch's own bf16 Linear has. The backward's dots
-take float32 operands for every input dtype.
+(``BWD_DOT_DTYPE``) take bf16 operands for bf16 inputs and, by default, for fp32 inputs too: fp32
+values go in as 2 or 3 bf16 parts whose cross products (``SPLIT_*``, `_dot_parts`) recover ~2^-16
+or fp32 accuracy on bf16 tensor cores; fp16 inputs take fp32 operands (3xTF32).
 ``DOT_DTYPE`` is the dtype the dot operands are rounded to: the input dtype on the GPU, float32 in
 the Triton interpreter (its numpy dot has no bf16).
 """
@@ -233,6 +235,47 @@ def _dot_16bit(a, b, acc, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee", out_dtype=tl.float32)
     return tl.dot(a, b, acc, out_dtype=tl.float32)
+
+
+@triton.jit
+def _split16(a, DT: tl.constexpr, PARTS: tl.constexpr):
+    """fp32 `a` as (p0, p1, p2) 16-bit parts, largest first: p0 = a rounded, each next part the
+    rounded remainder (the remainders are exact in fp32). bf16 keeps 8 significant bits a part, so
+    p0 + p1 is a to ~2^-17 relative and p0 + p1 + p2 to fp32's own 2^-24. Unused parts repeat p0
+    (never multiplied: `_dot_parts` reads only the first PARTS)."""
+    p0 = a.to(DT)
+    p1 = p0
+    p2 = p0
+    if PARTS > 1:
+        r = a - p0.to(tl.float32)
+        p1 = r.to(DT)
+        if PARTS > 2:
+            p2 = (r - p1.to(tl.float32)).to(DT)
+    return p0, p1, p2
+
+
+@triton.jit
+def _dot_parts(a0, a1, a2, b0, b1, b2, acc, NA: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """acc + a @ b from 16-bit parts a = a0 + a1 + a2 (the first NA) and b likewise (NB): the
+    cross products a_i @ b_j with i + j < ORDER, each on the tensor cores with fp32 accumulation.
+    ORDER 2 ("bf16x3" where both sides are split): a0 b0 + a0 b1 + a1 b0, dropping a1 b1
+    (~2^-16 relative); ORDER 3 ("bf16x6"): also a0 b2, a1 b1, a2 b0 (~2^-24, fp32's rounding).
+    Largest term first, as the 16-bit path always summed."""
+    acc = _dot_16bit(a0, b0, acc, UPCAST)
+    if ORDER > 1:
+        if NA > 1:
+            acc = _dot_16bit(a1, b0, acc, UPCAST)
+        if NB > 1:
+            acc = _dot_16bit(a0, b1, acc, UPCAST)
+    if ORDER > 2:
+        if NA > 2:
+            acc = _dot_16bit(a2, b0, acc, UPCAST)
+        if NA > 1 and NB > 1:
+            acc = _dot_16bit(a1, b1, acc, UPCAST)
+        if NB > 2:
+            acc = _dot_16bit(a0, b2, acc, UPCAST)
+    return acc
 
 
 @triton.jit
@@ -489,6 +532,7 @@ def ln_tanh_linear_relu_bwd(
     HAS_BIAS: tl.constexpr, HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
     NORM: tl.constexpr, ACT: tl.constexpr, OUT_ACT: tl.constexpr,
     USE_DOT: tl.constexpr, BWD_DOT_PRECISION: tl.constexpr, BWD_DOT_DTYPE: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    SPLIT_Z: tl.constexpr, SPLIT_DT: tl.constexpr, SPLIT_DW: tl.constexpr,
     FAST_TANH: tl.constexpr,
     LOAD_STATS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -503,10 +547,26 @@ def ln_tanh_linear_relu_bwd(
     hs = tl.arange(0, BLOCK_H)
     cmask = cols < D
     hmask = hs < H
-    # BWD_DOT_DTYPE: the operand dtype of the tl.dot path (fp32 with BWD_DOT_PRECISION, or the
-    # 16-bit input dtype on tensor cores with fp32 accumulation, the forward's own rounding).
+    # BWD_DOT_DTYPE: the operand dtype of the tl.dot path: fp32 with BWD_DOT_PRECISION, or bf16
+    # on tensor cores with fp32 accumulation, fp32 values split into bf16 parts. SPLIT_Z,
+    # SPLIT_DT, SPLIT_DW: the order of the cross products of those parts kept in z = t @ w^T,
+    # dt = dz @ w and the weight gradient dz^T @ t (`_dot_parts`): 2 is bf16x3, 3 bf16x6.
+    # The 16-bit path runs order 2 (fp32 t and dz as hi + lo against its exact 16-bit weight).
+    SPLIT16: tl.constexpr = USE_DOT and BWD_DOT_DTYPE != tl.float32
+    # Parts of each split operand (see `_dot_parts`): a 16-bit weight is exact in one; t goes
+    # into the weight gradient rounded to 16 bits for 16-bit inputs, as PyTorch's bf16 autograd
+    # does (a lo part there cost 35 more registers a thread at D=64, spills at D=256); a 16-bit
+    # grad_y through relu (or no out-activation) is a 16-bit dz already.
+    W_PARTS: tl.constexpr = 1 if W.dtype.element_ty == BWD_DOT_DTYPE else max(SPLIT_Z, SPLIT_DT)
+    T_DW_PARTS: tl.constexpr = 1 if X.dtype.element_ty == BWD_DOT_DTYPE else SPLIT_DW
+    T_PARTS: tl.constexpr = max(SPLIT_Z if OUT_ACT != 0 else 1, T_DW_PARTS)
+    DZ_EXACT: tl.constexpr = (OUT_ACT == 0 or OUT_ACT == 3) and GY.dtype.element_ty == BWD_DOT_DTYPE
+    DZ_PARTS: tl.constexpr = 1 if DZ_EXACT else max(SPLIT_DT, SPLIT_DW)
     w = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :],
-                mask=hmask[:, None] & cmask[None, :], other=0.0).to(BWD_DOT_DTYPE if USE_DOT else tl.float32)
+                mask=hmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    if SPLIT16:
+        # Split once, outside the row loop.
+        w0, w1, w2 = _split16(w, BWD_DOT_DTYPE, W_PARTS)
     bias = tl.zeros([BLOCK_H], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
@@ -536,8 +596,8 @@ def ln_tanh_linear_relu_bwd(
             stat_ptrs, stat_ptrs + stats_half, rmask, HAS_LNW, HAS_LNB, FAST_TANH, LOAD_STATS,
             EVEN_D, EVEN_B, X_EVICT, NORM, ACT,
         )
-        if USE_DOT and BWD_DOT_DTYPE != tl.float32:
-            t_hi = t.to(BWD_DOT_DTYPE)
+        if SPLIT16:
+            t0, t1, t2 = _split16(t, BWD_DOT_DTYPE, T_PARTS)
         # Any strides: the gradient of `y.sum()` is an expanded scalar (all strides 0), read as it is.
         gy_ptrs = GY + f * stride_gy_f + rows64[:, None] * stride_gy_b + hs[None, :] * stride_gy_h
         if EVEN_B and BLOCK_H == 1:
@@ -549,12 +609,12 @@ def ln_tanh_linear_relu_bwd(
         if OUT_ACT == 0:
             dz = gy
         else:
-            if USE_DOT and BWD_DOT_DTYPE != tl.float32:
-                # t as hi + lo 16-bit parts against the exact 16-bit weight: z to fp32 accuracy,
-                # so the mask is the exact function's as in the fp32-operand path.
-                t_lo = (t - t_hi.to(tl.float32)).to(BWD_DOT_DTYPE)
-                z = _dot_16bit(t_hi, tl.trans(w), tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32), DOT_UPCAST)
-                z = _dot_16bit(t_lo, tl.trans(w), z, DOT_UPCAST) + bias[None, :]
+            if SPLIT16:
+                # t (and an fp32 weight) in 16-bit parts: z to ~fp32 accuracy, so the mask is
+                # the exact function's as in the fp32-operand path.
+                z = _dot_parts(t0, t1, t2, tl.trans(w0), tl.trans(w1), tl.trans(w2),
+                               tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32),
+                               SPLIT_Z, W_PARTS, SPLIT_Z, DOT_UPCAST) + bias[None, :]
             else:
                 z = _row_linear(t, w, USE_DOT, BLOCK_H, BWD_DOT_PRECISION) + bias[None, :]
             if OUT_ACT == 3:
@@ -565,19 +625,14 @@ def ln_tanh_linear_relu_bwd(
             dt = tl.dot(dz, w, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
             acc_w += tl.dot(tl.trans(dz), t, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
         elif USE_DOT:
-            # bf16 tensor cores with fp32 accumulation. dx = rstd * (projection of dt) cancels,
-            # so a dz rounded to bf16 would cost ~3e-2 relative error in dx; the weight is bf16
-            # already (exact), so dz goes in as hi + lo bf16 parts and dt is fp32-accurate. The
-            # weight gradient takes t rounded to bf16, as PyTorch's bf16 autograd does (a lo
-            # part there cost 35 more registers a thread at D=64, spills at D=256).
-            dz_hi = dz.to(BWD_DOT_DTYPE)
-            dt = _dot_16bit(dz_hi, w, tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32), DOT_UPCAST)
-            acc_w = _dot_16bit(tl.trans(dz_hi), t_hi, acc_w, DOT_UPCAST)
-            # A 16-bit grad_y through relu (or no out-activation) is exact in 16 bits already.
-            if not ((OUT_ACT == 0 or OUT_ACT == 3) and GY.dtype.element_ty == BWD_DOT_DTYPE):
-                dz_lo = (dz - dz_hi.to(tl.float32)).to(BWD_DOT_DTYPE)
-                dt = _dot_16bit(dz_lo, w, dt, DOT_UPCAST)
-                acc_w = _dot_16bit(tl.trans(dz_lo), t_hi, acc_w, DOT_UPCAST)
+            # 16-bit tensor cores with fp32 accumulation. dx = rstd * (projection of dt) cancels,
+            # so a dz rounded to bf16 would cost ~3e-2 relative error in dx: dz goes in as 16-bit
+            # parts (and so does an fp32 weight), so dt is fp32-accurate.
+            dz0, dz1, dz2 = _split16(dz, BWD_DOT_DTYPE, DZ_PARTS)
+            dt = _dot_parts(dz0, dz1, dz2, w0, w1, w2, tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32),
+                            min(DZ_PARTS, SPLIT_DT), W_PARTS, SPLIT_DT, DOT_UPCAST)
+            acc_w = _dot_parts(tl.trans(dz0), tl.trans(dz1), tl.trans(dz2), t0, t1, t2, acc_w,
+                               min(DZ_PARTS, SPLIT_DW), T_DW_PARTS, SPLIT_DW, DOT_UPCAST)
         elif BLOCK_H == 1:
             dz1 = tl.sum(dz, axis=1)
             dt = dz1[:, None] * tl.sum(w, axis=0)[None, :]
