@@ -121,6 +121,23 @@ def _traced_autocast_enter(self):
         f"(e.g. `.to(torch.bfloat16)`).")
 
 
+_MODULE_SETATTR = nn.Module.__setattr__
+
+
+def _traced_module_setattr(self, name, value):
+    # `self.n = self.n + 1` (or `self.n += 1`) on a buffer, `self.cache = y`: a rebinding of a module
+    # attribute to a traced value is not an op of the graph; fx would drop it and leave a Proxy in
+    # the module. Refused (in-place updates of a buffer, `self.n.add_(1)`, are ops and are kept).
+    if isinstance(value, Proxy) and _tracing_user_code() is not None:
+        kind = "buffer" if name in self.__dict__.get("_buffers", {}) else "attribute"
+        raise RecfuseError(
+            f"cannot capture an assignment of a traced value to module {kind} `{name}` of "
+            f"{type(self).__name__} inside forward (at {_user_frame()}): the transformed graph would drop it. "
+            f"Update the buffer in place instead (`self.{name}.add_(1)`, or `with torch.no_grad(): "
+            f"self.{name}.copy_(new_value)`), or return the value from forward.")
+    return _MODULE_SETATTR(self, name, value)
+
+
 @contextlib.contextmanager
 def _patched_global_state(tracer: "Tracer"):
     """While `tracer` traces: grad-mode reads and changes of the model's code are recorded as nodes,
@@ -130,12 +147,14 @@ def _patched_global_state(tracer: "Tracer"):
     torch.is_grad_enabled = _traced_is_grad_enabled
     torch._C._set_grad_enabled = _traced_set_grad_enabled
     torch.amp.autocast_mode.autocast.__enter__ = _traced_autocast_enter
+    nn.Module.__setattr__ = _traced_module_setattr
     try:
         yield
     finally:
         torch.is_grad_enabled = _IS_GRAD_ENABLED
         torch._C._set_grad_enabled = _SET_GRAD_ENABLED
         torch.amp.autocast_mode.autocast.__enter__ = _AUTOCAST_ENTER
+        nn.Module.__setattr__ = _MODULE_SETATTR
         _ACTIVE_TRACERS.pop()
         _SET_GRAD_ENABLED(grad)
 
@@ -267,6 +286,13 @@ class _ValueProxy(Proxy):
             if f.f_code is _IS_TENSOR_CODE or _is_user_code(f):
                 return type(v) if isinstance(v, torch.Tensor) else torch.Tensor
         return _ValueProxy
+
+    def __setattr__(self, name, value):
+        if name not in ("node", "tracer") and _is_user_code(sys._getframe(1)):
+            raise RecfuseError(
+                f"cannot capture setting `.{name}` of a traced value inside forward (at {_user_frame()}): "
+                f"the transformed graph would drop it.")
+        object.__setattr__(self, name, value)
 
     def _python_value(self, how: str):
         v = self.node.meta.get(_LIVE)
@@ -469,6 +495,12 @@ class _ValueTracer(_ModeTracer):
         return super().create_arg(a)
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        if kind == "call_method" and target in _AUTOGRAD_FLAG_METHODS and not self._executing:
+            raise RecfuseError(
+                f"cannot capture `.{target}()` on a traced tensor inside forward (at {_user_frame()}): it changes "
+                f"autograd bookkeeping of one intermediate tensor, which the fused graph may not compute as a "
+                f"tensor of its own. Call it outside forward (on the transformed model's inputs or outputs), or "
+                f"use a tensor hook on a returned value.")
         if kind == "call_method" and target in ("keys", "values", "items") and args and isinstance(args[0], Proxy):
             d = args[0].node.meta.get(_LIVE)
             if isinstance(d, Mapping):
@@ -659,8 +691,10 @@ class _ValueTracer(_ModeTracer):
         if key in self._specialised:
             return
         self._specialised.add(key)
-        self._check_not_data(node)
-        self.value_guards.append((node, how, value, _expr(node), _user_frame()))
+        if how != "len":  # len(tensor) reads its first size, never its data
+            self._check_not_data(node)
+        what = f"len({_expr(node)})" if how == "len" else _expr(node)
+        self.value_guards.append((node, how, value, what, _user_frame()))
 
     def _check_not_data(self, node: Node) -> None:
         """Raise `_DataDependentControlFlow` when `node`'s Python value is computed from tensor data
@@ -685,6 +719,7 @@ class _ValueTracer(_ModeTracer):
                     stack.append(a)
 
 
+_AUTOGRAD_FLAG_METHODS = frozenset({"requires_grad_", "retain_grad"})
 _METADATA_ATTRS = frozenset({
     "shape", "dtype", "device", "requires_grad", "is_cuda", "is_cpu", "is_meta", "ndim", "is_leaf", "layout",
     "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "names", "itemsize"})
