@@ -16,13 +16,17 @@ Every captured node gets ``node.meta["recfuse_val"]``: the summary of its exampl
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
 import copy
 import copyreg
 import itertools
 import inspect
+import linecache
 import logging
+import operator
 import os
+import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -66,6 +70,93 @@ def _resolve_attr(root: nn.Module, qualname: str) -> Any:
         else:
             obj = object.__getattribute__(obj, part) if isinstance(obj, nn.Module) else getattr(obj, part)
     return obj
+
+
+_SET_GRAD_ENABLED = torch._C._set_grad_enabled  # the real one: capture patches the attribute while tracing
+_IS_GRAD_ENABLED = torch.is_grad_enabled
+_AUTOCAST_ENTER = torch.amp.autocast_mode.autocast.__enter__
+_GRAD_MODE_FNS = (runtime.grad_enabled, runtime.set_grad_mode)
+_ACTIVE_TRACERS: list = []  # the tracer tracing now (innermost last)
+_GRAD_MODE_FILE = os.path.join(os.path.dirname(torch.__file__), "autograd", "grad_mode.py")
+
+
+def _tracing_user_code() -> Optional["Tracer"]:
+    """The active tracer when the model's code (not a value being computed) is running, else None."""
+    if not _ACTIVE_TRACERS:
+        return None
+    tracer = _ACTIVE_TRACERS[-1]
+    return None if getattr(tracer, "_executing", False) else tracer
+
+
+def _traced_is_grad_enabled() -> Any:
+    # `torch.is_grad_enabled()` read by the model's code (or by torch.no_grad & co. saving the mode
+    # to restore) becomes a node read on every call; any other caller gets the real flag.
+    tracer = _tracing_user_code()
+    if tracer is not None:
+        f = sys._getframe(1)
+        if _is_user_code(f) or f.f_code.co_filename == _GRAD_MODE_FILE:
+            return tracer.create_proxy("call_function", runtime.grad_enabled, (), {})
+    return _IS_GRAD_ENABLED()
+
+
+def _traced_set_grad_enabled(mode) -> None:
+    # torch.no_grad() / enable_grad() / set_grad_enabled() in the model's code: the region's entry
+    # and exit are nodes of the graph, so the transformed model records autograd where it did.
+    tracer = _tracing_user_code()
+    if tracer is None:
+        return _SET_GRAD_ENABLED(mode)
+    tracer.create_proxy("call_function", runtime.set_grad_mode, (mode,), {})
+    if not isinstance(tracer, _ValueTracer):
+        _SET_GRAD_ENABLED(bool(mode) if isinstance(mode, bool) else True)
+    return None
+
+
+def _traced_autocast_enter(self):
+    if _tracing_user_code() is None:
+        return _AUTOCAST_ENTER(self)
+    raise RecfuseError(
+        f"cannot capture `torch.autocast` inside the model's forward (at {_user_frame()}): recfuse.transform "
+        f"does not keep autocast regions in its graph, and the fused ops would run in the input dtype. Call "
+        f"the transformed model inside `with torch.autocast(...)` instead, or cast explicitly in forward "
+        f"(e.g. `.to(torch.bfloat16)`).")
+
+
+_MODULE_SETATTR = nn.Module.__setattr__
+
+
+def _traced_module_setattr(self, name, value):
+    # `self.n = self.n + 1` (or `self.n += 1`) on a buffer, `self.cache = y`: a rebinding of a module
+    # attribute to a traced value is not an op of the graph; fx would drop it and leave a Proxy in
+    # the module. Refused (in-place updates of a buffer, `self.n.add_(1)`, are ops and are kept).
+    if isinstance(value, Proxy) and _tracing_user_code() is not None:
+        kind = "buffer" if name in self.__dict__.get("_buffers", {}) else "attribute"
+        raise RecfuseError(
+            f"cannot capture an assignment of a traced value to module {kind} `{name}` of "
+            f"{type(self).__name__} inside forward (at {_user_frame()}): the transformed graph would drop it. "
+            f"Update the buffer in place instead (`self.{name}.add_(1)`, or `with torch.no_grad(): "
+            f"self.{name}.copy_(new_value)`), or return the value from forward.")
+    return _MODULE_SETATTR(self, name, value)
+
+
+@contextlib.contextmanager
+def _patched_global_state(tracer: "Tracer"):
+    """While `tracer` traces: grad-mode reads and changes of the model's code are recorded as nodes,
+    autocast is refused. The real grad mode is restored afterwards."""
+    grad = torch._C.is_grad_enabled()
+    _ACTIVE_TRACERS.append(tracer)
+    torch.is_grad_enabled = _traced_is_grad_enabled
+    torch._C._set_grad_enabled = _traced_set_grad_enabled
+    torch.amp.autocast_mode.autocast.__enter__ = _traced_autocast_enter
+    nn.Module.__setattr__ = _traced_module_setattr
+    try:
+        yield
+    finally:
+        torch.is_grad_enabled = _IS_GRAD_ENABLED
+        torch._C._set_grad_enabled = _SET_GRAD_ENABLED
+        torch.amp.autocast_mode.autocast.__enter__ = _AUTOCAST_ENTER
+        nn.Module.__setattr__ = _MODULE_SETATTR
+        _ACTIVE_TRACERS.pop()
+        _SET_GRAD_ENABLED(grad)
 
 
 _MODE = "recfuse_mode"  # on nodes whose value depends on a module's `training` flag: (target, flag)
@@ -177,20 +268,72 @@ class _ValueProxy(Proxy):
         if type(v) is deferred.Deferred:
             self.tracer._compute_pending()
             v = self.node.meta.get(_LIVE)
-        if isinstance(v, (tuple, list, Mapping, torch.Tensor)):
+        if isinstance(v, torch.Tensor):
+            # `len(x)` turns a size into a Python int: the graph is specialised to it, so guard it.
+            self.tracer._specialise(self.node, "len", len(v))
+            return len(v)
+        if isinstance(v, (tuple, list, Mapping)):
             return len(v)
         return super().__len__()
+
+    # `isinstance(x, torch.Tensor)` and `torch.is_tensor(x)` in the model's code see what the traced
+    # value is, so the branch captured is the one the real tensor takes (a bare Proxy is no Tensor).
+    @property
+    def __class__(self):
+        v = self.node.meta.get(_LIVE)
+        if isinstance(v, torch.Tensor) or type(v) is deferred.Deferred:
+            f = sys._getframe(1)
+            if f.f_code is _IS_TENSOR_CODE or _is_user_code(f):
+                return type(v) if isinstance(v, torch.Tensor) else torch.Tensor
+        return _ValueProxy
+
+    def __setattr__(self, name, value):
+        if name not in ("node", "tracer") and _is_user_code(sys._getframe(1)):
+            raise RecfuseError(
+                f"cannot capture setting `.{name}` of a traced value inside forward (at {_user_frame()}): "
+                f"the transformed graph would drop it.")
+        object.__setattr__(self, name, value)
+
+    def _python_value(self, how: str):
+        v = self.node.meta.get(_LIVE)
+        if isinstance(v, (bool, int, float)):
+            v = runtime._HOW[how](v)
+            self.tracer._specialise(self.node, how, v)
+            return v
+        if isinstance(v, torch.Tensor) or type(v) is deferred.Deferred:
+            raise _DataDependentControlFlow(f"{how}() of a tensor at {_user_frame()}")
+        raise TypeError(f"{how}() of a traced {type(v).__name__}")
+
+    def __index__(self):
+        return self._python_value("index")
+
+    def __int__(self):
+        return self._python_value("int")
+
+    def __float__(self):
+        return self._python_value("float")
+
+
+_IS_TENSOR_CODE = torch.is_tensor.__code__ if hasattr(torch.is_tensor, "__code__") else None
+
+
+_INTERNAL_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
 
 
 def _user_frame() -> str:
     """file:line of the innermost frame outside torch and recfuse.fx: where the user's code is."""
-    here = os.path.dirname(__file__)
-    torch_dir = os.path.dirname(torch.__file__)
-    for fi in inspect.stack()[2:]:
-        if not fi.filename.startswith((here, torch_dir)):
-            line = (fi.code_context or [""])[0].strip()
-            return f"{fi.filename}:{fi.lineno}: {line}"
+    f = sys._getframe(1)
+    while f is not None:
+        filename = f.f_code.co_filename
+        if not filename.startswith(_INTERNAL_DIRS):
+            line = linecache.getline(filename, f.f_lineno).strip()
+            return f"{filename}:{f.f_lineno}: {line}"
+        f = f.f_back
     return "<unknown>"
+
+
+def _is_user_code(frame) -> bool:
+    return frame is not None and not frame.f_code.co_filename.startswith(_INTERNAL_DIRS)
 
 
 def _arg_name(target: str, names) -> str:
@@ -240,8 +383,13 @@ class _ModeTracer(Tracer):
         return out
 
     def trace(self, root, concrete_args=None):
+        if self.proxy_every_flag:  # rebuilding saved code: its helpers are recorded, never run
+            ctx = _rebuilding(self)
+        else:
+            ctx = _patched_global_state(self)
         try:
-            graph = super().trace(root, concrete_args)
+            with ctx:
+                graph = super().trace(root, concrete_args)
         finally:
             for m, flag in self._training_saved:
                 m.__dict__["training"] = flag
@@ -262,6 +410,15 @@ class _ModeTracer(Tracer):
                 f"and pass it in (at {_user_frame()})") from None
 
 
+@contextlib.contextmanager
+def _rebuilding(tracer):
+    runtime._REBUILDING.append(tracer)
+    try:
+        yield
+    finally:
+        runtime._REBUILDING.pop()
+
+
 class RebuildTracer(_ModeTracer):
     """The tracer `torch.load` re-traces a saved transformed module's code with."""
 
@@ -280,6 +437,8 @@ class _ValueTracer(_ModeTracer):
         self._result_meta: dict = {}  # deferred.op_key -> result metadata
         self._pending: list = []  # nodes whose value is a Deferred, in graph order
         self._module_at: Optional[dict] = None  # qualified name -> submodule, built on first use
+        self.value_guards: list = []  # (node, how, value, what, where): see `_specialise`
+        self._specialised: set = set()
 
     # Leave values of per-slice ops uncomputed when only their metadata is needed (see `deferred`).
     defer_values = True
@@ -336,6 +495,12 @@ class _ValueTracer(_ModeTracer):
         return super().create_arg(a)
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        if kind == "call_method" and target in _AUTOGRAD_FLAG_METHODS and not self._executing:
+            raise RecfuseError(
+                f"cannot capture `.{target}()` on a traced tensor inside forward (at {_user_frame()}): it changes "
+                f"autograd bookkeeping of one intermediate tensor, which the fused graph may not compute as a "
+                f"tensor of its own. Call it outside forward (on the transformed model's inputs or outputs), or "
+                f"use a tensor hook on a returned value.")
         if kind == "call_method" and target in ("keys", "values", "items") and args and isinstance(args[0], Proxy):
             d = args[0].node.meta.get(_LIVE)
             if isinstance(d, Mapping):
@@ -393,6 +558,11 @@ class _ValueTracer(_ModeTracer):
             return _resolve_attr(self.root, node.target)
         args = self._live_arg(node.args)
         kwargs = {k: self._live_arg(v) for k, v in node.kwargs.items()} if node.kwargs else {}
+        if op == "call_function" and node.target in _GRAD_MODE_FNS:
+            if node.target is runtime.grad_enabled:
+                return torch._C.is_grad_enabled()
+            _SET_GRAD_ENABLED(bool(args[0]))  # the region's mode, for real: the code after reads it
+            return None
         if self.defer_values:
             key = deferred.op_key(op, node.target, args, kwargs, self._submodule)
             if key is not None and deferred.plain_state():
@@ -412,9 +582,9 @@ class _ValueTracer(_ModeTracer):
         """Run `node`'s op on values (never proxies); `errors=False` lets its exception through."""
         op = node.op
         self._executing = True
-        grad = torch.is_grad_enabled()
+        grad = torch._C.is_grad_enabled()
         try:
-            torch._C._set_grad_enabled(False)  # torch.no_grad() without its per-call object
+            _SET_GRAD_ENABLED(False)  # torch.no_grad() without its per-call object
             if op == "call_function":
                 return node.target(*args, **kwargs)
             if op == "call_method":
@@ -428,7 +598,7 @@ class _ValueTracer(_ModeTracer):
                 f"running the model on example_inputs failed at `{node.format_node()}`: {e}"
             ) from e
         finally:
-            torch._C._set_grad_enabled(grad)
+            _SET_GRAD_ENABLED(grad)
             self._executing = False
         return None
 
@@ -485,6 +655,13 @@ class _ValueTracer(_ModeTracer):
 
     def iter(self, obj: Proxy):
         v = obj.node.meta.get(_LIVE)
+        if type(v) is deferred.Deferred:
+            self._compute_pending()
+            v = obj.node.meta.get(_LIVE)
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            # `for row in x` unrolls over x's first size: guarded like len(x)
+            self._specialise(obj.node, "len", len(v))
+            return iter([obj[i] for i in range(len(v))])
         if isinstance(v, (tuple, list)):
             return iter([obj[i] for i in range(len(v))])
         if isinstance(v, Mapping):
@@ -500,8 +677,100 @@ class _ValueTracer(_ModeTracer):
             target, flag = obj.node.meta[_MODE]
             self.mode_guards.setdefault(target, (flag, _user_frame()))
         if isinstance(v, (bool, int, float)) and not isinstance(v, torch.Tensor):
-            return bool(v)  # shape arithmetic: specialise to the example shapes
-        raise _DataDependentControlFlow(_user_frame())
+            # shape arithmetic or tensor metadata: specialised to the example, and guarded
+            if not (obj.node.op == "get_attr" and _MODE in obj.node.meta):
+                self._specialise(obj.node, "bool", bool(v))
+            return bool(v)
+        raise _DataDependentControlFlow(f"a Python `if`/`while`/`and`/`or` on a tensor value at {_user_frame()}")
+
+    def _specialise(self, node: Node, how: str, value: Any) -> None:
+        """Record that the model's code turned `node`'s value into the Python value `value` (`how`:
+        bool, int, index, float, len): the graph follows it, so a guard checks it on every call.
+        A value computed from tensor data (`.item()`, `.tolist()`) cannot be guarded usefully: refused."""
+        key = (node, how)
+        if key in self._specialised:
+            return
+        self._specialised.add(key)
+        if how != "len":  # len(tensor) reads its first size, never its data
+            self._check_not_data(node)
+        what = f"len({_expr(node)})" if how == "len" else _expr(node)
+        self.value_guards.append((node, how, value, what, _user_frame()))
+
+    def _check_not_data(self, node: Node) -> None:
+        """Raise `_DataDependentControlFlow` when `node`'s Python value is computed from tensor data
+        rather than tensor metadata (shapes, dtype, requires_grad, ...)."""
+        stack, seen = [node], set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op in ("placeholder", "get_attr") or _MODE in n.meta:
+                continue
+            for a in n.all_input_nodes:
+                v = a.meta.get(_LIVE)
+                if isinstance(v, torch.Tensor) or type(v) is deferred.Deferred:
+                    if not _reads_metadata(n):
+                        raise _DataDependentControlFlow(
+                            f"`{_expr(n)}` reads a tensor's data into Python (used in control flow or as a "
+                            f"Python number) at {_user_frame()}")
+                elif v is None or isinstance(v, (bool, int, float, str, torch.Size, tuple, list, torch.dtype,
+                                                 torch.device)):
+                    stack.append(a)
+
+
+_AUTOGRAD_FLAG_METHODS = frozenset({"requires_grad_", "retain_grad"})
+_METADATA_ATTRS = frozenset({
+    "shape", "dtype", "device", "requires_grad", "is_cuda", "is_cpu", "is_meta", "ndim", "is_leaf", "layout",
+    "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "names", "itemsize"})
+_METADATA_METHODS = frozenset({
+    "size", "dim", "ndimension", "numel", "nelement", "stride", "is_contiguous", "is_floating_point",
+    "is_complex", "element_size", "get_device", "storage_offset", "is_signed", "is_inference", "has_names"})
+_METADATA_FUNCTIONS = frozenset({torch.numel, torch.is_floating_point, torch.is_complex})
+
+
+def _reads_metadata(n: Node) -> bool:
+    """Whether `n` reads only metadata of its tensor arguments (a size, the dtype, a flag)."""
+    if n.op == "call_function":
+        if n.target is builtins.getattr:
+            return len(n.args) >= 2 and n.args[1] in _METADATA_ATTRS
+        return n.target in _METADATA_FUNCTIONS
+    if n.op == "call_method":
+        return n.target in _METADATA_METHODS
+    return False
+
+
+_OPERATOR_TEXT = {operator.gt: ">", operator.ge: ">=", operator.lt: "<", operator.le: "<=", operator.eq: "==",
+                  operator.ne: "!=", operator.add: "+", operator.sub: "-", operator.mul: "*",
+                  operator.floordiv: "//", operator.mod: "%", operator.truediv: "/", operator.and_: "&",
+                  operator.or_: "|"}
+
+
+def _expr(n: Any, depth: int = 0) -> str:
+    """The Python expression a node stands for, as the model's code wrote it (for messages)."""
+    if not isinstance(n, Node):
+        return repr(n)
+    if depth > 6:
+        return n.name
+    if n.op == "placeholder":
+        return n.target.lstrip("*")
+    if n.op == "get_attr":
+        return f"self.{n.target}"
+    a = [_expr(x, depth + 1) for x in n.args]
+    if n.op == "call_method":
+        return f"{a[0]}.{n.target}({', '.join(a[1:])})"
+    if n.op == "call_function":
+        if n.target is builtins.getattr and len(a) == 2:
+            return f"{a[0]}.{n.args[1]}"
+        if n.target is operator.getitem and len(a) == 2:
+            return f"{a[0]}[{a[1]}]"
+        if n.target in _OPERATOR_TEXT and len(a) == 2:
+            return f"({a[0]} {_OPERATOR_TEXT[n.target]} {a[1]})"
+        if n.target is runtime.grad_enabled:
+            return "torch.is_grad_enabled()"
+        name = getattr(n.target, "__name__", str(n.target))
+        return f"{name}({', '.join(a)})"
+    return n.name
 
 
 class _FunctionModule(nn.Module):
@@ -608,6 +877,12 @@ def _insert_guards(gm: GraphModule, tracer: "_ModeTracer") -> bool:
             warnings.simplefilter("ignore")  # fx warns on get_attr of a non-tensor attribute
             flag_node = graph.get_attr(target)
             graph.call_function(runtime.check_training_mode, (flag_node, flag, where))
+    value_guards = getattr(tracer, "value_guards", ())
+    for node, how, value, what, where in value_guards:
+        if node.graph is not graph:
+            continue
+        with graph.inserting_after(node):
+            graph.call_function(runtime.check_specialized, (node, how, value, what, where))
     seen = set()
     for node, keys in tracer.key_order_guards:
         if (node, keys) in seen or node.graph is not graph:
@@ -615,7 +890,36 @@ def _insert_guards(gm: GraphModule, tracer: "_ModeTracer") -> bool:
         seen.add((node, keys))
         with graph.inserting_after(node):
             graph.call_function(runtime.check_key_order, (node, keys, node.name))
-    return bool(tracer.mode_guards or seen)
+    return bool(tracer.mode_guards or seen or value_guards)
+
+
+_NOT_REGION_USERS = (runtime.set_grad_mode, runtime.grad_enabled, runtime.check_specialized,
+                     runtime.check_key_order, runtime.check_none, runtime.check_training_mode)
+
+
+def _separate_grad_regions(graph: Graph) -> bool:
+    """Put a `runtime.grad_region_boundary` between each value and its uses in another grad-mode
+    region (the code between two `set_grad_mode` nodes), so that no fusion merges work of two
+    regions into one op that would run in one mode. Returns whether the graph changed."""
+    region, where = 0, {}
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is runtime.set_grad_mode:
+            region += 1
+        where[n] = region
+    if region == 0:
+        return False
+    for n in list(graph.nodes):
+        if n.op == "output" or (n.op == "call_function" and n.target in _NOT_REGION_USERS):
+            continue
+        for a in list(n.all_input_nodes):
+            if where.get(a, where[n]) == where[n] or (a.op == "call_function" and a.target in _NOT_REGION_USERS):
+                continue
+            with graph.inserting_before(n):
+                b = graph.call_function(runtime.grad_region_boundary, (a,))
+            b.meta.update({k: v for k, v in a.meta.items() if k == VAL_KEY})
+            where[b] = where[n]
+            n.replace_input_with(a, b)
+    return True
 
 
 def _is_constant(v: Any) -> bool:
@@ -656,6 +960,13 @@ def _finish_concrete(gm: GraphModule, constants: dict[str, Any]) -> None:
                                        (n, runtime.remember_module_argument(value), _arg_name(n.target, constants)))
         elif value is None or isinstance(value, (bool, int, float, str)):
             n.args = (value,)
+            if value is None:
+                # fx's own `_assert_is_none` for it is pure, and dead-code elimination drops it
+                for u in list(n.users):
+                    if getattr(u.target, "__name__", "") == "_assert_is_none" and not u.users:
+                        gm.graph.erase_node(u)
+                with gm.graph.inserting_after(n):
+                    gm.graph.call_function(runtime.check_none, (n, _arg_name(n.target, constants)))
 
 
 def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = True) -> tuple[GraphModule, dict]:
@@ -734,9 +1045,10 @@ def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = Tr
             graph = tracer.trace(root, concrete_args=concrete or None)
     except _DataDependentControlFlow as e:
         raise RecfuseError(
-            f"cannot capture {fn_name}: data-dependent control flow (a Python `if`/`while` on a tensor "
-            f"value) at {e}. The fused graph would be specialised to the example data. Use "
-            f"torch.where or torch.cond instead, or apply recfuse.FusedFeatureProcessor by hand."
+            f"cannot capture {fn_name}: data-dependent control flow: {e}. The fused graph would be "
+            f"specialised to the example data. Use torch.where or torch.cond instead of Python control "
+            f"flow on tensor values (or keep the value a tensor instead of `.item()`), or apply "
+            f"recfuse.FusedFeatureProcessor by hand."
         ) from None
     except RecfuseError:
         raise
@@ -767,6 +1079,7 @@ def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = Tr
         if example_inputs is not None and n.op != "output":
             n.meta[VAL_KEY] = live.value_info() if type(live) is deferred.Deferred else summarise(live)
     changed = _insert_guards(gm, tracer)
+    changed = _separate_grad_regions(gm.graph) or changed
     if constants:
         _finish_concrete(gm, constants)
     if codegen and (changed or constants):

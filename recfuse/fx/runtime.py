@@ -19,6 +19,11 @@ __all__ = [
     "check_training_mode",
     "check_key_order",
     "check_module_argument",
+    "check_specialized",
+    "check_none",
+    "grad_enabled",
+    "set_grad_mode",
+    "grad_region_boundary",
     "slices_view",
     "gather_slices",
     "rows_view",
@@ -36,6 +41,30 @@ def _graph_leaf(fn):
         for a in (*args, *kwargs.values()):
             if isinstance(a, Proxy):
                 return a.tracer.create_proxy("call_function", helper, args, kwargs)
+        return fn(*args, **kwargs)
+
+    return helper
+
+
+# The tracer re-tracing a saved module's code (torch.load), while it runs: helpers that take no
+# Proxy argument (`grad_enabled`, `set_grad_mode`) must still be recorded, not run, then.
+_REBUILDING: list = []
+
+
+def _always_recorded(fn):
+    """Like `_graph_leaf`, for helpers whose arguments may all be constants: recorded as one node
+    whenever a graph is being rebuilt from saved code."""
+
+    @functools.wraps(fn)
+    def helper(*args, **kwargs):
+        tracer = _REBUILDING[-1] if _REBUILDING else None
+        if tracer is None:
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, Proxy):
+                    tracer = a.tracer
+                    break
+        if tracer is not None:
+            return tracer.create_proxy("call_function", helper, args, kwargs)
         return fn(*args, **kwargs)
 
     return helper
@@ -110,6 +139,67 @@ def check_key_order(d, keys: tuple, name: str) -> None:
             f"{{k: d[k] for k in {list(keys)!r}}}), or transform with example inputs in this order.")
 
 
+
+
+_HOW = {"bool": bool, "int": int, "index": int, "float": float, "len": len}
+
+
+@has_side_effect
+@_graph_leaf
+def check_specialized(value, how: str, expected, what: str, where: str) -> None:
+    """Guard of a value the model's code turned into a Python value while it was captured (a branch
+    on a shape or on tensor metadata, `len(x)`, `range(x.shape[0])`, `torch.is_grad_enabled()`):
+    the graph holds only what the code did for the example's value, so another value is refused.
+
+    Example:
+        >>> check_specialized(3, "int", 3, "x.shape[0]", "model.py:3")
+    """
+    actual = _HOW[how](value)
+    if actual != expected:
+        raise RecfuseError(
+            f"recfuse.transform specialised {what} to {expected!r}, its value on example_inputs, because the "
+            f"model's code read it as a Python value at {where}; this call gives {actual!r}, for which the "
+            f"original would run different code than the captured graph holds. Transform with example inputs "
+            f"for which it is {actual!r} (one transformed module per case), or compute with torch ops instead "
+            f"of Python control flow on it.")
+
+
+@has_side_effect
+@_graph_leaf
+def check_none(value, name: str) -> None:
+    """Guard of an argument that was None at transform time: the graph holds the code path for None.
+
+    Example:
+        >>> check_none(None, "weights")
+    """
+    if value is not None:
+        raise RecfuseError(
+            f"argument `{name}` was None in recfuse.transform's example_inputs, so the transformed graph "
+            f"holds only the code path for None and would ignore the {type(value).__name__} passed now. "
+            f"Transform with an example value for `{name}` to use it (a separate transformed module if "
+            f"both cases are needed).")
+
+
+@_always_recorded
+def grad_enabled() -> bool:
+    """``torch.is_grad_enabled()`` as read by the model's code (recorded as a node, read per call)."""
+    return torch.is_grad_enabled()
+
+
+@has_side_effect
+@_always_recorded
+def set_grad_mode(mode) -> None:
+    """``torch._C._set_grad_enabled(mode)``: the entry or exit of a ``torch.no_grad()`` /
+    ``torch.enable_grad()`` / ``torch.set_grad_enabled(...)`` region of the model's code."""
+    torch._C._set_grad_enabled(bool(mode))
+
+
+@_graph_leaf
+def grad_region_boundary(value):
+    """Identity, between a value made in one grad-mode region (``torch.no_grad()`` & co.) of the
+    model's code and its use in another: the fusions do not look through it, so no fused op takes
+    work across the boundary (it would record autograd in the wrong mode)."""
+    return value
 
 
 @_graph_leaf
