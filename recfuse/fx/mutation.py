@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import Graph, Node
 
-from .patterns import INPLACE_POS, submodule
+from .patterns import INPLACE_POS, _has_hooks as has_hooks, _own_forward as own_forward, submodule
 
 __all__ = ["is_inplace", "functionalize_inplace", "keeps_node"]
 
@@ -98,9 +98,8 @@ _FRESH_UNLESS_INPLACE_MODULES = (nn.ReLU, nn.LeakyReLU, nn.ELU, nn.ReLU6, nn.Har
 
 
 def _own_forward(mod: nn.Module) -> bool:
-    """The module runs its class's own torch forward: no instance-level `forward`, no hooks."""
-    return ("forward" not in mod.__dict__ and getattr(type(mod).forward, "__module__", "").startswith("torch.nn.")
-            and not (mod._forward_hooks or mod._forward_pre_hooks))
+    """The module runs its class's own torch forward (no patched `forward`) and has no hooks."""
+    return own_forward(mod) and not has_hooks(mod)
 
 
 def _returns_fresh(node: Node, root: Optional[nn.Module]) -> bool:
