@@ -79,7 +79,7 @@ class Rewriter:
         # persistence: leave them the model's own too.
         persistent = [_persistent(root, r.attr, t) for r, t in zip(refs, tensors) if t is not None]
         mixed_persistence = len(set(persistent)) > 1
-        if self.stack_params_once and (tied or mixed_persistence) and not (mixed or hooked):
+        if self.stack_params_once and (tied or mixed_persistence):
             why = spec.tied if tied else f"{role}: persistent and non-persistent buffers mixed"
             self.notes.append(f"{why}: the per-feature tensors stay the model's own and are stacked on each call")
         if (self.stack_params_once and not (mixed or hooked or tied or mixed_persistence)
