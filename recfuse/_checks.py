@@ -49,7 +49,7 @@ def _check_tensor(name: str, t, x: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not t.dtype.is_floating_point:
-        raise TypeError(f"{name} must be a floating tensor (float32, bfloat16, float16), got {t.dtype}")
+        raise TypeError(f"{name} must be a floating tensor (float32, bfloat16, float16, float64), got {t.dtype}")
     if t.dtype != x.dtype:
         raise TypeError(
             f"{name} has dtype {t.dtype} but x has dtype {x.dtype}; cast it with .to({x.dtype})"
@@ -67,11 +67,11 @@ def check_feature_dim(feature_dim) -> None:
         ...
         ValueError: feature_dim must be 0 ([F, B, D]) or 1 ([B, F, D]), got 2
     """
-    if feature_dim not in (0, 1):
+    if isinstance(feature_dim, bool) or feature_dim not in (0, 1):
         raise ValueError(f"feature_dim must be 0 ([F, B, D]) or 1 ([B, F, D]), got {feature_dim!r}")
 
 
-def check_eps(eps) -> None:
+def check_eps(eps, *, finite: bool = False) -> None:
     """Raise unless `eps` is a LayerNorm epsilon: an int or float >= 0 (NaN and bools refused).
 
     Example:
@@ -82,6 +82,8 @@ def check_eps(eps) -> None:
     """
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps != eps or eps < 0:
         raise ValueError(f"eps must be a float >= 0, got {eps!r}")
+    if finite and eps == float("inf"):
+        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
 
 
 def check_op_args(
@@ -103,7 +105,7 @@ def check_op_args(
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not x.dtype.is_floating_point:
-        raise TypeError(f"x must be a floating tensor (float32, bfloat16, float16), got {x.dtype}")
+        raise TypeError(f"x must be a floating tensor (float32, bfloat16, float16, float64), got {x.dtype}")
     check_feature_dim(feature_dim)
     if x.dim() != 3:
         layout = "[F, B, D]" if feature_dim == 0 else "[B, F, D]"

@@ -26,7 +26,7 @@ from torch import nn
 from torch.fx import Graph, Node
 
 from .patterns import SliceChain, fmt_float, sink_info, walk_chain
-from .plan import GroupPlan, plan_group
+from .plan import GroupPlan, TensorAliases, plan_group
 from .report import NearMiss
 
 __all__ = ["GraphAnalysis", "GENERATED"]
@@ -66,6 +66,7 @@ class GraphAnalysis:
         self._readers: dict[Node, set] = {}  # node -> sinks whose result read it
         self._user_readers: dict[Node, set] = {}  # node -> sinks whose result read its readers
         self._by_target: dict[str, list] = {}  # get_attr / call_module target -> nodes
+        self._aliases: Optional[TensorAliases] = None
         for n in graph.nodes:
             self._index_target(n)
         for n in graph.nodes:
@@ -91,6 +92,14 @@ class GraphAnalysis:
         for k in range(1, len(parts)):
             uses += sum(n.op == "call_module" for n in self._live(".".join(parts[:k])))
         return uses
+
+    @property
+    def aliases(self) -> Optional[TensorAliases]:
+        """The root's tensors by identity and storage, built on first use. Rewrites add only new
+        tensors (stacked copies), which alias nothing the plans read."""
+        if self._aliases is None and self.root is not None:
+            self._aliases = TensorAliases(self.root)
+        return self._aliases
 
     def _live(self, target: str) -> list:
         nodes = self._by_target.get(target, [])
@@ -200,7 +209,7 @@ class GraphAnalysis:
         groups = []
         for part in multi:
             plan = plan_group(sink, kind, dim, part, [chains[i] for i in part], len(part) == len(inputs),
-                              self.root, self.attr_uses)
+                              self.root, self.attr_uses, self.aliases)
             if isinstance(plan, str):
                 self._miss(where, plan)
             else:

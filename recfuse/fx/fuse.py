@@ -80,7 +80,7 @@ def fuse_graph(graph: Graph, root: Optional[nn.Module] = None, *, stack_params_o
         tried = enabled[: enabled.index(fusion)]
         report.groups.append(GroupReport(
             gid, plan.where, plan.size, plan.slices_text(), plan.ops_text(tuple(o.kind for o in claim.takes)),
-            fusion.mode, replaced_by, dict(rw.stacked_params), fusion=fusion.name,
+            fusion.mode, replaced_by, dict(rw.stacked_params), notes=list(rw.notes), fusion=fusion.name,
             declined=[Declined(f.name, f.title, verdicts[plan, f.name].reason) for f in tried]))
     report.near_misses.extend(analysis.near_misses)
     for plan in analysis.groups():

@@ -9,18 +9,56 @@ method of this class, not a hook, and `__deepcopy__` / `__reduce__` carry the re
 from __future__ import annotations
 
 import copy
+import types
 from typing import Any
 
 import torch
 from torch.fx import GraphModule
 from torch.fx.graph_module import reduce_graph_module
 
-__all__ = ["TransformedGraphModule", "map_original_keys"]
+__all__ = ["TransformedGraphModule", "map_original_keys", "carry_state"]
 
 # Attributes that are recfuse's own and must survive deepcopy and pickling.
 PRESERVED_ATTRS = ("_recfuse_stacked", "recfuse_report")
 # Attributes that are caches of one process (CUDA graphs, tensor readers): dropped by pickling.
 TRANSIENT_ATTRS = ("_cuda_graph_cache", "_module_tensors", "_tracer_extras")
+# The model's forward hooks (carried to the result by capture); GraphModule.__init__ resets them.
+HOOK_ATTRS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+              "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
+
+
+def carry_state(dst: torch.nn.Module, src) -> None:
+    """Give `dst` every parameter, buffer and submodule of `src` (a module, or anything with its
+    `_parameters`, `_buffers`, `_non_persistent_buffers_set` and `_modules`) that it lacks, and
+    the persistence of src's buffers. GraphModule's constructor keeps only what the graph reads;
+    a transformed model keeps the original's whole state (parameters the forward never reads
+    included), so that its state_dict loads strictly and the optimizer sees the same parameters.
+
+    Example:
+        >>> src = torch.nn.Module(); src.a = torch.nn.Linear(2, 2); src.register_buffer("s", torch.zeros(()))
+        >>> dst = torch.nn.Module(); carry_state(dst, src); sorted(dst.state_dict())
+        ['a.bias', 'a.weight', 's']
+    """
+    nonpersistent = getattr(src, "_non_persistent_buffers_set", set())
+    for k, t in src._parameters.items():
+        if t is not None and k not in dst._parameters and k not in dst._buffers and k not in dst._modules:
+            dst.register_parameter(k, t)
+    for k, t in src._buffers.items():
+        if t is None:
+            continue
+        if k not in dst._buffers and k not in dst._parameters and k not in dst._modules:
+            dst.register_buffer(k, t, persistent=k not in nonpersistent)
+        elif k in dst._buffers and k in nonpersistent:
+            dst._non_persistent_buffers_set.add(k)
+    for k, m in src._modules.items():
+        if m is None:
+            continue
+        d = dst._modules.get(k)
+        if d is None:
+            if k not in dst._parameters and k not in dst._buffers:
+                dst.add_module(k, m)
+        elif d is not m:
+            carry_state(d, m)
 
 
 def map_original_keys(module: torch.nn.Module, state_dict: dict, prefix: str, missing_keys: list) -> None:
@@ -54,6 +92,12 @@ def _rebuild(cls: type, body: dict, import_block: str) -> "TransformedGraphModul
     for k, v in body.items():
         if k not in gm.__dict__ and not k.startswith("_graph"):
             gm.__dict__[k] = v
+    if all(k in body for k in ("_parameters", "_buffers", "_modules")):
+        carry_state(gm, types.SimpleNamespace(**{k: body[k] for k in (
+            "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set") if k in body}))
+    for k in HOOK_ATTRS:
+        if body.get(k):
+            getattr(gm, k).update(body[k])
     return gm
 
 
@@ -100,6 +144,13 @@ class TransformedGraphModule(GraphModule):
         for k in PRESERVED_ATTRS:
             if k in self.__dict__:
                 res.__dict__[k] = copy.deepcopy(self.__dict__[k], memo)
+        # What the graph does not read (unused parameters, buffers) and the forward hooks, which
+        # GraphModule's constructor drops; the dicts were deep-copied already (found in `memo`).
+        carry_state(res, types.SimpleNamespace(**{k: copy.deepcopy(self.__dict__[k], memo) for k in (
+            "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")}))
+        for k in HOOK_ATTRS:
+            if self.__dict__.get(k):
+                getattr(res, k).update(copy.deepcopy(self.__dict__[k], memo))
         return res
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -6,13 +6,18 @@ the value they change is read through the *mutated* tensor's own node. A rewrite
 node (or dead-code elimination, which drops a node nobody uses) would silently lose the mutation.
 Before fusing, each in-place node `n` changing a tensor `y` is handled in one of three ways:
 
-* `y` is a fresh intermediate (not an input, parameter or view) read by nothing but `n`: nothing
-  can observe the mutation but `n`'s users, so `n` is an ordinary op.
-* `y` is a fresh intermediate whose other readers are all plain (non-view) ops: the readers that
-  run after `n` read `n` instead, and `n` becomes its out-of-place twin (``relu_`` -> ``relu``).
+* `y` is a fresh intermediate (made by an op known to return a new tensor: an allow-list, since
+  many ops may return their input itself or a view of it: ``nn.Identity``, dropout in eval,
+  ``x.cpu()`` on a CPU tensor, ``x.type(x.dtype)``, ``torch.atleast_2d``, ``broadcast_to``, any
+  unknown module or function) read by nothing but `n`: nothing can observe the mutation but
+  `n`'s users, so `n` is an ordinary op.
+* `y` is a fresh intermediate whose readers before `n` are all ops known to return a new tensor
+  (or no tensor: ``y.shape``): the readers that run after `n` read `n` instead, and `n` becomes
+  its out-of-place twin (``relu_`` -> ``relu``).
   The graph then says what the code did, without aliasing (later in-place ops on the same value
   are handled in turn, on `n`).
-* anything else (`y` is an input, a parameter, a view, or was viewed before `n`): the mutation is
+* anything else (`y` is an input, a parameter, a view or possible alias, or was read before `n`
+  by an op that may return it or a view of it): the mutation is
   visible through aliases the graph does not show; `n` is kept exactly where it is and nothing in
   the graph is fused (the report says which op).
 """
@@ -22,10 +27,11 @@ import operator
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.fx import Graph, Node
 
-from .patterns import INPLACE_POS, submodule
+from .patterns import INPLACE_POS, _has_hooks as has_hooks, _own_forward as own_forward, submodule
 
 __all__ = ["is_inplace", "functionalize_inplace", "keeps_node"]
 
@@ -45,6 +51,79 @@ _VIEW_FNS = {operator.getitem, torch.narrow, torch.select, torch.transpose, torc
              torch.squeeze, torch.unsqueeze, torch.flatten, torch.reshape, torch.movedim, torch.moveaxis,
              torch.split, torch.chunk, torch.unbind, torch.tensor_split, torch.diagonal, torch.as_strided,
              torch.detach, torch.swapaxes, torch.swapdims}
+
+
+# Ops known to return a new tensor (never their input, nor a view of it). Anything not listed may
+# alias its input, and an in-place op on it, or on a value it read, is kept as it is.
+_FRESH_FNS = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.pow,
+    operator.neg, operator.matmul, operator.and_, operator.or_, operator.xor, operator.invert, operator.abs,
+    torch.add, torch.sub, torch.subtract, torch.mul, torch.multiply, torch.div, torch.divide, torch.true_divide,
+    torch.pow, torch.neg, torch.abs, torch.exp, torch.expm1, torch.log, torch.log1p, torch.log2, torch.sqrt,
+    torch.rsqrt, torch.square, torch.sin, torch.cos, torch.tanh, torch.sigmoid, torch.relu, torch.erf,
+    torch.reciprocal, torch.sign, torch.floor, torch.ceil, torch.round, torch.trunc, torch.clamp, torch.clip,
+    torch.clamp_min, torch.clamp_max, torch.where, torch.lerp, torch.addcmul, torch.addcdiv, torch.maximum,
+    torch.minimum, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.cat, torch.concat,
+    torch.concatenate, torch.stack, torch.sum, torch.mean, torch.prod, torch.amax, torch.amin, torch.logsumexp,
+    torch.softmax, torch.log_softmax, torch.cumsum, torch.clone, torch.zeros_like, torch.ones_like,
+    torch.empty_like, torch.full_like, torch.rand_like, torch.randn_like, torch.layer_norm, torch.rms_norm,
+    torch.var, torch.std, torch.norm, torch.masked_fill,
+    F.relu, F.gelu, F.silu, F.sigmoid, F.tanh, F.leaky_relu, F.elu, F.softplus, F.softmax, F.log_softmax,
+    F.layer_norm, F.rms_norm, F.linear, F.normalize, F.embedding, F.embedding_bag, F.mish, F.hardswish,
+    F.hardsigmoid, F.relu6, F.selu, F.celu, F.glu, F.logsigmoid, F.softsign, F.tanhshrink, F.batch_norm,
+    F.group_norm, F.instance_norm, torch._C._nn.linear,
+}
+# Fresh only when their `inplace` flag is off (F.relu(x, True) returns x).
+_FRESH_UNLESS_INPLACE = set(INPLACE_POS) - {F.dropout, F.alpha_dropout, F.rrelu}
+_FRESH_METHODS = {
+    "add", "sub", "mul", "div", "true_divide", "floor_divide", "remainder", "pow", "neg", "abs", "exp", "expm1",
+    "log", "log1p", "log2", "sqrt", "rsqrt", "square", "sin", "cos", "tanh", "sigmoid", "relu", "erf",
+    "reciprocal", "sign", "floor", "ceil", "round", "trunc", "clamp", "clip", "clamp_min", "clamp_max", "where",
+    "lerp", "addcmul", "addcdiv", "maximum", "minimum", "matmul", "mm", "bmm", "addmm", "sum", "mean", "prod",
+    "amax", "amin", "logsumexp", "softmax", "log_softmax", "cumsum", "clone", "var", "std", "norm",
+    "masked_fill", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor",
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+    "__floordiv__", "__mod__", "__pow__", "__rpow__", "__neg__", "__matmul__", "__abs__",
+}
+# Attributes of a tensor that are not tensors (reading them creates no alias).
+_META_ATTRS = {"shape", "dtype", "device", "ndim", "requires_grad", "is_cuda", "layout", "is_sparse"}
+_META_METHODS = {"size", "dim", "numel", "stride", "storage_offset", "is_contiguous", "element_size",
+                 "nelement", "ndimension", "get_device", "is_floating_point", "is_complex"}
+# Modules known to return a new tensor (their class's own forward, not in-place); exact types.
+_FRESH_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.Linear, nn.Tanh, nn.Sigmoid, nn.GELU, nn.SiLU, nn.Softplus,
+                  nn.Softmax, nn.LogSoftmax, nn.Mish, nn.Embedding, nn.EmbeddingBag, nn.BatchNorm1d,
+                  nn.BatchNorm2d, nn.GroupNorm, nn.Bilinear)
+_FRESH_UNLESS_INPLACE_MODULES = (nn.ReLU, nn.LeakyReLU, nn.ELU, nn.ReLU6, nn.Hardswish, nn.Hardsigmoid, nn.SELU,
+                                 nn.CELU, nn.Hardtanh)
+
+
+def _own_forward(mod: nn.Module) -> bool:
+    """The module runs its class's own torch forward (no patched `forward`) and has no hooks."""
+    return own_forward(mod) and not has_hooks(mod)
+
+
+def _returns_fresh(node: Node, root: Optional[nn.Module]) -> bool:
+    """True if `node` is known to return a new tensor (or no tensor), never an alias of an input."""
+    op, t = node.op, node.target
+    if op == "call_function":
+        if t is getattr:
+            return len(node.args) == 2 and node.args[1] in _META_ATTRS
+        if t in _FRESH_UNLESS_INPLACE:
+            return not is_inplace(node, root)
+        try:
+            return t in _FRESH_FNS and not is_inplace(node, root)
+        except TypeError:  # unhashable target
+            return False
+    if op == "call_method":
+        return t in _META_METHODS or (t in _FRESH_METHODS and not is_inplace(node, root))
+    if op == "call_module":
+        mod = _module(node, root)
+        if mod is None or not _own_forward(mod):
+            return False
+        if type(mod) in _FRESH_MODULES:
+            return True
+        return type(mod) in _FRESH_UNLESS_INPLACE_MODULES and getattr(mod, "inplace", False) is not True
+    return False
 
 
 def _module(node: Node, root: Optional[nn.Module]) -> Optional[nn.Module]:
@@ -142,9 +221,11 @@ def functionalize_inplace(graph: Graph, root: Optional[nn.Module] = None) -> lis
         if not isinstance(y, Node):
             kept.append(f"`{n.name}`: {n.format_node()}")
             continue
-        fresh = y.op in ("call_function", "call_method", "call_module") and not _is_view(y) and not is_inplace(y, root)
+        fresh = _returns_fresh(y, root)
         readers = [u for u in y.users if u is not n]
-        aliased = any(_is_view(u) or is_inplace(u, root) for u in readers if order[u] < order[n])
+        # A reader before `n` that may have returned `y` itself or a view of it (nn.Identity,
+        # x.cpu(), broadcast_to, ...) would see the mutation; only known-fresh readers are safe.
+        aliased = any(not _returns_fresh(u, root) for u in readers if order[u] < order[n])
         if not fresh or aliased:
             kept.append(f"`{n.name}`: {n.format_node()}")
             continue

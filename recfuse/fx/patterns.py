@@ -140,8 +140,22 @@ def submodule(root: nn.Module, qualname: str) -> nn.Module:
 
 
 def _has_hooks(mod: nn.Module) -> bool:
+    from torch.nn.modules import module as _m  # global hooks fire on every module call too
+
     return bool(mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks
-                or getattr(mod, "_backward_pre_hooks", None))
+                or getattr(mod, "_backward_pre_hooks", None)
+                or _m._global_forward_hooks or _m._global_forward_pre_hooks or _m._global_backward_hooks
+                or getattr(_m, "_global_backward_pre_hooks", None))
+
+
+def _own_forward(mod: nn.Module) -> bool:
+    """The module computes what its torch class says: no `forward` assigned on the instance
+    (monkeypatching, wrappers), and the class's forward is still torch's own (not replaced)."""
+    if "forward" in mod.__dict__:
+        return False
+    fwd = type(mod).__dict__.get("forward")
+    return fwd is not None and getattr(fwd, "__module__", "").startswith("torch.nn.modules.") and \
+        getattr(fwd, "__qualname__", "") == f"{type(mod).__name__}.forward"
 
 
 def _normalized_shape(shape) -> Optional[tuple]:
@@ -177,6 +191,8 @@ def classify(node: Node, root: Optional[nn.Module]) -> Optional[OpInfo]:
             return None
         if _has_hooks(mod):
             return None  # a batched rewrite would never call the module, so its hooks would not run
+        if not _own_forward(mod):
+            return None  # a patched forward: the module's type no longer says what it computes
         x = node.args[0]
         if type(mod) is nn.LayerNorm:
             return OpInfo("layer_norm", node, x, (("eps", float(mod.eps)), ("shape", tuple(mod.normalized_shape))),

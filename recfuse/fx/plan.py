@@ -27,7 +27,7 @@ from .patterns import ParamRef, SliceChain, classify, submodule
 from .values import tensor_shape
 
 __all__ = ["BatchedSource", "SinkReplacement", "ParamPlan", "SideUse", "GroupPlan", "plan_group",
-           "attr_tensor", "ref_shape"]
+           "attr_tensor", "ref_shape", "TensorAliases"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,10 @@ class ParamPlan:
     """One parameter of a per-slice op: 'shared' (one ref, the same for every slice) or 'stacked'
     (one ref per slice, distinct, equal shapes).
 
+    `tied`: why the per-slice tensors must stay the model's tensors (one of them is also reachable
+    under another name, or shares storage with another tensor of the model): they are then
+    stacked in the graph on each call, never copied into a new parameter (which would untie them).
+
     Example:
         >>> ParamPlan("shared", (ParamRef("lin.weight"),)).refs[0].attr
         'lin.weight'
@@ -86,6 +90,7 @@ class ParamPlan:
 
     how: str
     refs: tuple
+    tied: Optional[str] = None
 
     @property
     def shared(self) -> bool:
@@ -192,6 +197,68 @@ def attr_tensor(root, qualname: str) -> Optional[torch.Tensor]:
     return t if isinstance(t, torch.Tensor) else None
 
 
+class TensorAliases:
+    """Every tensor reachable from `root` (parameters, buffers, plain tensor attributes of every
+    module, shared modules under each of their names), indexed by identity and by storage, so that
+    "is this tensor also something else?" costs a dict lookup.
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Module(); m.a = torch.nn.Linear(2, 2); m.b = torch.nn.Linear(2, 2)
+        >>> m.b.weight = m.a.weight
+        >>> TensorAliases(m).tie("a.weight", m.a.weight)
+        '`a.weight` is the same tensor as `b.weight` (tied)'
+        >>> TensorAliases(m).tie("a.bias", m.a.bias) is None
+        True
+    """
+
+    def __init__(self, root):
+        self.names: dict = {}  # id(tensor) -> qualified names
+        self.storages: dict = {}  # (device, storage address) -> {id(tensor): name}
+        self._keep: list = []  # the tensors themselves, so that ids stay valid
+        for prefix, mod in root.named_modules(remove_duplicate=False):
+            pre = prefix + "." if prefix else ""
+            for d in (mod._parameters, mod._buffers):
+                for k, t in d.items():
+                    if t is not None:
+                        self._add(pre + k, t)
+            for k, v in mod.__dict__.items():
+                if isinstance(v, torch.Tensor):
+                    self._add(pre + k, v)
+
+    def _add(self, name: str, t: torch.Tensor) -> None:
+        names = self.names.get(id(t))
+        if names is None:
+            self.names[id(t)] = names = []
+            self._keep.append(t)
+            key = _storage_key(t)
+            if key is not None:
+                self.storages.setdefault(key, {})[id(t)] = name
+        if name not in names:
+            names.append(name)
+
+    def tie(self, name: str, t: torch.Tensor) -> Optional[str]:
+        """Why `t` (read as `name`) is not a tensor of its own, or None."""
+        others = [n for n in self.names.get(id(t), ()) if n != name]
+        if others:
+            return f"`{name}` is the same tensor as `{others[0]}` (tied)"
+        key = _storage_key(t)
+        sharing = [n for i, n in self.storages.get(key, {}).items() if i != id(t)] if key is not None else []
+        if sharing:
+            return f"`{name}` shares storage with `{sharing[0]}`"
+        return None
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        st = t.untyped_storage()
+        if st.nbytes() == 0 or t.device.type == "meta":
+            return None
+        return (str(t.device), st.data_ptr())
+    except Exception:  # tensor subclasses without storage
+        return None
+
+
 def ref_shape(r: ParamRef, root) -> Optional[tuple]:
     """The shape of the tensor a parameter reference points to, when known.
 
@@ -209,11 +276,12 @@ def ref_shape(r: ParamRef, root) -> Optional[tuple]:
 
 
 def plan_group(sink: Node, sink_kind: str, sink_dim: int, positions: list, chains: list, covers_all: bool,
-               root, attr_uses: Callable[[str], int]):
+               root, attr_uses: Callable[[str], int], aliases: Optional["TensorAliases"] = None):
     """Plan one group of identical chains; returns a `GroupPlan`, or the reason (a str) there is none.
 
     `covers_all`: the group holds every input of the sink (only then can the sink be replaced).
-    `attr_uses(qualname)`: how many places in the graph read that attribute.
+    `attr_uses(qualname)`: how many places in the graph read that attribute. `aliases`: the
+    root's tensors by identity (`TensorAliases`; built from `root` when not given).
 
     Example:
         >>> import torch
@@ -229,7 +297,9 @@ def plan_group(sink: Node, sink_kind: str, sink_dim: int, positions: list, chain
         return "shapes unknown (pass example_inputs)"
     if len(core) == 0:
         return "per-slice values are scalars"
-    params = _param_plans(chains, root, attr_uses)
+    if aliases is None and root is not None:
+        aliases = TensorAliases(root)
+    params = _param_plans(chains, root, attr_uses, aliases)
     if isinstance(params, str):
         return params
     for op in c0.ops:
@@ -261,7 +331,7 @@ def plan_group(sink: Node, sink_kind: str, sink_dim: int, positions: list, chain
                      side_uses, insert_before, followers)
 
 
-def _param_plans(chains: list, root, attr_uses):
+def _param_plans(chains: list, root, attr_uses, aliases=None):
     plans = []
     for j, op in enumerate(chains[0].ops):
         specs = {}
@@ -279,10 +349,25 @@ def _param_plans(chains: list, root, attr_uses):
                 for r in refs:
                     if r.attr is not None and attr_uses(r.attr) > 1:
                         return f"{op.kind} {name} `{r.attr}` is also used outside this group; stacking it would untie it"
+                # Names differ, but tensors may not: tied parameters (``lins[1].weight =
+                # lins[0].weight``), a LayerNorm whose bias is its weight, a feature's weight that is
+                # also a head's. Judged by identity and storage, over every tensor of the root.
+                tensors = [attr_tensor(root, r.attr) if r.attr is not None else None for r in refs]
+                if tensors and all(t is not None and t is tensors[0] for t in tensors):
+                    specs[name] = ParamPlan("shared", (refs[0],))  # one tensor under F names: exact
+                    continue
                 shapes = {tuple(ref_shape(r, root) or ()) for r in refs}
                 if len(shapes) != 1:
                     return f"{op.kind} {name} shapes differ across slices: {sorted(shapes)}"
-                specs[name] = ParamPlan("stacked", tuple(refs))
+                tied = None
+                if aliases is not None:
+                    for r, t in zip(refs, tensors):
+                        if t is not None:
+                            tied = aliases.tie(r.attr, t)
+                            if tied is not None:
+                                tied = f"{op.kind} {name} {tied}"
+                                break
+                specs[name] = ParamPlan("stacked", tuple(refs), tied)
             else:
                 return f"{op.kind} {name} is shared by some slices but not all; batching would untie it"
         plans.append(specs)

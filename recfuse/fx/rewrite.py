@@ -51,6 +51,7 @@ class Rewriter:
         self.stack_params_once = stack_params_once and root is not None
         self.stacked_params: dict = {}  # new attribute -> the per-slice attributes it holds, in order
         self.replaced: list = []  # nodes whose readers now read a batched value
+        self.notes: list = []  # what the report should say about this group's parameters
 
     def fn(self, target, args, kwargs=None) -> Node:
         return self.graph.call_function(target, tuple(args), kwargs or {})
@@ -71,13 +72,24 @@ class Rewriter:
         # gradient must keep flowing to it, which an in-graph stack does and a new parameter not.
         hooked = any(t is not None and (getattr(t, "_backward_hooks", None) or
                                         getattr(t, "_post_accumulate_grad_hooks", None)) for t in tensors)
-        if self.stack_params_once and not (mixed or hooked) and all(r.attr is not None for r in refs):
+        # Tied tensors (one parameter under two names, shared storage) must stay the model's own:
+        # a stacked copy would train apart from the other name.
+        tied = spec.tied is not None
+        # A non-persistent buffer stacked with persistent ones (or with parameters) has no one
+        # persistence: leave them the model's own too.
+        persistent = [_persistent(root, r.attr, t) for r, t in zip(refs, tensors) if t is not None]
+        mixed_persistence = len(set(persistent)) > 1
+        if self.stack_params_once and (tied or mixed_persistence):
+            why = spec.tied if tied else f"{role}: persistent and non-persistent buffers mixed"
+            self.notes.append(f"{why}: the per-feature tensors stay the model's own and are stacked on each call")
+        if (self.stack_params_once and not (mixed or hooked or tied or mixed_persistence)
+                and all(r.attr is not None for r in refs)):
             stacked = torch.stack([t.detach() for t in tensors]).clone()
             name = _unique_attr(root, f"recfuse_g{self.gid}_{role}")
             if all(isinstance(t, nn.Parameter) for t in tensors):
                 root.register_parameter(name, nn.Parameter(stacked, requires_grad=any(t.requires_grad for t in tensors)))
             else:
-                root.register_buffer(name, stacked)
+                root.register_buffer(name, stacked, persistent=all(persistent))
             self.stacked_params[name] = [r.attr for r in refs]
             return self.graph.get_attr(name)
         nodes = [self.graph.get_attr(r.attr) if r.attr is not None else r.node for r in refs]
@@ -136,6 +148,18 @@ class Rewriter:
             for u in use.users:
                 u.replace_input_with(use.node, sel)
             self.replaced.append(use.node)
+
+
+def _persistent(root, qualname: str, t) -> bool:
+    """Whether ``root.<qualname>`` is in its owner's state_dict (a parameter, or a persistent buffer)."""
+    if isinstance(t, nn.Parameter):
+        return True
+    owner_path, _, name = qualname.rpartition(".")
+    try:
+        owner = root.get_submodule(owner_path) if owner_path else root
+    except AttributeError:
+        return True
+    return name not in owner._non_persistent_buffers_set
 
 
 def _unique_attr(root, base: str) -> str:

@@ -221,7 +221,8 @@ def slices_view(src: torch.Tensor, dim: int, start: int, count: int, length: Opt
     # and this runs on every call of a transformed model.
     shape = list(src.shape)
     if length == -1:  # the slices tile the whole dim
-        shape[dim:dim + 1] = (count, -1)
+        # -1 is ambiguous for an empty tensor (batch size 0): then the length is computed
+        shape[dim:dim + 1] = (count, -1 if src.numel() else shape[dim] // count)
         return src.reshape(shape)
     x = src if (start == 0 and count * length == shape[dim]) else src.narrow(dim, start, count * length)
     shape[dim:dim + 1] = (count, length)

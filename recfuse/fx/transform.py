@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import logging
 import time
@@ -15,6 +16,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import RecfuseError
 from .capture import _StateSnapshot, capture
 from .fuse import fuse_graph
+from .plan import attr_tensor
 from .registry import FUSIONS, select_fusions
 from .replay import CudaGraphReplayModule
 from .report import FusionReport, NearMiss
@@ -45,11 +47,79 @@ def _prune(gm: GraphModule, old_attrs: list) -> None:
             delattr(owner, name)
 
 
-def _finish_module(gm: GraphModule, report: FusionReport) -> GraphModule:
+def _adopt_original_state(gm: GraphModule, model: nn.Module) -> dict:
+    """Make `gm` hold every parameter and buffer of `model` under its original name, with its
+    persistence: the graph reads only some (GraphModule keeps those); the rest (a head used by
+    another method, a step counter) are deep copies, tied to gm's tensors where the model's are.
+    Tensor attributes that are not in the model's state_dict (plain tensor attributes, which
+    GraphModule registers as buffers) are made non-persistent. Returns name -> (tensor,
+    persistent) for every name, so that `_finish_module` can put back what fusion pruned."""
+    entries = []  # (name, original tensor, persistent)
+    for prefix, mod in model.named_modules(remove_duplicate=False):
+        pre = prefix + "." if prefix else ""
+        for k, t in mod._parameters.items():
+            if t is not None:
+                entries.append((pre + k, t, True))
+        for k, t in mod._buffers.items():
+            if t is not None:
+                entries.append((pre + k, t, k not in mod._non_persistent_buffers_set))
+    memo: dict = {}
+    present = {}
+    for name, t, _ in entries:
+        g = attr_tensor(gm, name)
+        if g is not None:
+            present[name] = g
+            memo.setdefault(id(t), g)
+    kept = {}
+    for name, t, persistent in entries:
+        g = present.get(name)
+        if g is None:
+            fresh = id(t) not in memo
+            g = copy.deepcopy(t, memo)
+            if fresh:
+                for hook in (getattr(t, "_backward_hooks", None) or {}).values():
+                    g.register_hook(hook)
+                for hook in (getattr(t, "_post_accumulate_grad_hooks", None) or {}).values():
+                    g.register_post_accumulate_grad_hook(hook)
+        _assign(gm, name, g, persistent)
+        kept[name] = (g, persistent)
+    names = set(kept)
+    for prefix, mod in gm.named_modules(remove_duplicate=False):
+        pre = prefix + "." if prefix else ""
+        for k in mod._buffers:
+            if pre + k not in names:
+                mod._non_persistent_buffers_set.add(k)
+    return kept
+
+
+def _assign(gm: nn.Module, name: str, t: torch.Tensor, persistent: bool) -> None:
+    *path, leaf = name.split(".")
+    owner = gm
+    for part in path:
+        child = owner._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            owner.add_module(part, child)
+        owner = child
+    if owner._parameters.get(leaf) is t or owner._buffers.get(leaf) is t:
+        if not persistent:
+            owner._non_persistent_buffers_set.add(leaf)
+        return
+    if isinstance(t, nn.Parameter):
+        owner.register_parameter(leaf, t)
+    else:
+        owner.register_buffer(leaf, t, persistent=persistent)
+
+
+def _finish_module(gm: GraphModule, report: FusionReport, kept: Optional[dict] = None) -> GraphModule:
     stacked = {}
     for g in report.groups:
         stacked.update(g.stacked_params)
-    _prune(gm, [k for olds in stacked.values() for k in olds])
+    olds = {k for v in stacked.values() for k in v}
+    _prune(gm, list(olds))
+    for name, (t, persistent) in (kept or {}).items():
+        if name not in olds and attr_tensor(gm, name) is not t:
+            _assign(gm, name, t, persistent)  # not read by the fused graph, still the model's state
     if stacked:
         gm._recfuse_stacked = stacked
     for n in gm.graph.nodes:
@@ -77,6 +147,7 @@ def _run(model, example_inputs, fusions) -> tuple[GraphModule, FusionReport]:
     t0 = time.perf_counter()
     with _cyclic_gc_paused():
         gm, facts = capture(model, example_inputs, codegen=False)  # _finish_module recompiles
+        kept = _adopt_original_state(gm, model) if isinstance(model, nn.Module) else None
         report = FusionReport(model=facts["name"], capture=facts["how"])
         if not facts["shapes"]:
             report.reason = "no example_inputs: shapes are unknown, so slices cannot be matched"
@@ -85,7 +156,7 @@ def _run(model, example_inputs, fusions) -> tuple[GraphModule, FusionReport]:
             fuse_graph(gm.graph, gm, stack_params_once=True, report=report, fusions=fusions)
             if facts["constants"]:
                 report.capture += " (constants: " + ", ".join(f"{k}={v!r}" for k, v in facts["constants"].items()) + ")"
-        gm = _finish_module(gm, report)
+        gm = _finish_module(gm, report, kept)
     report.seconds = time.perf_counter() - t0
     return gm, report
 

@@ -157,5 +157,5 @@ def check_config(
             raise ValueError(f"feature {n!r}: embedding dim must be an int >= 1, got {d!r}")
     if isinstance(out_features, bool) or not isinstance(out_features, int) or out_features < 1:
         raise ValueError(f"out_features must be an int >= 1, got {out_features!r}")
-    check_eps(eps)
+    check_eps(eps, finite=True)  # as transform, which leaves a norm with a non-finite eps unfused
     return names, dims

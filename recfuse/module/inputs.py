@@ -164,7 +164,7 @@ class StackedInput:
 
     def signature(self) -> Optional[tuple]:
         x, feature_dim = self.x, self.feature_dim
-        if type(x) is not _Tensor or feature_dim not in (0, 1):
+        if type(x) is not _Tensor or type(feature_dim) is not int or feature_dim not in (0, 1):
             return None
         return (StackedInput, feature_dim, x.shape, x.stride(), x.dtype, x.device)
 
@@ -231,10 +231,19 @@ class DictInput:
     def validate(self, layout: FeatureLayout) -> None:
         layout.check_names(list(self.x), "input dict")
         batch = None
+        dtype = None
         for name, t in self.x.items():
             if not isinstance(t, torch.Tensor) or t.dim() != 2:
                 got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"feature {name!r}: input dict value must be a [B, D] tensor, got {got}")
+            # One fused call computes in one dtype; promoting would change the other features'
+            # outputs (a per-feature loop keeps each feature's dtype, or fails on the mismatch).
+            if dtype is None:
+                dtype = (name, t.dtype)
+            elif t.dtype != dtype[1]:
+                raise TypeError(
+                    f"feature {name!r}: input dict value has dtype {t.dtype} but feature {dtype[0]!r} has "
+                    f"{dtype[1]}; every feature of one call must share a dtype (cast them first)")
             layout.check_dims([name], [t.shape[1]], "input dict")
             if batch is None:
                 batch = (name, t.shape[0])

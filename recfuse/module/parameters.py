@@ -128,6 +128,28 @@ class ModulesSpec:
         return {"weight": lin.weight, "bias": lin.bias, "ln_weight": ln.weight, "ln_bias": getattr(ln, "bias", None)}
 
 
+_TORCH_FORWARD = {nn.LayerNorm: nn.LayerNorm.forward, nn.RMSNorm: nn.RMSNorm.forward, nn.Linear: nn.Linear.forward}
+
+
+def _check_plain(label: str, mod: nn.Module) -> None:
+    """Raise unless `mod` computes what its torch base class does: only weight and bias are
+    copied, so an overridden or patched forward (a scaled norm, LoRA) or a hook would be lost."""
+    base = next((b for b in _TORCH_FORWARD if isinstance(mod, b)), None)
+    if base is None:
+        return  # the type check names it
+    why = None
+    if "forward" in mod.__dict__:
+        why = "has a forward assigned on the instance"
+    elif type(mod).forward is not _TORCH_FORWARD[base] or base.forward is not _TORCH_FORWARD[base]:
+        why = f"overrides nn.{base.__name__}.forward"
+    elif mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks or getattr(mod, "_backward_pre_hooks", None):
+        why = "has hooks"
+    if why is not None:
+        raise ValueError(
+            f"{label} is a {type(mod).__qualname__} that {why}; from_modules copies only weight and bias "
+            f"and computes plain nn.{base.__name__}, so the result would differ. Pass plain modules.")
+
+
 def read_modules(layer_norms, linear, feature_names: Optional[Sequence[str]]) -> ModulesSpec:
     """Check a per-feature loop's modules (see `FusedFeatureProcessor.from_modules`).
 
@@ -149,6 +171,8 @@ def read_modules(layer_norms, linear, feature_names: Optional[Sequence[str]]) ->
     dims = []
     for name in names:
         ln = ln_of(name)
+        _check_plain(f"layer_norms[{name!r}]", ln)
+        _check_plain(f"linear for feature {name!r}", lin_of(name))
         if len(ln.normalized_shape) != 1:
             raise ValueError(
                 f"layer_norms[{name!r}] normalizes over {tuple(ln.normalized_shape)}; only "
