@@ -263,6 +263,28 @@ def test_batch_size_zero():
     assert gm(x).shape == m(x).shape == (0, NF, H)
 
 
+class _PerFeatureLinear(nn.Module):
+    """Per-feature Linear layers and softplus (no fused kernel for it): a horizontal group (batched `feature_linear`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lins = nn.ModuleList([nn.Linear(D, H) for _ in range(NF)])
+
+    def forward(self, x):
+        return torch.stack([F.softplus(lin(s)) for lin, s in zip(self.lins, x.split(D, dim=1))], dim=1)
+
+
+def test_batch_size_zero_through_batched_per_feature_linear():
+    torch.manual_seed(0)
+    m = _PerFeatureLinear()
+    gm = recfuse.transform(m, (torch.randn(3, NF * D),))
+    assert gm.recfuse_report.groups, "expected the per-feature Linear group to be fused"
+    x = torch.randn(0, NF * D)
+    assert gm(x).shape == m(x).shape == (0, NF, H)
+    x = torch.randn(4, NF * D)
+    torch.testing.assert_close(gm(x), m(x))
+
+
 # -- 7: FusedFeatureProcessor ----------------------------------------------------------------------
 
 
