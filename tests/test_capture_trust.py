@@ -354,3 +354,23 @@ def test_buffer_rebinding_is_refused_and_inplace_kept():
         assert close(gm(x), m(x))
     assert float(gm.n) == float(m.n) == len(BATCHES)
     torch.save(gm, io.BytesIO())
+
+
+def test_grad_mode_restored_when_forward_raises_inside_no_grad():
+    class LinearInNoGrad(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            with torch.no_grad():
+                h = self.lin(x)
+            return torch.relu(h) + x[:, :2]
+
+    m = LinearInNoGrad()
+    gm = recfuse.transform(m, (torch.randn(3, 4),))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(gm(x), m(x))
+    with pytest.raises(RuntimeError):
+        gm(torch.randn(3, 1))  # the Linear's shape error, raised inside the no_grad region
+    assert torch.is_grad_enabled(), "the caller's grad mode must be restored after the error"

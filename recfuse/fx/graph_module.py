@@ -86,6 +86,21 @@ def map_original_keys(module: torch.nn.Module, state_dict: dict, prefix: str, mi
         state_dict[prefix + new] = cur
 
 
+def _restoring_grad_mode(forward):
+    """`forward` that gives the caller back its grad mode when the model's code raised inside a
+    ``torch.no_grad()`` region: generated graph code has no ``finally`` for the region's exit."""
+
+    def wrapped(self, *args, **kwargs):
+        mode = torch.is_grad_enabled()
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            torch._C._set_grad_enabled(mode)
+
+    wrapped.__wrapped__ = forward
+    return wrapped
+
+
 def _rebuild(cls: type, body: dict, import_block: str) -> "TransformedGraphModule":
     plain = reduce_graph_module(body, import_block)
     gm = cls(plain, plain.graph, class_name=body.get("_graphmodule_cls_name", "GraphModule"))
@@ -131,7 +146,12 @@ class TransformedGraphModule(GraphModule):
     def recompile(self):
         if self.__dict__.pop("_recfuse_skip_codegen", False):
             return None
-        return super().recompile()
+        result = super().recompile()
+        from .runtime import set_grad_mode
+
+        if any(n.op == "call_function" and n.target is set_grad_mode for n in self.graph.nodes):
+            type(self).forward = _restoring_grad_mode(type(self).forward)
+        return result
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
