@@ -116,11 +116,26 @@ def _bwd_dot_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, fp32_dots: str = 
 _FP32_SPLITS = {"bf16x3": (2, 2, 2), "bf16x6": (3, 3, 3), "bf16x6z3": (2, 3, 3)}
 
 
-def _bwd_splits(x_dtype: torch.dtype, fp32_dots: str) -> dict:
+def _bwd_splits(x_dtype: torch.dtype, fp32_dots: str, out_activation: Optional[str]) -> dict:
     """SPLIT_* constexprs: the fp32 split of `fp32_dots`; the 16-bit path keeps order 2 (hi + lo
-    parts of fp32 values against exact 16-bit ones)."""
-    splits = _FP32_SPLITS.get(fp32_dots, (2, 2, 2)) if x_dtype == torch.float32 else (2, 2, 2)
-    return dict(zip(("SPLIT_Z", "SPLIT_DT", "SPLIT_DW"), splits))
+    parts of fp32 values against exact 16-bit ones).
+
+    z from fewer products than dt ("bf16x6z3") only where z decides a relu mask (or nothing): an
+    out-activation's derivative takes z's value, and a tanh out-activation gave x.grad 1.5e-5 off
+    float64 with z in bf16x3 (interpreter).
+    """
+    if x_dtype != torch.float32 or fp32_dots not in _FP32_SPLITS:
+        return dict(SPLIT_Z=2, SPLIT_DT=2, SPLIT_DW=2)
+    z, dt, dw = _FP32_SPLITS[fp32_dots]
+    if out_activation not in (None, "relu"):
+        z = max(z, dt)
+    return dict(SPLIT_Z=z, SPLIT_DT=dt, SPLIT_DW=dw)
+
+
+def _unfit_key(x: torch.Tensor, weight: torch.Tensor, chain) -> tuple:
+    """Key of a backward kernel variant whose resources are known not to fit this device: what
+    the kernel's shared memory and registers depend on besides the config."""
+    return (x.shape[2], weight.shape[-2], x.dtype, weight.dim(), x.device.type, chain)
 
 
 def _dot_args(dtype: torch.dtype, device_type: str) -> dict:
@@ -384,7 +399,7 @@ def _empty_or_like(p, x):
 
 
 _BACKWARD_PLANS: dict = {}
-# Keyed by (D, H, dtype, weight rank, device type): shapes whose backward kernel does not fit
+# Keyed by `_unfit_key` (D, H, dtype, weight rank, device type, chain): shapes whose backward kernel does not fit
 # this device at all, and shapes that fit only with plain fp32 dots.
 _BWD_UNFIT: set = set()
 _BWD_PRECISION: dict = {}
@@ -418,7 +433,7 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
     F, B, D, H = _sizes(x, weight, feature_dim)
     dev = x.device
     cfg = configs.backward_config(D, H, x.dtype, _config_device(dev))
-    unfit_key = (D, H, x.dtype, weight.dim(), dev.type)
+    unfit_key = _unfit_key(x, weight, chain)
     if cfg is None or unfit_key in _BWD_UNFIT:
         return None
     if cfg.use_dot:
@@ -449,16 +464,12 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
     norm, act, out_act = chain_codes(chain)
     # A shape whose dots did not fit this device takes plain fp32 FMA dots ("ieee", `backward`).
     fp32_dots = _BWD_PRECISION.get(unfit_key, cfg.fp32_dots)
-    if fp32_dots == "bf16x6z3" and chain.out_activation not in (None, "relu"):
-        # z in bf16x3 (~1e-5) is enough to pick a relu mask, not to feed an out-activation's
-        # derivative: tanh out-activation gave x.grad 1.5e-5 off float64 in the interpreter.
-        fp32_dots = "bf16x6"
     meta = dict(
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
         NORM=norm, ACT=act, OUT_ACT=out_act,
         USE_DOT=cfg.use_dot, BWD_DOT_PRECISION=_fp32_dot_precision(dev.type) if fp32_dots != "ieee" else "ieee",
         BWD_DOT_DTYPE=_bwd_dot_dtype(x.dtype, weight.dtype, fp32_dots), DOT_UPCAST=dev.type == "cpu",
-        **_bwd_splits(x.dtype, fp32_dots),
+        **_bwd_splits(x.dtype, fp32_dots, chain.out_activation),
         # Not for gelu: its fast form (the tanh form) is biased by up to 5e-4, and recomputing
         # z with it flipped relu masks of the exact chain: dW 1e-2 off float64 in bf16 on the H100.
         FAST_TANH=_fast_tanh(x.dtype, dev.type, backward=True) and "gelu" not in (chain.activation,
@@ -505,7 +516,7 @@ def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stat
     bias, ln_weight, ln_bias = _contiguous_rows(bias), _contiguous_rows(ln_weight), _contiguous_rows(ln_bias)
     plan = backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, chain)
     D, H = x.shape[2], weight.shape[-2]
-    unfit_key = (D, H, x.dtype, weight.dim(), x.device.type)
+    unfit_key = _unfit_key(x, weight, chain)
     if plan is None:
         return _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
                                           "the backward kernel does not cover", unfit_key, chain)
