@@ -108,12 +108,20 @@ def _rebuild(cls: type, body: dict, import_block: str) -> "TransformedGraphModul
         if k not in gm.__dict__ and not k.startswith("_graph"):
             gm.__dict__[k] = v
     if all(k in body for k in ("_parameters", "_buffers", "_modules")):
-        carry_state(gm, types.SimpleNamespace(**{k: body[k] for k in (
-            "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set") if k in body}))
-    for k in HOOK_ATTRS:
-        if body.get(k):
-            getattr(gm, k).update(body[k])
+        _restore_dropped(gm, body)
     return gm
+
+
+_STATE_ATTRS = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+
+
+def _restore_dropped(gm: GraphModule, attrs: dict) -> None:
+    """Put back on `gm` what GraphModule's constructor drops from a module's `__dict__` entries
+    `attrs`: the state its graph does not read (unused parameters, buffers) and the forward hooks."""
+    carry_state(gm, types.SimpleNamespace(**{k: attrs[k] for k in _STATE_ATTRS if k in attrs}))
+    for k in HOOK_ATTRS:
+        if attrs.get(k):
+            getattr(gm, k).update(attrs[k])
 
 
 class TransformedGraphModule(GraphModule):
@@ -166,11 +174,8 @@ class TransformedGraphModule(GraphModule):
                 res.__dict__[k] = copy.deepcopy(self.__dict__[k], memo)
         # What the graph does not read (unused parameters, buffers) and the forward hooks, which
         # GraphModule's constructor drops; the dicts were deep-copied already (found in `memo`).
-        carry_state(res, types.SimpleNamespace(**{k: copy.deepcopy(self.__dict__[k], memo) for k in (
-            "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")}))
-        for k in HOOK_ATTRS:
-            if self.__dict__.get(k):
-                getattr(res, k).update(copy.deepcopy(self.__dict__[k], memo))
+        _restore_dropped(res, {k: copy.deepcopy(self.__dict__[k], memo)
+                               for k in _STATE_ATTRS + HOOK_ATTRS if k in self.__dict__})
         return res
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -32,15 +32,23 @@ __all__ = [
     "from_batched",
 ]
 
-def _graph_leaf(fn):
+def _graph_leaf(fn, when_rebuilding: bool = False):
     """Called with a Proxy (torch.load re-traces a saved module's code), record one node of this
-    helper instead of tracing into it: its body branches on sizes that a Proxy does not know."""
+    helper instead of tracing into it: its body branches on sizes that a Proxy does not know.
+
+    ``when_rebuilding``: also record it while a saved graph is being rebuilt (`_REBUILDING`), for
+    helpers whose arguments may all be constants."""
 
     @functools.wraps(fn)
     def helper(*args, **kwargs):
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, Proxy):
-                return a.tracer.create_proxy("call_function", helper, args, kwargs)
+        tracer = _REBUILDING[-1] if when_rebuilding and _REBUILDING else None
+        if tracer is None:
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, Proxy):
+                    tracer = a.tracer
+                    break
+        if tracer is not None:
+            return tracer.create_proxy("call_function", helper, args, kwargs)
         return fn(*args, **kwargs)
 
     return helper
@@ -52,22 +60,8 @@ _REBUILDING: list = []
 
 
 def _always_recorded(fn):
-    """Like `_graph_leaf`, for helpers whose arguments may all be constants: recorded as one node
-    whenever a graph is being rebuilt from saved code."""
-
-    @functools.wraps(fn)
-    def helper(*args, **kwargs):
-        tracer = _REBUILDING[-1] if _REBUILDING else None
-        if tracer is None:
-            for a in (*args, *kwargs.values()):
-                if isinstance(a, Proxy):
-                    tracer = a.tracer
-                    break
-        if tracer is not None:
-            return tracer.create_proxy("call_function", helper, args, kwargs)
-        return fn(*args, **kwargs)
-
-    return helper
+    """`_graph_leaf` that is also recorded whenever a graph is being rebuilt from saved code."""
+    return _graph_leaf(fn, when_rebuilding=True)
 
 
 # token -> weak reference to a module passed as an argument at transform time.
