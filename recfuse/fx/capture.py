@@ -27,6 +27,8 @@ import logging
 import operator
 import os
 import sys
+import sysconfig
+import types
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -317,7 +319,104 @@ class _ValueProxy(Proxy):
 _IS_TENSOR_CODE = torch.is_tensor.__code__ if hasattr(torch.is_tensor, "__code__") else None
 
 
+class _TracedTypeMeta(type):
+    """Metaclass of `_TracedType`: calls and isinstance/issubclass checks behave as `type`'s."""
+
+    def __call__(cls, *args, **kwargs):
+        if len(args) == 1 and not kwargs and isinstance(args[0], Proxy):
+            return _type_of_traced(args[0])
+        return builtins.type(*args, **kwargs)
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, builtins.type)
+
+    def __subclasscheck__(cls, sub):
+        return issubclass(sub, builtins.type)
+
+
+class _TracedType(metaclass=_TracedTypeMeta):
+    """Stands for the builtin `type` in the model's modules while they are traced: `type(x)` of a
+    traced value is the type of its example value (a bare `type(x)` would be the proxy class, and
+    `type(x) is torch.Tensor` would silently take the other branch)."""
+
+
+def _type_of_traced(p: Proxy) -> type:
+    if _LIVE in p.node.meta:
+        v = p.node.meta[_LIVE]
+        return torch.Tensor if builtins.type(v) is deferred.Deferred else builtins.type(v)
+    if _tracing_user_code() is not None:
+        raise RecfuseError(
+            f"cannot capture `type(...)` of a traced value without example_inputs (at {_user_frame()}): the "
+            f"symbolic trace has no value to take the type of. Pass example_inputs.")
+    return builtins.type(p)
+
+
+def _skip_globals_of(filename: str) -> bool:
+    if not filename or filename.startswith(_INTERNAL_DIRS + ("<frozen",)):
+        return True
+    return filename.startswith(_STDLIB_DIR) and "-packages" + os.sep not in filename  # site-/dist-packages are not stdlib
+
+
+def _namespaces_naming_type(root: nn.Module, fn: Any) -> list:
+    """Global namespaces of code the trace may run that reads the global name `type`: the methods of the
+    model's module classes, the function, and the functions and classes that code names, followed
+    through user code (not torch, recfuse.fx or the standard library). A namespace that binds
+    `type` itself is left alone."""
+    stack: list = [fn] if fn is not None else []
+    for m in root.modules():
+        stack.extend(builtins.type(m).__mro__)
+    seen: set = set()
+    found: dict = {}
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (staticmethod, classmethod, types.MethodType)):
+            stack.append(obj.__func__)
+        elif isinstance(obj, property):
+            stack.extend(f for f in (obj.fget, obj.fset) if f is not None)
+        elif isinstance(obj, builtins.type):
+            mod = sys.modules.get(getattr(obj, "__module__", None) or "")
+            if mod is not None and not _skip_globals_of(getattr(mod, "__file__", None) or ""):
+                stack.extend(vars(obj).values())
+        elif isinstance(obj, types.FunctionType):
+            code = obj.__code__
+            if _skip_globals_of(code.co_filename):
+                continue
+            names, codes = set(), [code]
+            while codes:
+                c = codes.pop()
+                names.update(c.co_names)
+                codes.extend(k for k in c.co_consts if inspect.iscode(k))
+            g = obj.__globals__
+            if "type" in names and "type" not in g:
+                found[id(g)] = g
+            stack.extend(g[n] for n in names if n in g)
+            for cell in obj.__closure__ or ():
+                try:
+                    stack.append(cell.cell_contents)
+                except ValueError:
+                    pass
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def _traced_type_builtin(root: nn.Module, fn: Any):
+    """`type` in the model's code is `_TracedType` while it is traced, restored afterwards."""
+    namespaces = _namespaces_naming_type(root, fn)
+    for g in namespaces:
+        g["type"] = _TracedType
+    try:
+        yield
+    finally:
+        for g in namespaces:
+            if g.get("type") is _TracedType:
+                del g["type"]
+
+
 _INTERNAL_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"]
 
 
 def _user_frame() -> str:
@@ -344,6 +443,21 @@ def _arg_name(target: str, names) -> str:
         if count.isdigit() and base in names:
             return base
     return name
+
+
+class _SymbolicProxy(Proxy):
+    """A proxy of a trace without example values. Its type is unknown, so `isinstance(x, ...)`,
+    `torch.is_tensor(x)` and `x.__class__` in the model's code raise instead of answering False
+    (a bare fx Proxy is no Tensor, and the trace would silently take the non-tensor branch)."""
+
+    @property
+    def __class__(self):
+        f = sys._getframe(1)
+        if (f.f_code is _IS_TENSOR_CODE or _is_user_code(f)) and _tracing_user_code() is not None:
+            raise RecfuseError(
+                f"cannot capture a type check (isinstance, torch.is_tensor, __class__) of a traced value without "
+                f"example_inputs (at {_user_frame()}): the symbolic trace has no value to check. Pass example_inputs.")
+        return _SymbolicProxy
 
 
 class _ModeTracer(Tracer):
@@ -381,6 +495,9 @@ class _ModeTracer(Tracer):
                 self._training_saved.append((m, m.training))
                 m.__dict__["training"] = proxy
         return out
+
+    def proxy(self, node: Node) -> Proxy:
+        return _SymbolicProxy(node, self)
 
     def trace(self, root, concrete_args=None):
         if self.proxy_every_flag:  # rebuilding saved code: its helpers are recorded, never run
@@ -423,6 +540,9 @@ class RebuildTracer(_ModeTracer):
     """The tracer `torch.load` re-traces a saved transformed module's code with."""
 
     proxy_every_flag = True
+
+    def proxy(self, node: Node) -> Proxy:
+        return Proxy(node, self)  # generated code: nothing to check
 
 
 TransformedGraphModule.rebuild_tracer = RebuildTracer
@@ -1040,7 +1160,8 @@ def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = Tr
         tracer = _ModeTracer()  # no values: plain symbolic tracing, shapes stay unknown
     concrete = {k: (None if isinstance(v, nn.Module) else v) for k, v in constants.items()}
     try:
-        with warnings.catch_warnings(), _StateSnapshot(root, example_inputs), _one_thread():
+        with warnings.catch_warnings(), _StateSnapshot(root, example_inputs), _one_thread(), \
+                _traced_type_builtin(root, model if not isinstance(model, nn.Module) else None):
             warnings.simplefilter("ignore")
             graph = tracer.trace(root, concrete_args=concrete or None)
     except _DataDependentControlFlow as e:
