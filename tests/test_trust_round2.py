@@ -109,3 +109,84 @@ def test_type_is_restored_after_capture():
     recfuse.transform(TypeCheck("helper"), (torch.randn(3, F_ * D),))
     assert "type" not in globals()
     assert is_plain_tensor(torch.randn(2)) and not is_plain_tensor(nn.Parameter(torch.randn(2)))
+
+
+# -- the Dynamo capture path is guarded like Dynamo guards its own graphs -----------------------
+
+
+class NeedsDynamo(Base):
+    """`torch._check` in forward defeats torch.fx: captured by torch._dynamo.export."""
+
+    def forward(self, x, n, extra=None):
+        torch._check(x.shape[-1] % D == 0)
+        y = chain(self.lns, self.lin, x)
+        if x.shape[0] > 4:  # Dynamo follows the example's branch and records a condition
+            y = y * 2
+        if torch.is_grad_enabled():
+            y = y + 1
+        y = y * n
+        return y if extra is None else y + extra
+
+
+@pytest.fixture(scope="module")
+def dynamo_captured():
+    torch.manual_seed(0)
+    m = NeedsDynamo()
+    gm = recfuse.transform(copy.deepcopy(m), (torch.randn(3, F_ * D), 2, None))
+    assert gm.recfuse_report.capture.startswith("torch._dynamo")
+    assert "ln_tanh_linear_relu" in gm.code
+    return m, gm
+
+
+def test_dynamo_capture_runs_other_batch_sizes_within_its_conditions(dynamo_captured):
+    m, gm = dynamo_captured
+    for b in (2, 3, 4):  # x.shape[0] > 4 stays False: the graph holds this code
+        x = torch.randn(b, F_ * D)
+        assert_close(gm(x, 2, None), m(x, 2))
+
+
+@pytest.mark.parametrize("case", ["batch_8", "batch_1", "3d", "float64", "non_contiguous", "no_grad", "n", "extra"])
+def test_dynamo_capture_refuses_calls_outside_its_conditions(dynamo_captured, case):
+    m, gm = dynamo_captured
+    x, n, extra = torch.randn(3, F_ * D), 2, None
+    ctx = torch.enable_grad()
+    if case == "batch_8":
+        x = torch.randn(8, F_ * D)
+    elif case == "batch_1":
+        x = torch.randn(1, F_ * D)
+    elif case == "3d":
+        x = torch.randn(2, 3, F_ * D)
+    elif case == "float64":
+        x = x.double()
+    elif case == "non_contiguous":
+        x = torch.randn(F_ * D, 3).t()
+    elif case == "no_grad":
+        ctx = torch.no_grad()
+    elif case == "n":
+        n = 3
+    else:
+        extra = torch.ones(1)
+    with ctx:
+        try:
+            got = gm(x, n, extra)
+        except RecfuseError as e:
+            assert "torch._dynamo.export" in str(e) and "condition" in str(e)
+            return
+        want = (m.double() if case == "float64" else m)(x, n, extra)
+    # only reached where the captured graph is valid for the call
+    assert case in ("non_contiguous",), f"{case}: not refused"
+    assert_close(got, want)
+
+
+def test_dynamo_capture_guard_survives_save_and_load(dynamo_captured):
+    import io
+
+    m, gm = dynamo_captured
+    buf = io.BytesIO()
+    torch.save(gm, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    x = torch.randn(4, F_ * D)
+    assert_close(loaded(x, 2, None), m(x, 2))
+    with pytest.raises(RecfuseError, match="torch._dynamo.export"):
+        loaded(torch.randn(8, F_ * D), 2, None)

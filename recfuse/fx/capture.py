@@ -26,6 +26,7 @@ import linecache
 import logging
 import operator
 import os
+import re
 import sys
 import sysconfig
 import types
@@ -1013,7 +1014,7 @@ def _insert_guards(gm: GraphModule, tracer: "_ModeTracer") -> bool:
     return bool(tracer.mode_guards or seen or value_guards)
 
 
-_NOT_REGION_USERS = (runtime.set_grad_mode, runtime.grad_enabled, runtime.check_specialized,
+_NOT_REGION_USERS = (runtime.set_grad_mode, runtime.grad_enabled, runtime.check_specialized, runtime.check_dynamo_guards,
                      runtime.check_key_order, runtime.check_none, runtime.check_training_mode)
 
 
@@ -1234,21 +1235,27 @@ def _capture_dynamo(root: nn.Module, values, constants, fn_name, fx_error) -> tu
         raise RecfuseError(f"cannot capture {fn_name} with torch.fx ({fx_error}); pass example_inputs") from None
     logger.info("recfuse: torch.fx could not trace %s (%s); trying torch._dynamo.export", fn_name, fx_error)
     args = [values[k] for k in values]
-    mode = root.training
+    mode, grad = root.training, torch.is_grad_enabled()
 
-    def export(training: bool) -> GraphModule:
+    def export(training: bool, grad_mode: bool = grad, inputs: list = args):
         root.train(training)
         try:
-            with _StateSnapshot(root, args):
-                return torch._dynamo.export(root, aten_graph=False)(*args)[0]
+            with _StateSnapshot(root, inputs), torch.set_grad_enabled(grad_mode):
+                return torch._dynamo.export(root, aten_graph=False)(*inputs)
         finally:
             root.train(mode)
 
     try:
-        gm = export(mode)
+        exported = export(mode)
+        gm = exported.graph_module
         # Dynamo bakes train/eval behaviour (dropout, BatchNorm) into the graph: when the other
         # mode traces differently, the result refuses calls in that mode instead of ignoring it.
-        mode_dependent = export(not mode).code != gm.code
+        # The same for the grad mode and the inputs' requires_grad, which Dynamo guards always:
+        # kept as guards only where the code depends on them (inference under no_grad is common).
+        mode_dependent = export(not mode).graph_module.code != gm.code
+        grad_dependent = export(mode, grad_mode=not grad).graph_module.code != gm.code
+        flipped = _flip_requires_grad(args)
+        requires_grad_dependent = flipped is not None and export(mode, inputs=flipped).graph_module.code != gm.code
     except Exception as e:  # dynamo raises many types; all mean "cannot capture"
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise RecfuseError(
@@ -1263,6 +1270,8 @@ def _capture_dynamo(root: nn.Module, values, constants, fn_name, fx_error) -> tu
     result.training = mode
     _carry_hooks(root, result)
     _keep_state(result, root)
+    _guard_dynamo_specialisation(result, exported.guards, list(values), args, fn_name, fx_error,
+                                 grad if grad_dependent else None, requires_grad_dependent)
     if mode_dependent:
         first = next(n for n in graph.nodes if n.op != "placeholder")
         with graph.inserting_before(first), warnings.catch_warnings():
@@ -1273,6 +1282,99 @@ def _capture_dynamo(root: nn.Module, values, constants, fn_name, fx_error) -> tu
                             f"trace it, which fixes dropout/BatchNorm behaviour at capture time"))
         result.recompile()
     return result, {"how": "torch._dynamo.export", "constants": {}, "shapes": True, "name": fn_name}
+
+
+def _flip_requires_grad(args: list) -> Optional[list]:
+    """`args` with requires_grad flipped on every floating tensor (None when there is none)."""
+    leaves, spec = torch.utils._pytree.tree_flatten(args)
+    if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in leaves):
+        return None
+    flipped = [t.detach().clone().requires_grad_(not t.requires_grad)
+               if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in leaves]
+    return torch.utils._pytree.tree_unflatten(flipped, spec)
+
+
+def _dynamo_source(names: list, path: tuple) -> tuple:
+    """The argument path of a flattened leaf of ``(args, {})`` (`path` from pytree), as keys under
+    Dynamo's ``L``: ``("d", "a")`` stands for ``L['d']['a']``."""
+    keys = []
+    for k in path[1:]:  # path[0] selects the args tuple of (args, kwargs)
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                keys.append(getattr(k, attr))
+                break
+        else:
+            return ()
+    if not keys or not isinstance(keys[0], int) or keys[0] >= len(names):
+        return ()
+    return (names[keys[0]],) + tuple(keys[1:])
+
+
+def _only_reads_arguments(text: str, names: list) -> bool:
+    """Whether a Dynamo guard's text reads forward's arguments (``L['x']``) only: not globals
+    (``G[...]``) nor the module itself (``L['self']``), whose parameters are the graph's own."""
+    read = re.findall(r"\bL\[\'([^\']*)\'\]", text)
+    return bool(read) and "G[" not in text and all(r in names and r != "self" for r in read)
+
+
+def _guard_dynamo_specialisation(gm: GraphModule, guards, names: list, args: list, fn_name: str, fx_error,
+                                 grad: Optional[bool], requires_grad_dependent: bool) -> None:
+    """Insert `runtime.check_dynamo_guards` as the graph's first op: Dynamo's own conditions on the
+    inputs (shape-environment guards: sizes, strides, relations between sizes; each input's dtype,
+    device and dimensions; requires_grad and the grad mode where the code depends on them). A
+    condition that cannot be evaluated here is replaced by the example's exact metadata."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with_paths, _ = torch.utils._pytree.tree_flatten_with_path((args, {}))
+    paths = tuple(_dynamo_source(names, p) for p, _ in with_paths)
+    if len(paths) != len(placeholders) or not all(paths):
+        raise RecfuseError(f"cannot capture {fn_name}: torch.fx failed and the inputs of the graph "
+                           f"torch._dynamo.export returned could not be matched to forward's arguments")
+    texts: list = []
+    for g in guards or ():
+        kind, codes = g.create_fn_name(), list(getattr(g, "code_list", None) or ())
+        if kind == "SHAPE_ENV":
+            texts += [c for c in codes if _only_reads_arguments(c, names)]  # not the model's own tensors
+        elif kind == "TENSOR_MATCH" and _only_reads_arguments(g.name, names):
+            texts += [c for c in codes if c.startswith("str(") or ".ndimension()" in c
+                      or (requires_grad_dependent and ".requires_grad ==" in c)]
+    if grad is not None:
+        texts.append(f"___grad_enabled() == {grad}")
+    leaves = [v for _, v in with_paths]
+    for path, v in zip(paths, leaves):
+        # Python values (`n`, an optional argument left None) are constants of Dynamo's graph
+        src = "L" + "".join(f"[{k!r}]" for k in path)
+        if v is None or isinstance(v, bool):
+            texts.append(f"{src} is {v!r}")
+        elif type(v) in (int, float, str):
+            texts.append(f"type({src}) is {type(v).__name__} and {src} == {v!r}")
+        elif isinstance(v, nn.Module):
+            texts.append(f"{src} is None or {src} is ___module({runtime.remember_module_argument(v)})")
+        elif not isinstance(v, torch.Tensor):
+            raise RecfuseError(f"cannot capture {fn_name}: torch.fx failed ({fx_error}), and torch._dynamo.export "
+                               f"would bake the {type(v).__name__} argument at {src} into its graph unguarded")
+    kept = []
+    for text in dict.fromkeys(texts):
+        try:
+            runtime.check_dynamo_guards(tuple(leaves), paths, (text,), fn_name)
+            kept.append(text)
+        except Exception:  # a form not understood here: the example's exact metadata instead
+            kept = None
+            break
+    if kept is None:
+        kept = []
+        for path, t in zip(paths, leaves):
+            if isinstance(t, torch.Tensor):
+                src = "L" + "".join(f"[{k!r}]" for k in path)
+                kept += [f"tuple({src}.shape) == {tuple(t.shape)}", f"{src}.stride() == {t.stride()}",
+                         f"str({src}.dtype) == {str(t.dtype)!r}", f"str({src}.device) == {str(t.device)!r}",
+                         f"{src}.requires_grad == {t.requires_grad}"]
+        kept.append(f"___grad_enabled() == {torch.is_grad_enabled()}")
+    if not kept:
+        return
+    with graph.inserting_after(placeholders[-1] if placeholders else None):
+        graph.call_function(runtime.check_dynamo_guards, (tuple(placeholders), paths, tuple(kept), fn_name))
+    gm.recompile()
 
 
 # ---------------------------------------------------------------------------------------------
