@@ -1417,7 +1417,9 @@ def deepcopy_module(module: nn.Module, memo: Optional[dict] = None) -> nn.Module
         >>> c[1].weight is c[0].bias, c[0].weight is m[0].weight, torch.equal(c[0].weight, m[0].weight)
         (True, False, True)
     """
-    memo = {} if memo is None else memo
+    if memo is None:
+        memo = {}
+        _share_storage_in_copy(module, memo)
     get = memo.get
     found = get(id(module), memo)
     if found is not memo:
@@ -1460,6 +1462,32 @@ def deepcopy_module(module: nn.Module, memo: Optional[dict] = None) -> nn.Module
             state[k] = copy.deepcopy(v, memo)
     new.__setstate__(state)
     return new
+
+
+def _share_storage_in_copy(module: nn.Module, memo: dict) -> None:
+    """Prepare `memo` so that parameters and buffers of `module` that share storage (a buffer
+    registered as ``param.detach()`` or a view of a parameter) share it in the copy too: the
+    original sees an in-place update of one (an optimizer step) through the other. Buffers find
+    the shared copy of the storage through deepcopy's own storage memo; parameters (whose
+    `__deepcopy__` clones) are created here as views of it."""
+    groups: dict = {}
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if type(t) not in (torch.Tensor, nn.Parameter) or t.device.type == "meta":
+            continue
+        st = t.untyped_storage()
+        if st.nbytes():
+            groups.setdefault(st._cdata, (st, []))[1].append(t)
+    for key, (st, tensors) in groups.items():
+        if len(tensors) < 2:
+            continue
+        copied = memo.setdefault("torch", {}).get(key)
+        if copied is None:
+            copied = memo["torch"][key] = st.clone()
+        for t in tensors:
+            if type(t) is nn.Parameter and id(t) not in memo:
+                view = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                    copied, t.storage_offset(), t.size(), t.stride())
+                memo[id(t)] = nn.Parameter(view, t.requires_grad)
 
 
 def _copy_tensor_hooks(model: nn.Module, copied: nn.Module) -> None:
