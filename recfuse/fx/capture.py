@@ -26,7 +26,10 @@ import linecache
 import logging
 import operator
 import os
+import re
 import sys
+import sysconfig
+import types
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -317,7 +320,104 @@ class _ValueProxy(Proxy):
 _IS_TENSOR_CODE = torch.is_tensor.__code__ if hasattr(torch.is_tensor, "__code__") else None
 
 
+class _TracedTypeMeta(type):
+    """Metaclass of `_TracedType`: calls and isinstance/issubclass checks behave as `type`'s."""
+
+    def __call__(cls, *args, **kwargs):
+        if len(args) == 1 and not kwargs and isinstance(args[0], Proxy):
+            return _type_of_traced(args[0])
+        return builtins.type(*args, **kwargs)
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, builtins.type)
+
+    def __subclasscheck__(cls, sub):
+        return issubclass(sub, builtins.type)
+
+
+class _TracedType(metaclass=_TracedTypeMeta):
+    """Stands for the builtin `type` in the model's modules while they are traced: `type(x)` of a
+    traced value is the type of its example value (a bare `type(x)` would be the proxy class, and
+    `type(x) is torch.Tensor` would silently take the other branch)."""
+
+
+def _type_of_traced(p: Proxy) -> type:
+    if _LIVE in p.node.meta:
+        v = p.node.meta[_LIVE]
+        return torch.Tensor if builtins.type(v) is deferred.Deferred else builtins.type(v)
+    if _tracing_user_code() is not None:
+        raise RecfuseError(
+            f"cannot capture `type(...)` of a traced value without example_inputs (at {_user_frame()}): the "
+            f"symbolic trace has no value to take the type of. Pass example_inputs.")
+    return builtins.type(p)
+
+
+def _skip_globals_of(filename: str) -> bool:
+    if not filename or filename.startswith(_INTERNAL_DIRS + ("<frozen",)):
+        return True
+    return filename.startswith(_STDLIB_DIR) and "-packages" + os.sep not in filename  # site-/dist-packages are not stdlib
+
+
+def _namespaces_naming_type(root: nn.Module, fn: Any) -> list:
+    """Global namespaces of code the trace may run that reads the global name `type`: the methods of the
+    model's module classes, the function, and the functions and classes that code names, followed
+    through user code (not torch, recfuse.fx or the standard library). A namespace that binds
+    `type` itself is left alone."""
+    stack: list = [fn] if fn is not None else []
+    for m in root.modules():
+        stack.extend(builtins.type(m).__mro__)
+    seen: set = set()
+    found: dict = {}
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (staticmethod, classmethod, types.MethodType)):
+            stack.append(obj.__func__)
+        elif isinstance(obj, property):
+            stack.extend(f for f in (obj.fget, obj.fset) if f is not None)
+        elif isinstance(obj, builtins.type):
+            mod = sys.modules.get(getattr(obj, "__module__", None) or "")
+            if mod is not None and not _skip_globals_of(getattr(mod, "__file__", None) or ""):
+                stack.extend(vars(obj).values())
+        elif isinstance(obj, types.FunctionType):
+            code = obj.__code__
+            if _skip_globals_of(code.co_filename):
+                continue
+            names, codes = set(), [code]
+            while codes:
+                c = codes.pop()
+                names.update(c.co_names)
+                codes.extend(k for k in c.co_consts if inspect.iscode(k))
+            g = obj.__globals__
+            if "type" in names and "type" not in g:
+                found[id(g)] = g
+            stack.extend(g[n] for n in names if n in g)
+            for cell in obj.__closure__ or ():
+                try:
+                    stack.append(cell.cell_contents)
+                except ValueError:
+                    pass
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def _traced_type_builtin(root: nn.Module, fn: Any):
+    """`type` in the model's code is `_TracedType` while it is traced, restored afterwards."""
+    namespaces = _namespaces_naming_type(root, fn)
+    for g in namespaces:
+        g["type"] = _TracedType
+    try:
+        yield
+    finally:
+        for g in namespaces:
+            if g.get("type") is _TracedType:
+                del g["type"]
+
+
 _INTERNAL_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"]
 
 
 def _user_frame() -> str:
@@ -344,6 +444,21 @@ def _arg_name(target: str, names) -> str:
         if count.isdigit() and base in names:
             return base
     return name
+
+
+class _SymbolicProxy(Proxy):
+    """A proxy of a trace without example values. Its type is unknown, so `isinstance(x, ...)`,
+    `torch.is_tensor(x)` and `x.__class__` in the model's code raise instead of answering False
+    (a bare fx Proxy is no Tensor, and the trace would silently take the non-tensor branch)."""
+
+    @property
+    def __class__(self):
+        f = sys._getframe(1)
+        if (f.f_code is _IS_TENSOR_CODE or _is_user_code(f)) and _tracing_user_code() is not None:
+            raise RecfuseError(
+                f"cannot capture a type check (isinstance, torch.is_tensor, __class__) of a traced value without "
+                f"example_inputs (at {_user_frame()}): the symbolic trace has no value to check. Pass example_inputs.")
+        return _SymbolicProxy
 
 
 class _ModeTracer(Tracer):
@@ -381,6 +496,9 @@ class _ModeTracer(Tracer):
                 self._training_saved.append((m, m.training))
                 m.__dict__["training"] = proxy
         return out
+
+    def proxy(self, node: Node) -> Proxy:
+        return _SymbolicProxy(node, self)
 
     def trace(self, root, concrete_args=None):
         if self.proxy_every_flag:  # rebuilding saved code: its helpers are recorded, never run
@@ -423,6 +541,9 @@ class RebuildTracer(_ModeTracer):
     """The tracer `torch.load` re-traces a saved transformed module's code with."""
 
     proxy_every_flag = True
+
+    def proxy(self, node: Node) -> Proxy:
+        return Proxy(node, self)  # generated code: nothing to check
 
 
 TransformedGraphModule.rebuild_tracer = RebuildTracer
@@ -893,7 +1014,7 @@ def _insert_guards(gm: GraphModule, tracer: "_ModeTracer") -> bool:
     return bool(tracer.mode_guards or seen or value_guards)
 
 
-_NOT_REGION_USERS = (runtime.set_grad_mode, runtime.grad_enabled, runtime.check_specialized,
+_NOT_REGION_USERS = (runtime.set_grad_mode, runtime.grad_enabled, runtime.check_specialized, runtime.check_dynamo_guards,
                      runtime.check_key_order, runtime.check_none, runtime.check_training_mode)
 
 
@@ -1040,7 +1161,8 @@ def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = Tr
         tracer = _ModeTracer()  # no values: plain symbolic tracing, shapes stay unknown
     concrete = {k: (None if isinstance(v, nn.Module) else v) for k, v in constants.items()}
     try:
-        with warnings.catch_warnings(), _StateSnapshot(root, example_inputs), _one_thread():
+        with warnings.catch_warnings(), _StateSnapshot(root, example_inputs), _one_thread(), \
+                _traced_type_builtin(root, model if not isinstance(model, nn.Module) else None):
             warnings.simplefilter("ignore")
             graph = tracer.trace(root, concrete_args=concrete or None)
     except _DataDependentControlFlow as e:
@@ -1113,21 +1235,27 @@ def _capture_dynamo(root: nn.Module, values, constants, fn_name, fx_error) -> tu
         raise RecfuseError(f"cannot capture {fn_name} with torch.fx ({fx_error}); pass example_inputs") from None
     logger.info("recfuse: torch.fx could not trace %s (%s); trying torch._dynamo.export", fn_name, fx_error)
     args = [values[k] for k in values]
-    mode = root.training
+    mode, grad = root.training, torch.is_grad_enabled()
 
-    def export(training: bool) -> GraphModule:
+    def export(training: bool, grad_mode: bool = grad, inputs: list = args):
         root.train(training)
         try:
-            with _StateSnapshot(root, args):
-                return torch._dynamo.export(root, aten_graph=False)(*args)[0]
+            with _StateSnapshot(root, inputs), torch.set_grad_enabled(grad_mode):
+                return torch._dynamo.export(root, aten_graph=False)(*inputs)
         finally:
             root.train(mode)
 
     try:
-        gm = export(mode)
+        exported = export(mode)
+        gm = exported.graph_module
         # Dynamo bakes train/eval behaviour (dropout, BatchNorm) into the graph: when the other
         # mode traces differently, the result refuses calls in that mode instead of ignoring it.
-        mode_dependent = export(not mode).code != gm.code
+        # The same for the grad mode and the inputs' requires_grad, which Dynamo guards always:
+        # kept as guards only where the code depends on them (inference under no_grad is common).
+        mode_dependent = export(not mode).graph_module.code != gm.code
+        grad_dependent = export(mode, grad_mode=not grad).graph_module.code != gm.code
+        flipped = _flip_requires_grad(args)
+        requires_grad_dependent = flipped is not None and export(mode, inputs=flipped).graph_module.code != gm.code
     except Exception as e:  # dynamo raises many types; all mean "cannot capture"
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise RecfuseError(
@@ -1142,6 +1270,8 @@ def _capture_dynamo(root: nn.Module, values, constants, fn_name, fx_error) -> tu
     result.training = mode
     _carry_hooks(root, result)
     _keep_state(result, root)
+    _guard_dynamo_specialisation(result, exported.guards, list(values), args, fn_name, fx_error,
+                                 grad if grad_dependent else None, requires_grad_dependent)
     if mode_dependent:
         first = next(n for n in graph.nodes if n.op != "placeholder")
         with graph.inserting_before(first), warnings.catch_warnings():
@@ -1152,6 +1282,99 @@ def _capture_dynamo(root: nn.Module, values, constants, fn_name, fx_error) -> tu
                             f"trace it, which fixes dropout/BatchNorm behaviour at capture time"))
         result.recompile()
     return result, {"how": "torch._dynamo.export", "constants": {}, "shapes": True, "name": fn_name}
+
+
+def _flip_requires_grad(args: list) -> Optional[list]:
+    """`args` with requires_grad flipped on every floating tensor (None when there is none)."""
+    leaves, spec = torch.utils._pytree.tree_flatten(args)
+    if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in leaves):
+        return None
+    flipped = [t.detach().clone().requires_grad_(not t.requires_grad)
+               if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in leaves]
+    return torch.utils._pytree.tree_unflatten(flipped, spec)
+
+
+def _dynamo_source(names: list, path: tuple) -> tuple:
+    """The argument path of a flattened leaf of ``(args, {})`` (`path` from pytree), as keys under
+    Dynamo's ``L``: ``("d", "a")`` stands for ``L['d']['a']``."""
+    keys = []
+    for k in path[1:]:  # path[0] selects the args tuple of (args, kwargs)
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                keys.append(getattr(k, attr))
+                break
+        else:
+            return ()
+    if not keys or not isinstance(keys[0], int) or keys[0] >= len(names):
+        return ()
+    return (names[keys[0]],) + tuple(keys[1:])
+
+
+def _only_reads_arguments(text: str, names: list) -> bool:
+    """Whether a Dynamo guard's text reads forward's arguments (``L['x']``) only: not globals
+    (``G[...]``) nor the module itself (``L['self']``), whose parameters are the graph's own."""
+    read = re.findall(r"\bL\[\'([^\']*)\'\]", text)
+    return bool(read) and "G[" not in text and all(r in names and r != "self" for r in read)
+
+
+def _guard_dynamo_specialisation(gm: GraphModule, guards, names: list, args: list, fn_name: str, fx_error,
+                                 grad: Optional[bool], requires_grad_dependent: bool) -> None:
+    """Insert `runtime.check_dynamo_guards` as the graph's first op: Dynamo's own conditions on the
+    inputs (shape-environment guards: sizes, strides, relations between sizes; each input's dtype,
+    device and dimensions; requires_grad and the grad mode where the code depends on them). A
+    condition that cannot be evaluated here is replaced by the example's exact metadata."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with_paths, _ = torch.utils._pytree.tree_flatten_with_path((args, {}))
+    paths = tuple(_dynamo_source(names, p) for p, _ in with_paths)
+    if len(paths) != len(placeholders) or not all(paths):
+        raise RecfuseError(f"cannot capture {fn_name}: torch.fx failed and the inputs of the graph "
+                           f"torch._dynamo.export returned could not be matched to forward's arguments")
+    texts: list = []
+    for g in guards or ():
+        kind, codes = g.create_fn_name(), list(getattr(g, "code_list", None) or ())
+        if kind == "SHAPE_ENV":
+            texts += [c for c in codes if _only_reads_arguments(c, names)]  # not the model's own tensors
+        elif kind == "TENSOR_MATCH" and _only_reads_arguments(g.name, names):
+            texts += [c for c in codes if c.startswith("str(") or ".ndimension()" in c
+                      or (requires_grad_dependent and ".requires_grad ==" in c)]
+    if grad is not None:
+        texts.append(f"___grad_enabled() == {grad}")
+    leaves = [v for _, v in with_paths]
+    for path, v in zip(paths, leaves):
+        # Python values (`n`, an optional argument left None) are constants of Dynamo's graph
+        src = "L" + "".join(f"[{k!r}]" for k in path)
+        if v is None or isinstance(v, bool):
+            texts.append(f"{src} is {v!r}")
+        elif type(v) in (int, float, str):
+            texts.append(f"type({src}) is {type(v).__name__} and {src} == {v!r}")
+        elif isinstance(v, nn.Module):
+            texts.append(f"{src} is None or {src} is ___module({runtime.remember_module_argument(v)})")
+        elif not isinstance(v, torch.Tensor):
+            raise RecfuseError(f"cannot capture {fn_name}: torch.fx failed ({fx_error}), and torch._dynamo.export "
+                               f"would bake the {type(v).__name__} argument at {src} into its graph unguarded")
+    kept = []
+    for text in dict.fromkeys(texts):
+        try:
+            runtime.check_dynamo_guards(tuple(leaves), paths, (text,), fn_name)
+            kept.append(text)
+        except Exception:  # a form not understood here: the example's exact metadata instead
+            kept = None
+            break
+    if kept is None:
+        kept = []
+        for path, t in zip(paths, leaves):
+            if isinstance(t, torch.Tensor):
+                src = "L" + "".join(f"[{k!r}]" for k in path)
+                kept += [f"tuple({src}.shape) == {tuple(t.shape)}", f"{src}.stride() == {t.stride()}",
+                         f"str({src}.dtype) == {str(t.dtype)!r}", f"str({src}.device) == {str(t.device)!r}",
+                         f"{src}.requires_grad == {t.requires_grad}"]
+        kept.append(f"___grad_enabled() == {torch.is_grad_enabled()}")
+    if not kept:
+        return
+    with graph.inserting_after(placeholders[-1] if placeholders else None):
+        graph.call_function(runtime.check_dynamo_guards, (tuple(placeholders), paths, tuple(kept), fn_name))
+    gm.recompile()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1194,7 +1417,9 @@ def deepcopy_module(module: nn.Module, memo: Optional[dict] = None) -> nn.Module
         >>> c[1].weight is c[0].bias, c[0].weight is m[0].weight, torch.equal(c[0].weight, m[0].weight)
         (True, False, True)
     """
-    memo = {} if memo is None else memo
+    if memo is None:
+        memo = {}
+        _share_storage_in_copy(module, memo)
     get = memo.get
     found = get(id(module), memo)
     if found is not memo:
@@ -1237,6 +1462,32 @@ def deepcopy_module(module: nn.Module, memo: Optional[dict] = None) -> nn.Module
             state[k] = copy.deepcopy(v, memo)
     new.__setstate__(state)
     return new
+
+
+def _share_storage_in_copy(module: nn.Module, memo: dict) -> None:
+    """Prepare `memo` so that parameters and buffers of `module` that share storage (a buffer
+    registered as ``param.detach()`` or a view of a parameter) share it in the copy too: the
+    original sees an in-place update of one (an optimizer step) through the other. Buffers find
+    the shared copy of the storage through deepcopy's own storage memo; parameters (whose
+    `__deepcopy__` clones) are created here as views of it."""
+    groups: dict = {}
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if type(t) not in (torch.Tensor, nn.Parameter) or t.device.type == "meta":
+            continue
+        st = t.untyped_storage()
+        if st.nbytes():
+            groups.setdefault(st._cdata, (st, []))[1].append(t)
+    for key, (st, tensors) in groups.items():
+        if len(tensors) < 2:
+            continue
+        copied = memo.setdefault("torch", {}).get(key)
+        if copied is None:
+            copied = memo["torch"][key] = st.clone()
+        for t in tensors:
+            if type(t) is nn.Parameter and id(t) not in memo:
+                view = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                    copied, t.storage_offset(), t.size(), t.stride())
+                memo[id(t)] = nn.Parameter(view, t.requires_grad)
 
 
 def _copy_tensor_hooks(model: nn.Module, copied: nn.Module) -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "check_module_argument",
     "check_specialized",
     "check_none",
+    "check_dynamo_guards",
     "grad_enabled",
     "set_grad_mode",
     "grad_region_boundary",
@@ -172,6 +173,51 @@ def check_none(value, name: str) -> None:
             f"holds only the code path for None and would ignore the {type(value).__name__} passed now. "
             f"Transform with an example value for `{name}` to use it (a separate transformed module if "
             f"both cases are needed).")
+
+
+_DYNAMO_GUARD_CODE: dict = {}  # guard text -> its compiled code
+
+
+def _module_argument(token: int):
+    ref = _CAPTURED_MODULES.get(token)
+    return ref() if ref is not None else None
+
+
+def _dynamo_guard_code(text: str):
+    code = _DYNAMO_GUARD_CODE.get(text)
+    if code is None:
+        code = _DYNAMO_GUARD_CODE[text] = compile(text, "<dynamo guard>", "eval")
+    return code
+
+
+@has_side_effect
+@_always_recorded  # its arguments are a tuple of inputs, not a Proxy
+def check_dynamo_guards(leaves: tuple, paths: tuple, guards: tuple, what: str) -> None:
+    """Guard of a graph captured by `torch._dynamo.export`: Dynamo specialised it to the example's
+    input shapes, strides, dtypes (and, where the code depends on them, requires_grad and the grad
+    mode) and returned its conditions as Python expressions over ``L[<argument>]...``; each is
+    checked on every call, and a call for which one is false is refused (the original would run code
+    the graph does not hold). `paths`: the argument path of each flattened input leaf.
+
+    Example:
+        >>> import torch
+        >>> check_dynamo_guards((torch.zeros(3, 4),), (("x",),), ("L['x'].size()[1] == 4",), "M.forward")
+    """
+    inputs: dict = {}
+    for leaf, path in zip(leaves, paths):
+        d = inputs
+        for k in path[:-1]:
+            d = d.setdefault(k, {})
+        d[path[-1]] = leaf
+    scope = {"L": inputs, "___grad_enabled": torch.is_grad_enabled, "___module": _module_argument}
+    for text in guards:
+        if not eval(_dynamo_guard_code(text), scope):
+            raise RecfuseError(
+                f"{what} was captured by torch._dynamo.export (torch.fx could not trace it), which specialises "
+                f"the graph to example_inputs; this call breaks its condition `{text}` (L[...] are forward's "
+                f"arguments), so the original could run code the graph does not hold. Transform with example "
+                f"inputs of this call's shapes/dtypes/strides (one transformed module per case), or make the "
+                f"model traceable by torch.fx.")
 
 
 @_always_recorded

@@ -70,11 +70,19 @@ def _adopt_original_state(gm: GraphModule, model: nn.Module) -> dict:
         if g is not None:
             present[name] = g
             memo.setdefault(id(t), g)
+            # A tensor the graph does not read may share storage with one it reads (a buffer
+            # registered as `weight.detach()`): its copy shares gm's storage, as in the model.
+            if _same_layout(g, t):
+                memo.setdefault("torch", {}).setdefault(t.untyped_storage()._cdata, g.untyped_storage())
     kept = {}
     for name, t, persistent in entries:
         g = present.get(name)
         if g is None:
             fresh = id(t) not in memo
+            shared = memo.get("torch", {}).get(t.untyped_storage()._cdata) if _plain(t) else None
+            if fresh and shared is not None and type(t) is nn.Parameter:  # Parameter.__deepcopy__ would clone
+                memo[id(t)] = nn.Parameter(torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                    shared, t.storage_offset(), t.size(), t.stride()), t.requires_grad)
             g = copy.deepcopy(t, memo)
             if fresh:
                 for hook in (getattr(t, "_backward_hooks", None) or {}).values():
@@ -90,6 +98,17 @@ def _adopt_original_state(gm: GraphModule, model: nn.Module) -> dict:
             if pre + k not in names:
                 mod._non_persistent_buffers_set.add(k)
     return kept
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return type(t) in (torch.Tensor, nn.Parameter) and t.device.type != "meta"
+
+
+def _same_layout(copy_: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether `copy_` sits in its storage as `t` sits in its own (a copy of the whole storage)."""
+    return (_plain(copy_) and _plain(t) and copy_.untyped_storage().nbytes() == t.untyped_storage().nbytes()
+            and copy_.storage_offset() == t.storage_offset() and copy_.stride() == t.stride()
+            and copy_.dtype == t.dtype and copy_.device == t.device)
 
 
 def _assign(gm: nn.Module, name: str, t: torch.Tensor, persistent: bool) -> None:
