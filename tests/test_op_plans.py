@@ -55,3 +55,39 @@ def test_a_bad_call_after_a_good_one_still_raises_the_clear_error():
         recfuse.ln_tanh_linear_relu(x, torch.randn(2, 16), ln_weight=torch.randn(4, 16), feature_dim=1)
     with pytest.raises(TypeError, match="weight has dtype torch.float64"):
         recfuse.ln_tanh_linear_relu(x, torch.randn(2, 16, dtype=torch.float64), feature_dim=1)
+
+
+def test_a_forward_that_does_not_fit_the_device_falls_back_to_the_composite(monkeypatch, caplog):
+    # On the H100, fp32 H >= 40 with 512-1024-wide masked rows needed 401-659 KB of shared memory
+    # and raised OutOfResources from the forward (found by tests/test_op_cuda_property.py). The
+    # interpreter never runs out, so the launch of one shape is made to raise as Triton does.
+    from triton.runtime.errors import OutOfResources
+
+    real_call = launch.ForwardPlan.__call__
+
+    def launch_or_out_of_resources(plan, x, *args):
+        if x.shape[2] == 24:
+            raise OutOfResources(401408, 232448, "shared memory")
+        return real_call(plan, x, *args)
+
+    monkeypatch.setattr(launch.ForwardPlan, "__call__", launch_or_out_of_resources)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 3, 24, generator=g, requires_grad=True)
+    w = torch.randn(6, 24, generator=g, requires_grad=True)
+    lw = torch.randn(3, 24, generator=g, requires_grad=True)
+    with caplog.at_level("WARNING", logger="recfuse"):
+        y = recfuse.ln_tanh_linear_relu(x, w, ln_weight=lw, feature_dim=1)
+        y.backward(torch.ones_like(y))
+    assert any("composite forward" in r.getMessage() and "D=24" in r.getMessage() for r in caplog.records)
+    x64, w64, lw64 = (t.detach().double().requires_grad_(True) for t in (x, w, lw))
+    ref = recfuse.reference.ln_tanh_linear_relu(x64, w64, ln_weight=lw64, feature_dim=1)
+    ref.backward(torch.ones_like(ref))
+    for out, r in ((y, ref), (x.grad, x64.grad), (w.grad, w64.grad), (lw.grad, lw64.grad)):
+        assert ((out.double() - r).norm() / r.norm()).item() < 1e-5
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="recfuse"):
+        y2 = recfuse.ln_tanh_linear_relu(x.detach(), w.detach(), ln_weight=lw.detach(), feature_dim=1)
+    assert torch.equal(y2, y.detach()) and not caplog.records  # warned once per shape
+    with launch.trace_launches() as seen:  # another shape still runs the kernel
+        _check(torch.randn(5, 3, 16, generator=g), torch.randn(6, 16, generator=g))
+    assert seen and seen[0][0] == "forward"

@@ -246,6 +246,17 @@ def forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_sta
 _FORWARD_PLANS: dict = {}
 # (D, H, dtype, device type) whose persistent forward config did not fit the device.
 _FWD_NOT_PERSISTENT: set = set()
+# Keyed by `_forward_unfit_key`: forward variants whose tl.dot operands did not fit this device's
+# shared memory with their precision's operand copies (3xTF32 keeps hi/lo copies), and those that
+# did not fit even with plain fp32 FMA dots (the composite runs them).
+_FWD_PRECISION: dict = {}
+_FWD_UNFIT: set = set()
+
+
+def _forward_unfit_key(x: torch.Tensor, weight: torch.Tensor, chain, full_tiles: bool) -> tuple:
+    """What a forward kernel variant's shared memory depends on besides its config; full and
+    masked tiles have configs of their own."""
+    return (x.shape[2], weight.shape[-2], x.dtype, weight.dim(), x.device.type, chain, full_tiles)
 
 
 def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats,
@@ -291,6 +302,8 @@ def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, s
         BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
         BLOCK_K=cfg.block_k if chunked else cfg.block_d,
     )
+    if cfg.use_dot and _FWD_PRECISION.get(_forward_unfit_key(x, weight, chain, even_d and even_b)) == "ieee":
+        meta["DOT_PRECISION"] = "ieee"
     # With saved stats and contiguous y rows (H=1, [F, B, 1]) Triton's "== 1" specialisation of
     # the y row stride compiled to a slow store layout on the H100; that case takes the copy of
     # the kernel compiled without it (benchmarks/NOTES.md).
@@ -319,19 +332,42 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=Fa
     weight = _contiguous_rows(weight)
     bias, ln_weight, ln_bias = _contiguous_rows(bias), _contiguous_rows(ln_weight), _contiguous_rows(ln_bias)
     plan = forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats, chain)
+    unfit_key = _forward_unfit_key(x, weight, chain, plan.meta["EVEN_D"] and plan.meta["EVEN_B"])
+    if unfit_key in _FWD_UNFIT:
+        return _composite_forward_logged(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats,
+                                         "the forward kernel does not fit this device for", unfit_key, chain)
     try:
         y, stats = plan(x, weight, bias, ln_weight, ln_bias)
     except OutOfResources as err:
-        if not plan.meta["PERSISTENT"]:
-            raise
-        # Found at compile time, before anything ran: the tiles in flight do not fit this
-        # device's shared memory. One program per tile needs one tile's worth.
+        # Found at compile time, before anything ran. Each step needs fewer resources: the tiles
+        # in flight of a persistent config go (one program per tile needs one tile's worth), then
+        # the 3xTF32 operand copies (plain fp32 FMA dots, found by the H100 property test at fp32
+        # H >= 40 with 512-1024-wide rows: 401-659 KB of shared memory), then the composite.
         D, H = x.shape[2], weight.shape[-2]
-        log.warning("recfuse: forward D=%d H=%d %s: %s; using one program per tile", D, H, x.dtype, err)
-        _FWD_NOT_PERSISTENT.add((D, H, x.dtype, x.device.type))
         _FORWARD_PLANS.clear()
+        if plan.meta["PERSISTENT"]:
+            log.warning("recfuse: forward D=%d H=%d %s: %s; using one program per tile", D, H, x.dtype, err)
+            _FWD_NOT_PERSISTENT.add((D, H, x.dtype, x.device.type))
+        elif plan.meta["USE_DOT"] and plan.meta["DOT_PRECISION"] != "ieee":
+            log.warning("recfuse: forward D=%d H=%d %s: %s; retrying with fp32 FMA dots", D, H, x.dtype, err)
+            _FWD_PRECISION[unfit_key] = "ieee"
+        else:
+            _FWD_UNFIT.add(unfit_key)
+            return _composite_forward_logged(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats,
+                                             f"the forward kernel ran out of resources ({err}) for", unfit_key,
+                                             chain)
         return forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats, chain=chain)
     return (y, stats) if save_stats else y
+
+
+def _composite_forward_logged(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats, why, key, chain):
+    from ..reference import batched_feature_mlp
+
+    level = logging.DEBUG if key in _WARNED else logging.WARNING  # once per shape, not per call
+    _WARNED.add(key)
+    log.log(level, "recfuse: %s D=%d, H=%d, %s; using the torch composite forward", why, key[0], key[1], x.dtype)
+    y = batched_feature_mlp(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, chain)
+    return (y, None) if save_stats else y
 
 
 # ---------------------------------------------------------------------------------------------
