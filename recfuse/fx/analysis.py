@@ -88,9 +88,10 @@ class GraphAnalysis:
         """How many places read attribute `qualname` of the root: its get_attr nodes' uses, and calls
         of the module owning it (a call reads all of its module's parameters)."""
         uses = sum(max(len(n.users), 1) for n in self._live(qualname) if n.op == "get_attr")
-        parts = qualname.split(".")
-        for k in range(1, len(parts)):
-            uses += sum(n.op == "call_module" for n in self._live(".".join(parts[:k])))
+        dot = qualname.find(".")
+        while dot >= 0:  # each owning module's path: "a", "a.b" of "a.b.weight"
+            uses += sum(n.op == "call_module" for n in self._live(qualname[:dot]))
+            dot = qualname.find(".", dot + 1)
         return uses
 
     @property
@@ -102,7 +103,9 @@ class GraphAnalysis:
         return self._aliases
 
     def _live(self, target: str) -> list:
-        nodes = self._by_target.get(target, [])
+        nodes = self._by_target.get(target)
+        if nodes is None:
+            return []
         if any(getattr(n, "_erased", False) for n in nodes):
             nodes[:] = [n for n in nodes if not getattr(n, "_erased", False)]
         return nodes

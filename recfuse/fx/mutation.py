@@ -24,7 +24,7 @@ Before fusing, each in-place node `n` changing a tensor `y` is handled in one of
 from __future__ import annotations
 
 import operator
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -159,7 +159,7 @@ def is_inplace(node: Node, root: Optional[nn.Module] = None) -> bool:
         name = getattr(t, "__name__", "")
         return name.endswith("_") and not name.endswith("__") and not name.startswith("_")
     mod = _module(node, root)
-    return mod is not None and getattr(mod, "inplace", False) is True
+    return mod is not None and _module_attr(mod, "inplace") is True
 
 
 def _is_view(node: Node) -> bool:
@@ -258,7 +258,7 @@ def keeps_node(root: Optional[nn.Module] = None):
             # fx's rule reads the module's `_is_impure`; one lookup serves both rules
             mod = _module(node, root)
             if mod is not None:
-                return getattr(mod, "_is_impure", False) or getattr(mod, "inplace", False) is True
+                return _module_attr(mod, "_is_impure") or _module_attr(mod, "inplace") is True
         elif op == "call_function" and not isinstance(node.target, torch._ops.HigherOrderOperator):
             # (a higher-order op's verdict depends on its arguments: not cached)
             try:
@@ -271,3 +271,23 @@ def keeps_node(root: Optional[nn.Module] = None):
         return node.is_impure() or is_inplace(node, root)
 
     return impure
+
+
+_CLASS_HAS: dict = {}  # (module class, name) -> whether the class or a base defines the name
+
+
+def _module_attr(mod: nn.Module, name: str) -> Any:
+    """``getattr(mod, name, False)``, without the AttributeError nn.Module.__getattr__ raises (and
+    getattr catches) when neither the module nor its class has the name, the usual case: a few
+    microseconds per node of a large graph."""
+    cls = type(mod)
+    found = _CLASS_HAS.get((cls, name))
+    if found is None:
+        found = _CLASS_HAS[cls, name] = any(name in vars(k) for k in cls.__mro__)
+    d = mod.__dict__
+    if found or name in d or cls.__getattr__ is not nn.Module.__getattr__:
+        return getattr(mod, name, False)
+    for store in ("_parameters", "_buffers", "_modules"):  # where nn.Module.__getattr__ looks
+        if name in d.get(store, ()):
+            return d[store][name]
+    return False

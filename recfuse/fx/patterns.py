@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.fx import Node
+from torch.nn.modules import module as _nn_module
 
 from .values import ValueInfo, tensor_dtype, tensor_shape, value_of
 
@@ -140,8 +141,7 @@ def submodule(root: nn.Module, qualname: str) -> nn.Module:
 
 
 def _has_hooks(mod: nn.Module) -> bool:
-    from torch.nn.modules import module as _m  # global hooks fire on every module call too
-
+    _m = _nn_module  # global hooks fire on every module call too
     return bool(mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks
                 or getattr(mod, "_backward_pre_hooks", None)
                 or _m._global_forward_hooks or _m._global_forward_pre_hooks or _m._global_backward_hooks

@@ -215,6 +215,7 @@ class TensorAliases:
     def __init__(self, root):
         self.names: dict = {}  # id(tensor) -> qualified names
         self.storages: dict = {}  # (device, storage address) -> {id(tensor): name}
+        self._storage_of: dict = {}  # id(tensor) -> its key in `storages` (None: no storage)
         self._keep: list = []  # the tensors themselves, so that ids stay valid
         for prefix, mod in root.named_modules(remove_duplicate=False):
             pre = prefix + "." if prefix else ""
@@ -231,7 +232,7 @@ class TensorAliases:
         if names is None:
             self.names[id(t)] = names = []
             self._keep.append(t)
-            key = _storage_key(t)
+            key = self._storage_of[id(t)] = _storage_key(t)
             if key is not None:
                 self.storages.setdefault(key, {})[id(t)] = name
         if name not in names:
@@ -242,7 +243,8 @@ class TensorAliases:
         others = [n for n in self.names.get(id(t), ()) if n != name]
         if others:
             return f"`{name}` is the same tensor as `{others[0]}` (tied)"
-        key = _storage_key(t)
+        # the key found when indexing `t` (a tensor of the root keeps its storage) saves asking torch again
+        key = self._storage_of[id(t)] if id(t) in self._storage_of else _storage_key(t)
         sharing = [n for i, n in self.storages.get(key, {}).items() if i != id(t)] if key is not None else []
         if sharing:
             return f"`{name}` shares storage with `{sharing[0]}`"
@@ -356,7 +358,7 @@ def _param_plans(chains: list, root, attr_uses, aliases=None):
                 if tensors and all(t is not None and t is tensors[0] for t in tensors):
                     specs[name] = ParamPlan("shared", (refs[0],))  # one tensor under F names: exact
                     continue
-                shapes = {tuple(ref_shape(r, root) or ()) for r in refs}
+                shapes = {tuple(_known_shape(r, t, root) or ()) for r, t in zip(refs, tensors)}
                 if len(shapes) != 1:
                     return f"{op.kind} {name} shapes differ across slices: {sorted(shapes)}"
                 tied = None
@@ -372,6 +374,13 @@ def _param_plans(chains: list, root, attr_uses, aliases=None):
                 return f"{op.kind} {name} is shared by some slices but not all; batching would untie it"
         plans.append(specs)
     return plans
+
+
+def _known_shape(r: ParamRef, t: Optional[torch.Tensor], root) -> Optional[tuple]:
+    """`ref_shape(r, root)`, from `t` (the tensor `r.attr` names, already looked up) when there is one."""
+    if r.node is None and r.attr is not None and t is not None:
+        return tuple(t.shape)
+    return ref_shape(r, root)
 
 
 def _source_plan(chains: list) -> tuple:

@@ -176,6 +176,8 @@ def _run(model, example_inputs, fusions) -> tuple[GraphModule, FusionReport]:
             if facts["constants"]:
                 report.capture += " (constants: " + ", ".join(f"{k}={v!r}" for k, v in facts["constants"].items()) + ")"
         gm = _finish_module(gm, report, kept)
+        kept = None  # the per-slice copies fusion pruned are freed now, not walked by the collection that
+        # turning the collector back on starts
     report.seconds = time.perf_counter() - t0
     return gm, report
 
