@@ -92,8 +92,17 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
         rows = ((16, 32) if H > 4 else (16,)) if use_dot else (4, 8, 16)
         for block_b, warps, stages, pps in itertools.product(rows, (4, 8), (1, 2), (2, 4, 8, 16)):
             cfg = configs.heuristic_backward(D, H, dtype, use_dot=use_dot, block_b=block_b, num_warps=warps,
-                                             num_stages=stages, programs_per_sm=pps)
+                                             num_stages=stages, programs_per_sm=pps, block_k=0)
             if cfg is not None and configs.backward_fits(cfg, D, H) and cfg.block_b == block_b:
+                out.append(cfg)
+        if not use_dot:
+            continue
+        # K-chunked tiles (`kernels.ln_tanh_linear_relu_bwd_chunked`): columns at a time, so
+        # longer row tiles fit the registers
+        for block_k, block_b, warps, pps in itertools.product((32, 64), (16, 32, 64), (4, 8), (2, 4, 8, 16)):
+            cfg = configs.heuristic_backward(D, H, dtype, use_dot=True, block_b=block_b, num_warps=warps,
+                                             num_stages=1, programs_per_sm=pps, block_k=block_k)
+            if cfg is not None and block_k < cfg.block_d and configs.backward_fits(cfg, D, H):
                 out.append(cfg)
     return list(dict.fromkeys(out))
 

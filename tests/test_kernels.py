@@ -155,10 +155,19 @@ def test_empty_batch_and_zero_grad_parameters():
     assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
 
 
+def test_wide_rows_take_the_k_chunked_backward():
+    # H * D past the whole-row kernel's register tile (it fell back to the composite before the
+    # K-chunked kernel existed): 64 columns at a time.
+    cfg = configs.backward_config(1024, 64, torch.float32, "cpu")
+    assert cfg.use_dot and cfg.block_k == 64
+    with launch.trace_launches() as seen:
+        check_against_float64(Case(1, 2, 1024, 64, ln="none"), torch.float32)
+    assert [m["BLOCK_K"] for kind, _, m, _ in seen if kind == "backward"] == [64]
+
+
 def test_backward_falls_back_beyond_kernel_tile():
-    # H * D past the backward kernel's register tile: the composite backward takes over.
-    assert configs.backward_config(1024, 64, torch.float32, "cpu") is None
-    check_against_float64(Case(1, 2, 1024, 64, ln="none"), torch.float32)
+    # The row path's [rows, H, D] product past its tile: the composite backward takes over.
+    assert configs.backward_config(16384, 2, torch.float32, "cpu") is None
 
 
 @pytest.mark.parametrize("case, chain", [
@@ -230,3 +239,79 @@ def test_fp32_backward_dots_on_split_bf16_operands(case, fp32_dots, tol):
             continue
         err = ((g.double() - r).norm() / r.norm().clamp_min(1e-12)).item()
         assert err < tol, f"{name}: {err:.2e}"
+
+
+CHUNKED_BWD_CASES = [
+    # (case, dtype, chain): masked D and rows, several row tiles per program (the partial row is
+    # read back and added), fp32 split-bf16 and 16-bit dots, fp16's fp32 operands, other chains.
+    (Case(1, 64, 64, 16, ln="per_feature", bias="per_feature"), torch.float32, None),
+    (Case(2, 37, 48, 8, feature_dim=1, strided_view=True, per_feature_weight=True, ln="shared"), torch.float32, None),
+    (Case(2, 40, 40, 5, ln="none", bias="none", eps=0.0), torch.bfloat16, None),
+    (Case(2, 33, 32, 20, ln="per_feature"), torch.float16, None),
+    (Case(2, 24, 64, 6, feature_dim=1, ln="per_feature"), torch.float32, chain_of("layer_norm", "gelu", "tanh")),
+    (Case(1, 48, 32, 12, ln="none"), torch.float32, chain_of("rms_norm", "silu", None)),
+    (Case(2, 20, 32, 6, ln="none"), torch.bfloat16, chain_of(None, "sigmoid", "relu")),
+]
+
+
+@pytest.mark.parametrize("saved_stats", [True, False], ids=["saved-stats", "recomputed-stats"])
+@pytest.mark.parametrize("case, dtype, chain", CHUNKED_BWD_CASES, ids=str)
+def test_k_chunked_backward_matches_float64_and_the_whole_row_kernel(case, dtype, chain, saved_stats):
+    # `ln_tanh_linear_relu_bwd_chunked`: 16 columns at a time, 16-row tiles, one program per SM
+    # (the interpreter counts 2), so programs walk several tiles. Against float64 (the contract)
+    # and the whole-row kernel (same numbers up to summation order), with the forward's row
+    # statistics and with its own.
+    chain = chain or DEFAULT_CHAIN
+    x, w, b, lw, lb, gy = make_inputs(case, generator=torch.Generator().manual_seed(1))
+    if chain.norm == "rms_norm":
+        lb = None
+    args = [None if t is None else t.to(dtype) for t in (x, w, b, lw, lb)]
+    gy = gy.to(dtype)
+    x64, w64, b64, lw64, lb64 = (None if t is None else t.double() for t in args)
+    z = recfuse.reference.feature_mlp(x64, w64, b64, ln_weight=lw64, ln_bias=lb64, eps=case.eps,
+                                      feature_dim=case.feature_dim, norm=chain.norm, activation=chain.activation,
+                                      out_activation=None)
+    if chain.out_activation == "relu":  # relu ties: rounding decides the mask on any path
+        gy = gy.masked_fill(z.abs() < 1e-3, 0)
+    stats = None
+    if saved_stats:
+        stats = launch.forward(*args, case.eps, case.feature_dim, save_stats=True, chain=chain)[1]
+
+    def run(block_k):
+        forced = lambda D, H, dt: configs.heuristic_backward(D, H, dt, use_dot=True, block_b=16,  # noqa: E731
+                                                             programs_per_sm=1, block_k=block_k)
+        with configs.override(backward=forced), launch.trace_launches() as seen:
+            grads = launch.backward(gy, *args, case.eps, case.feature_dim, stats, chain=chain)
+        meta = [m for kind, _, m, _ in seen if kind == "backward"][0]
+        return grads, meta
+
+    chunked, meta = run(16)
+    whole, whole_meta = run(0)
+    assert meta["BLOCK_K"] == 16 and "BLOCK_K" not in whole_meta
+    assert meta["LOAD_STATS"] == (saved_stats and chain.norm is not None)
+    reference = composite_backward(gy.double(), *[None if t is None else t.double() for t in args], case.eps,
+                                   case.feature_dim, chain)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}[dtype]
+    for name, g, gw, r in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), chunked, whole, reference):
+        if r is None or not g.numel():
+            continue
+        assert g.shape == r.shape and g.dtype == gw.dtype
+        scale = r.norm().clamp_min(1e-12)
+        err = ((g.double() - r).norm() / scale).item()
+        # 16-bit: no worse than the whole-row kernel by more than a rounding's worth
+        bound = tol if dtype == torch.float32 else max(tol, 1.5 * ((gw.double() - r).norm() / scale).item())
+        assert err < bound, f"{name}: {err:.2e} >= {bound:.1e}"
+        if dtype == torch.float32:
+            assert ((g.double() - gw.double()).norm() / scale).item() < 1e-5, name
+
+
+def test_k_chunked_backward_is_bitwise_deterministic():
+    case = Case(1, 64, 48, 8, ln="per_feature")
+    x, w, b, lw, lb, gy = make_inputs(case, generator=torch.Generator().manual_seed(2))
+    args = [t.float() for t in (gy, x, w, b, lw, lb)]
+    forced = lambda D, H, dt: configs.heuristic_backward(D, H, dt, use_dot=True, block_b=16,  # noqa: E731
+                                                         programs_per_sm=1, block_k=16)
+    with configs.override(backward=forced):
+        first = launch.backward(*args, case.eps, case.feature_dim)
+        second = launch.backward(*args, case.eps, case.feature_dim)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))

@@ -82,6 +82,10 @@ def _run(fn, tensors, dtype, case, keep_view):
                torch.float32))
 @example(draw=(Case(F=4, B=15, D=531, H=64, feature_dim=1, per_feature_weight=True), ("layer_norm", "tanh", "relu"),
                torch.float32))
+# Past the whole-row backward's weight tile: the K-chunked backward (was the composite).
+@example(draw=(Case(F=3, B=100, D=1024, H=64, ln="per_feature"), ("layer_norm", "tanh", "relu"), torch.float32))
+@example(draw=(Case(F=2, B=300, D=600, H=40, feature_dim=1, strided_view=True), ("layer_norm", "tanh", "relu"),
+               torch.bfloat16))
 def test_cuda_kernels_match_float64_reference(draw):
     case, (norm, act, out_act), dtype = draw
     torch.manual_seed(0)

@@ -97,12 +97,17 @@ class BackwardConfig(TileConfig):
     # A/B (1.16-1.87x tf32x3, gradients within 3.4e-6 of float64 with relu ties zeroed; bf16x6
     # was 0.56x at D=512 H=16 and did not fit D=256 H=64): benchmarks/results/checks/ab_fp32_bwd_h100.log.
     fp32_dots: str = "bf16x6z3"
+    # tl.dot path only: columns of a row tile handled at a time by `ln_tanh_linear_relu_bwd_chunked`
+    # (0: the whole-row kernel).
+    block_k: int = 0
 
 
 KernelConfig = ForwardConfig  # the name launch-level code and older tests use
 
 _FORWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "persistent", "tile_stages", "block_k")
 _BACKWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "programs_per_sm", "num_stages")
+# Knobs an older table's entries may lack: the heuristic's value stands.
+_OPTIONAL_BACKWARD_KNOBS = ("block_k",)
 
 # ---------------------------------------------------------------------------------------------
 # the heuristic
@@ -170,7 +175,9 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
     Example:
         >>> heuristic_backward(256, 16, torch.bfloat16).use_dot
         True
-        >>> heuristic_backward(1024, 64, torch.float32) is None
+        >>> heuristic_backward(1024, 64, torch.float32).block_k  # the K-chunked kernel
+        64
+        >>> heuristic_backward(16384, 2, torch.float32) is None
         True
     """
     # fp32 2 <= H <= 4 at D <= 64: the broadcast-sum path's gradients came out ~1e-3 off float64 at
@@ -179,15 +186,20 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
     use_dot = knobs.get("use_dot", H >= DOT_MIN_H or small_h_dot)
     block_d = triton.next_power_of_2(D)
     use_dot = use_dot and block_d >= 16  # tl.dot needs K >= 16 on the GPU
+    block_k = 0
     if use_dot:
         block_h = max(16, triton.next_power_of_2(H))
-        if block_h * block_d > BWD_MAX_WEIGHT_TILE or 16 * block_d > TILE_BUDGET:
-            return None
         # bf16 runs its dots on bf16 tensor cores: 32-row tiles fit (H100: D=256 H=16 758 us
         # with 32 rows / 4 warps against 839 with 16); fp32's 3xTF32 operands need 16 rows.
         block_b = 32 if dtype == torch.bfloat16 else 16
         num_warps = 8 if block_h * block_d > 4096 or dtype == torch.float32 else 4
         x_evict = ""
+        if block_h * block_d > BWD_MAX_WEIGHT_TILE or 16 * block_d > TILE_BUDGET:
+            # Only where the whole-row kernel does not fit (it holds the whole weight and row) the
+            # K-chunked one, with [*, 64] slices: elsewhere it was 1.3-2.5x slower on the H100
+            # (three passes over each tile), and 64-row tiles with 8 warps its fastest config
+            # (fp32 D=512 H=64: 3.1 ms, the composite before it ~11 ms; benchmarks/NOTES.md).
+            block_k, block_b, num_warps = 64, 64, 8
     else:
         block_h = triton.next_power_of_2(H)
         if block_h * block_d > BWD_MAX_WEIGHT_TILE:
@@ -197,7 +209,7 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
         num_warps = 8 if block_b * block_d >= 2048 else 4
         x_evict = "evict_first" if dtype == torch.float32 else ""
     cfg = BackwardConfig(block_b, block_d, block_h, use_dot, num_warps, x_evict,
-                         programs_per_sm=max(1, WARPS_PER_SM // num_warps))
+                         programs_per_sm=max(1, WARPS_PER_SM // num_warps), block_k=block_k)
     knobs = {k: v for k, v in knobs.items() if k != "use_dot"}
     cfg = dataclasses.replace(cfg, **knobs) if knobs else cfg
     if not cfg.use_dot and dtype == torch.float32 and 2 <= cfg.block_h <= 4 and cfg.block_b > 8:
@@ -306,7 +318,10 @@ def backward_fits(cfg: BackwardConfig, D: int, H: int) -> bool:
     if cfg.block_b < 1 or cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.programs_per_sm < 1:
         return False
     if cfg.use_dot:
-        return cfg.block_d >= 16 and cfg.block_b >= 16 and cfg.block_h * cfg.block_d <= BWD_MAX_WEIGHT_TILE
+        if cfg.block_k and (cfg.block_k < 16 or cfg.block_k >= cfg.block_d or cfg.block_d % cfg.block_k):
+            return False
+        return cfg.block_d >= 16 and cfg.block_b >= 16 and (
+            cfg.block_k > 0 or cfg.block_h * cfg.block_d <= BWD_MAX_WEIGHT_TILE)
     return cfg.block_b * cfg.block_d * cfg.block_h <= 4 * TILE_BUDGET
 
 
@@ -325,7 +340,9 @@ def config_from_entry(kind: str, entry: dict, D: int, H: int, dtype: torch.dtype
             block_h = dot_block_h(H) if knobs["use_dot"] else min(triton.next_power_of_2(H), 4)
             cfg = ForwardConfig(block_d=triton.next_power_of_2(D), block_h=block_h, **knobs)
             return cfg if forward_fits(cfg, D, H) else None
-        cfg = heuristic_backward(D, H, dtype, **{k: entry[k] for k in _BACKWARD_KNOBS})
+        knobs = {k: entry[k] for k in _BACKWARD_KNOBS}
+        knobs.update({k: entry[k] for k in _OPTIONAL_BACKWARD_KNOBS if k in entry})
+        cfg = heuristic_backward(D, H, dtype, **knobs)
         return cfg if cfg is not None and backward_fits(cfg, D, H) else None
     except (KeyError, TypeError, ValueError):  # a table from another version of this file
         return None
@@ -423,6 +440,11 @@ def _cached_backward_config(D, H, dtype, device) -> Optional[BackwardConfig]:
     if heuristic is None:
         return None
     entry = _nearest_entry(load_table(device_slug(device)), "backward", D, H, _DTYPE_NAMES.get(dtype, ""), True)
+    if entry is not None and heuristic.block_k and not entry.get("block_k"):
+        # A whole-row kernel's tiles (a neighbouring shape's) say nothing about the K-chunked
+        # kernel this shape needs (H100 bf16 D=512 H=64: 5.2 ms with the D=512 H=16 entry's
+        # 16-row tiles; fp32 64-row tiles ran 1.4x faster than 16-row ones).
+        entry = None
     cfg = config_from_entry("backward", entry, D, H, dtype, True) if entry is not None else None
     return cfg if cfg is not None else heuristic
 
@@ -434,5 +456,5 @@ def config_to_entry(cfg: Union[ForwardConfig, BackwardConfig]) -> dict:
         >>> config_to_entry(heuristic_backward(64, 1, torch.float32))["num_stages"]
         1
     """
-    knobs = _FORWARD_KNOBS if isinstance(cfg, ForwardConfig) else _BACKWARD_KNOBS
+    knobs = _FORWARD_KNOBS if isinstance(cfg, ForwardConfig) else _BACKWARD_KNOBS + _OPTIONAL_BACKWARD_KNOBS
     return {k: getattr(cfg, k) for k in knobs}

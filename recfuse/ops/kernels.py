@@ -13,6 +13,8 @@ Three kernels, as in Triton's layer-norm tutorial:
 * `ln_tanh_linear_relu_bwd`: one program per (chunk of rows, feature). Recomputes the normalised
   row, tanh and the relu mask from x (no activation is saved, not even y), writes dx, and accumulates per-program partial
   sums of the weight, bias and LayerNorm-affine gradients in registers.
+  `ln_tanh_linear_relu_bwd_chunked` is its tl.dot path a slice of columns at a time, for rows too
+  wide for the whole-row tile (H * D > 16384); its partial sums go through global memory.
 * `partials_to_grads`: the second stage of the weight-gradient reduction, a fixed-order sum over
   the per-program partials that writes every parameter gradient in its final shape and dtype. No
   float atomics anywhere, so the same inputs give the same bits.
@@ -681,6 +683,227 @@ def ln_tanh_linear_relu_bwd(
     # Absent LayerNorm affine: zeros, so the reduction stays one uniform pass.
     tl.store(part + cols, tl.sum(acc_lnw_rows, axis=0), mask=cmask)
     tl.store(part + D + cols, tl.sum(acc_lnb_rows, axis=0), mask=cmask)
+
+
+@triton.jit
+def _chunk_norm_act(
+    X, x_row_off, cols, kmask, rmask, f, mean, rstd, LNW, LNB, stride_x_d, stride_lnw_f, stride_lnb_f,
+    HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr, FAST_TANH: tl.constexpr, EVEN_D: tl.constexpr,
+    EVEN_B: tl.constexpr, X_EVICT: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
+):
+    """(xhat, a, t, norm weight) of the columns `cols` of a row tile, given the rows' mean and
+    rstd: `_normalize_activate` for one chunk. Padded rows and columns come out as exact zeros."""
+    ptrs = X + x_row_off[:, None] + cols[None, :] * stride_x_d
+    mask = rmask[:, None] & kmask[None, :]
+    if EVEN_D and EVEN_B:
+        x = tl.load(ptrs, eviction_policy=X_EVICT).to(tl.float32)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy=X_EVICT).to(tl.float32)
+    if NORM == 0:
+        xhat = x
+    else:
+        xhat = (x - mean[:, None]) * rstd[:, None]
+    if not (EVEN_D and EVEN_B):
+        xhat = tl.where(mask, xhat, 0.0)  # padded rows may have rstd = inf (see `_normalize_activate`)
+    a = xhat
+    g = tl.full([x.shape[1]], 1.0, tl.float32)
+    if HAS_LNW:
+        g = tl.load(LNW + f * stride_lnw_f + cols, mask=kmask, other=0.0).to(tl.float32)
+        a = a * g[None, :]
+    if HAS_LNB:
+        a = a + tl.load(LNB + f * stride_lnb_f + cols, mask=kmask, other=0.0).to(tl.float32)[None, :]
+    t = _activate(a, ACT, FAST_TANH)
+    if not (EVEN_D and EVEN_B):
+        t = tl.where(mask, t, 0.0)
+    return xhat, a, t, g
+
+
+@triton.jit
+def _accumulate_partial(ptrs, vals, mask, r0, row_start):
+    """Add `vals` into this program's partial sums at `ptrs` (written by its first row tile, read
+    back and added by the next: the program owns its partial row, so no atomics, same bits).
+    The same thread stores and reloads each element (same code, same layout every tile)."""
+    not_first = (mask.to(tl.int32) * 0 + r0) > row_start  # a tensor: the interpreter masks with no scalar
+    prev = tl.load(ptrs, mask=mask & not_first, other=0.0)
+    tl.store(ptrs, prev + vals, mask=mask)
+
+
+@triton.jit
+def ln_tanh_linear_relu_bwd_chunked(
+    GY, X, W, BIAS, LNW, LNB, DX, PARTIAL, STATS,
+    B, D, H, rows_per_program, stats_half,
+    stride_x_f, stride_x_b, stride_x_d,
+    stride_gy_f, stride_gy_b, stride_gy_h,
+    stride_dx_f, stride_dx_b, stride_dx_d,
+    stride_w_f, stride_w_h,
+    stride_bias_f, stride_lnw_f, stride_lnb_f,
+    stride_part_prog,
+    eps, inv_d,
+    HAS_BIAS: tl.constexpr, HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
+    NORM: tl.constexpr, ACT: tl.constexpr, OUT_ACT: tl.constexpr,
+    USE_DOT: tl.constexpr, BWD_DOT_PRECISION: tl.constexpr, BWD_DOT_DTYPE: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    SPLIT_Z: tl.constexpr, SPLIT_DT: tl.constexpr, SPLIT_DW: tl.constexpr,
+    FAST_TANH: tl.constexpr,
+    LOAD_STATS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """`ln_tanh_linear_relu_bwd` (tl.dot path) BLOCK_K columns at a time: the same arguments, the
+    same partial-sum layout, the same numbers up to summation order.
+
+    Whole-row tiles held 255 registers and spilled at every dot config (2 CTAs of 4 warps per SM,
+    benchmarks/NOTES.md). Here only [rows, BLOCK_K] slices of x and of the weight are live; each
+    row tile is walked three times (from L1/L2 after the first): (1) z = t @ w^T chunk by chunk,
+    then dz; (2) dt = dz @ w, the row sums of dx's projection, and the weight and LayerNorm-affine
+    gradients of the chunk, added into the program's partial row in global memory (a chunk loop
+    cannot index a register accumulator by chunk); (3) dt again, and dx. Row statistics are the
+    forward's (LOAD_STATS) or two passes over the chunks (mean, then centred squares).
+    """
+    pid_p = tl.program_id(0)
+    f = tl.program_id(1).to(tl.int64)
+    n_prog = tl.num_programs(0)
+    ks = tl.arange(0, BLOCK_K)
+    hs = tl.arange(0, BLOCK_H)
+    hmask = hs < H
+    SPLIT16: tl.constexpr = BWD_DOT_DTYPE != tl.float32
+    W_PARTS: tl.constexpr = 1 if W.dtype.element_ty == BWD_DOT_DTYPE else max(SPLIT_Z, SPLIT_DT)
+    T_DW_PARTS: tl.constexpr = 1 if X.dtype.element_ty == BWD_DOT_DTYPE else SPLIT_DW
+    T_Z_PARTS: tl.constexpr = SPLIT_Z if OUT_ACT != 0 else 1
+    DZ_EXACT: tl.constexpr = (OUT_ACT == 0 or OUT_ACT == 3) and GY.dtype.element_ty == BWD_DOT_DTYPE
+    DZ_PARTS: tl.constexpr = 1 if DZ_EXACT else max(SPLIT_DT, SPLIT_DW)
+    bias = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
+    part = PARTIAL + (f * n_prog + pid_p) * stride_part_prog
+    w_rows = W + f * stride_w_f + hs[:, None] * stride_w_h
+    acc_b_rows = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
+    row_start = pid_p * rows_per_program
+    for r0 in range(row_start, row_start + rows_per_program, BLOCK_B):
+        rows = r0 + tl.arange(0, BLOCK_B)
+        rmask = rows < B
+        rows64 = rows.to(tl.int64)
+        x_row_off = f * stride_x_f + rows64 * stride_x_b
+        # -- the rows' statistics
+        if NORM == 0:
+            mean = tl.zeros([BLOCK_B], dtype=tl.float32)
+            rstd = tl.full([BLOCK_B], 1.0, tl.float32)
+        elif LOAD_STATS:
+            mean = tl.load(STATS + f * B + rows64, mask=rmask, other=0.0)
+            rstd = tl.load(STATS + stats_half + f * B + rows64, mask=rmask, other=0.0)
+        else:
+            s1 = tl.zeros([BLOCK_B], dtype=tl.float32)
+            if NORM == 1:
+                for k0 in range(0, BLOCK_D, BLOCK_K):
+                    cols = k0 + ks
+                    xk = tl.load(X + x_row_off[:, None] + cols[None, :] * stride_x_d,
+                                 mask=rmask[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
+                    s1 += tl.sum(xk, axis=1)
+            mean = s1 * inv_d
+            s2 = tl.zeros([BLOCK_B], dtype=tl.float32)
+            for k0 in range(0, BLOCK_D, BLOCK_K):
+                cols = k0 + ks
+                kmask = cols < D
+                xk = tl.load(X + x_row_off[:, None] + cols[None, :] * stride_x_d,
+                             mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                xc = tl.where(kmask[None, :], xk - mean[:, None], 0.0)
+                s2 += tl.sum(xc * xc, axis=1)
+            var = s2 * inv_d
+            if NORM == 1:
+                rstd = 1.0 / tl.sqrt(var + eps) + (var - var)  # NaN where the variance overflowed
+            else:
+                rstd = 1.0 / tl.sqrt(var + eps)
+        # -- (1) z, then dz
+        z = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
+        if OUT_ACT != 0:
+            for k0 in range(0, BLOCK_D, BLOCK_K):
+                cols = k0 + ks
+                kmask = cols < D
+                _, _, tk, _ = _chunk_norm_act(X, x_row_off, cols, kmask, rmask, f, mean, rstd, LNW, LNB, stride_x_d,
+                                              stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_D,
+                                              EVEN_B, "", NORM, ACT)
+                wk = tl.load(w_rows + cols[None, :], mask=hmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                if SPLIT16:
+                    t0, t1, t2 = _split16(tk, BWD_DOT_DTYPE, T_Z_PARTS)
+                    w0, w1, w2 = _split16(wk, BWD_DOT_DTYPE, W_PARTS)
+                    z = _dot_parts(t0, t1, t2, tl.trans(w0), tl.trans(w1), tl.trans(w2), z,
+                                   SPLIT_Z, W_PARTS, SPLIT_Z, DOT_UPCAST)
+                else:
+                    z = tl.dot(tk, tl.trans(wk), z, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
+        z += bias[None, :]
+        gy = tl.load(GY + f * stride_gy_f + rows64[:, None] * stride_gy_b + hs[None, :] * stride_gy_h,
+                     mask=rmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
+        if OUT_ACT == 0:
+            dz = gy
+        elif OUT_ACT == 3:
+            dz = tl.where(z > 0, gy, 0.0)
+        else:
+            dz = gy * _activate_grad(z, _activate(z, OUT_ACT, FAST_TANH), OUT_ACT, FAST_TANH)
+        acc_b_rows += dz
+        if SPLIT16:
+            dz0, dz1, dz2 = _split16(dz, BWD_DOT_DTYPE, DZ_PARTS)
+        # -- (2) the chunk's column gradients and dx's row sums; (3) dx
+        c1 = tl.zeros([BLOCK_B], dtype=tl.float32)
+        c2 = tl.zeros([BLOCK_B], dtype=tl.float32)
+        for step in tl.static_range(2):
+            if step == 1:
+                c1 = c1 * inv_d
+                c2 = c2 * inv_d
+            for k0 in range(0, BLOCK_D, BLOCK_K):
+                cols = k0 + ks
+                kmask = cols < D
+                xhat, a, tk, g = _chunk_norm_act(X, x_row_off, cols, kmask, rmask, f, mean, rstd, LNW, LNB,
+                                                 stride_x_d, stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH,
+                                                 EVEN_D, EVEN_B, X_EVICT if step == 1 else "", NORM, ACT)
+                wk = tl.load(w_rows + cols[None, :], mask=hmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                if SPLIT16:
+                    w0, w1, w2 = _split16(wk, BWD_DOT_DTYPE, W_PARTS)
+                    dt = _dot_parts(dz0, dz1, dz2, w0, w1, w2, tl.zeros([BLOCK_B, BLOCK_K], dtype=tl.float32),
+                                    min(DZ_PARTS, SPLIT_DT), W_PARTS, SPLIT_DT, DOT_UPCAST)
+                else:
+                    dt = tl.dot(dz, wk, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
+                da = dt * _activate_grad(a, tk, ACT, FAST_TANH)
+                if not (EVEN_D and EVEN_B):
+                    da = tl.where(rmask[:, None] & kmask[None, :], da, 0.0)
+                dxhat = da * g[None, :]
+                if step == 0:
+                    if NORM != 0:
+                        c1 += tl.sum(dxhat * xhat, axis=1)
+                        if NORM == 1:
+                            c2 += tl.sum(dxhat, axis=1)
+                    if SPLIT16:
+                        t0, t1, t2 = _split16(tk, BWD_DOT_DTYPE, T_DW_PARTS)
+                        dwk = _dot_parts(tl.trans(dz0), tl.trans(dz1), tl.trans(dz2), t0, t1, t2,
+                                         tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32),
+                                         min(DZ_PARTS, SPLIT_DW), T_DW_PARTS, SPLIT_DW, DOT_UPCAST)
+                    else:
+                        dwk = tl.dot(tl.trans(dz), tk, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
+                    _accumulate_partial(part + hs[:, None] * D + cols[None, :], dwk,
+                                        hmask[:, None] & kmask[None, :], r0, row_start)
+                    if HAS_LNW:
+                        _accumulate_partial(part + H * D + H + cols, tl.sum(da * xhat, axis=0), kmask, r0, row_start)
+                    if HAS_LNB:
+                        _accumulate_partial(part + H * D + H + D + cols, tl.sum(da, axis=0), kmask, r0, row_start)
+                else:
+                    if NORM == 0:
+                        dx = dxhat
+                    elif NORM == 2:
+                        dx = (dxhat - xhat * c1[:, None]) * rstd[:, None]
+                    else:
+                        dx = (dxhat - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+                    dx_ptrs = DX + f * stride_dx_f + rows64[:, None] * stride_dx_b + cols[None, :] * stride_dx_d
+                    if EVEN_D and EVEN_B:
+                        tl.store(dx_ptrs, dx.to(DX.dtype.element_ty))
+                    else:
+                        tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=rmask[:, None] & kmask[None, :])
+    tl.store(part + H * D + hs, tl.sum(acc_b_rows, axis=0), mask=hmask)
+    # Absent LayerNorm affine: zeros, so the reduction stays one uniform pass.
+    if not HAS_LNW:
+        for k0 in range(0, BLOCK_D, BLOCK_K):
+            cols = k0 + ks
+            tl.store(part + H * D + H + cols, tl.zeros([BLOCK_K], dtype=tl.float32), mask=cols < D)
+    if not HAS_LNB:
+        for k0 in range(0, BLOCK_D, BLOCK_K):
+            cols = k0 + ks
+            tl.store(part + H * D + H + D + cols, tl.zeros([BLOCK_K], dtype=tl.float32), mask=cols < D)
 
 
 @triton.jit

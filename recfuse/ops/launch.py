@@ -35,6 +35,7 @@ log = logging.getLogger("recfuse")
 _launch_fwd = CompiledLaunchCache(kernels.ln_tanh_linear_relu_fwd)
 _launch_fwd_y_strided = CompiledLaunchCache(kernels.ln_tanh_linear_relu_fwd_y_strided)
 _launch_bwd = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
+_launch_bwd_chunked = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_chunked)
 _launch_partials_to_grads = CompiledLaunchCache(kernels.partials_to_grads)
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
@@ -341,14 +342,15 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=Fa
     except OutOfResources as err:
         # Found at compile time, before anything ran. Each step needs fewer resources: the tiles
         # in flight of a persistent config go (one program per tile needs one tile's worth), then
-        # the 3xTF32 operand copies (plain fp32 FMA dots, found by the H100 property test at fp32
-        # H >= 40 with 512-1024-wide rows: 401-659 KB of shared memory), then the composite.
+        # fp32's 3xTF32 operand copies (plain fp32 FMA dots, found by the H100 property test at
+        # fp32 H >= 40 with 512-1024-wide rows: 401-659 KB of shared memory), then the composite
+        # (16-bit whole rows of D=1024 H=64 needed 405 KB on the H100).
         D, H = x.shape[2], weight.shape[-2]
         _FORWARD_PLANS.clear()
         if plan.meta["PERSISTENT"]:
             log.warning("recfuse: forward D=%d H=%d %s: %s; using one program per tile", D, H, x.dtype, err)
             _FWD_NOT_PERSISTENT.add((D, H, x.dtype, x.device.type))
-        elif plan.meta["USE_DOT"] and plan.meta["DOT_PRECISION"] != "ieee":
+        elif plan.meta["USE_DOT"] and plan.meta["DOT_DTYPE"] == tl.float32 and plan.meta["DOT_PRECISION"] != "ieee":
             log.warning("recfuse: forward D=%d H=%d %s: %s; retrying with fp32 FMA dots", D, H, x.dtype, err)
             _FWD_PRECISION[unfit_key] = "ieee"
         else:
@@ -388,6 +390,7 @@ class BackwardPlan:
     reduce_ints: tuple
     reduce_meta: dict
     zero_dx: bool
+    launcher: CompiledLaunchCache = _launch_bwd
     bound: Optional[Callable] = None  # the two compiled kernels, bound after the first launch
     bound_reduce: Optional[Callable] = None
 
@@ -418,9 +421,9 @@ class BackwardPlan:
             self.bound_reduce(*reduce_tensors)
         else:
             options = dict(num_warps=self.cfg.num_warps, num_stages=self.cfg.num_stages)
-            _launch_bwd(self.grid, tensors + self.ints, self.meta, **options)
+            self.launcher(self.grid, tensors + self.ints, self.meta, **options)
             _launch_partials_to_grads(self.reduce_grid, reduce_tensors + self.reduce_ints, self.reduce_meta)
-            self.bound = _launch_bwd.bind(self.grid, tensors + self.ints, self.meta, len(tensors), **options)
+            self.bound = self.launcher.bind(self.grid, tensors + self.ints, self.meta, len(tensors), **options)
             self.bound_reduce = _launch_partials_to_grads.bind(
                 self.reduce_grid, reduce_tensors + self.reduce_ints, self.reduce_meta, len(reduce_tensors))
         if self.zero_dx:
@@ -472,9 +475,10 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
     unfit_key = _unfit_key(x, weight, chain)
     if cfg is None or unfit_key in _BWD_UNFIT:
         return None
-    if cfg.use_dot:
-        # The tl.dot backward recomputes the row stats: reading them was slower at 5 of 9 shapes
-        # measured on the H100 (bf16 D=64 H=64 1193 -> 1455 us, fp32 D=128 H=16 786 -> 1282).
+    chunked = cfg.use_dot and 0 < cfg.block_k < cfg.block_d
+    if cfg.use_dot and not chunked:
+        # The whole-row tl.dot backward recomputes the row stats: reading them was slower at 5 of
+        # 9 shapes measured on the H100 (bf16 D=64 H=64 1193 -> 1455 us, fp32 D=128 H=16 786 -> 1282).
         # The "dx 3e-3 off with saved stats" once seen there was a relu tie, not a bug: both
         # ways flip a z within rounding of 0 now and then (benchmarks/NOTES.md).
         stats = None
@@ -514,6 +518,8 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
         EVEN_D=D == cfg.block_d, EVEN_B=B > 0 and B % rows_per_program == 0, X_EVICT=cfg.x_evict,
         BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
     )
+    if chunked:
+        meta["BLOCK_K"] = cfg.block_k
     per_feature = (weight.dim() == 3,
                    bias is not None and bias.dim() == 2,
                    ln_weight is not None and ln_weight.dim() == 2,
@@ -528,7 +534,8 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
         BLOCK_J=8, BLOCK_K=block_k,
     )
     return BackwardPlan(cfg, (P, F), ints, meta, (F * P, K), reduce_grid, (F, P, K, H, D), reduce_meta,
-                        zero_dx=D == 1 and chain.norm == "layer_norm")
+                        zero_dx=D == 1 and chain.norm == "layer_norm",
+                        launcher=_launch_bwd_chunked if chunked else _launch_bwd)
 
 
 def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats=None, key=None, chain=DEFAULT):
