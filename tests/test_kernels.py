@@ -315,3 +315,13 @@ def test_k_chunked_backward_is_bitwise_deterministic():
         first = launch.backward(*args, case.eps, case.feature_dim)
         second = launch.backward(*args, case.eps, case.feature_dim)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_fp32_default_backward_keeps_relu_masks_of_near_ties():
+    # z decides the relu mask. With z from 3 bf16 products (the former default, "bf16x6z3") the
+    # ~1e-5 of |z| within its error of 0 flipped masks: x.grad 5.6e-3 off float64 here (seed 0),
+    # as the H100 showed in test_feature_mlp's CUDA case. The default multiplies z in bf16x6.
+    cfg = configs.backward_config(256, 64, torch.float32, "cpu")
+    assert cfg.fp32_dots == "bf16x6" and launch._bwd_splits(torch.float32, cfg.fp32_dots, "relu")["SPLIT_Z"] == 3
+    torch.manual_seed(0)
+    check_against_float64(Case(F=4, B=1024, D=256, H=64, feature_dim=0, ln="shared"), torch.float32)
