@@ -196,3 +196,19 @@ def assert_equivalent(model, gm, fresh_args, tol=1e-5):
         checked += 1
     assert checked == len(params)
     assert set(ref_params) == {o for olds in stacked.values() for o in olds} | (set(params) - set(stacked))
+
+
+# The small per-feature model the trust tests subclass: F_ features of width D_ (4 x 8), one
+# LayerNorm each, a shared Linear to H_ (3) outputs; `ln_tanh_chain` is its plain forward.
+F_, D_, H_ = 4, 8, 3
+
+
+def ln_tanh_chain(lns, lin, x):
+    return torch.relu(lin(torch.stack([torch.tanh(n(t)) for n, t in zip(lns, x.split(D_, 1))], 1)))
+
+
+class PerFeatureBase(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lns = nn.ModuleList([nn.LayerNorm(D_) for _ in range(F_)])
+        self.lin = nn.Linear(D_, H_)

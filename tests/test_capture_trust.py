@@ -10,19 +10,11 @@ from torch import nn
 import recfuse
 from recfuse.errors import RecfuseError
 
-F_, D, H = 4, 8, 3
+from fx_cases import D_ as D, F_, H_ as H, PerFeatureBase, ln_tanh_chain
 BATCHES = (1, 3, 8)
 
 
-def chain(lns, lin, x):
-    return torch.relu(lin(torch.stack([torch.tanh(n(t)) for n, t in zip(lns, x.split(D, 1))], 1)))
-
-
-class Base(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lns = nn.ModuleList([nn.LayerNorm(D) for _ in range(F_)])
-        self.lin = nn.Linear(D, H)
+chain, Base = ln_tanh_chain, PerFeatureBase
 
 
 def close(a, b):

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import recfuse
-from op_cases import TOLERANCE, Case, make_inputs, rel_err
+from op_cases import TOLERANCE, Case, make_inputs, rel_err, run_op
 
 DEVICE = "cuda"
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a GPU")
@@ -58,19 +58,8 @@ def draws(draw):
 
 
 def _run(fn, tensors, dtype, case, keep_view):
-    x, w, b, lw, lb, gy = tensors
-    if case.strided_view and keep_view:
-        B, F, D = x.shape
-        base = x.detach().reshape(B, F * D).to(dtype).requires_grad_(True)
-        xin, xleaf = base.view(B, F, D), base
-    else:
-        xleaf = x.detach().to(dtype).requires_grad_(True)
-        xin = xleaf
-    params = [None if t is None else t.detach().to(dtype).requires_grad_(True) for t in (w, b, lw, lb)]
-    y = fn(xin, params[0], params[1], ln_weight=params[2], ln_bias=params[3], eps=case.eps,
-           feature_dim=case.feature_dim)
-    y.backward(gy.to(dtype))
-    return [y.detach()] + [xleaf.grad.reshape(x.shape)] + [p.grad for p in params if p is not None]
+    y, grads = run_op(fn, tensors, dtype, case, keep_view=keep_view)
+    return [y] + grads
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
