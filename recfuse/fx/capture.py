@@ -653,10 +653,11 @@ class _ValueTracer(_ModeTracer):
         t = type(a)
         if t is _ValueProxy and a.tracer is self:
             return a.node
-        if t in _ATOMIC:
+        if t in _ATOMIC_TYPES:
             return a
-        if t is tuple or t is list:
-            return t([self.create_arg(x) for x in a])
+        if t is tuple or t is list:  # the two cases above inlined for the elements: one call per node, not per argument
+            return t([x.node if type(x) is _ValueProxy and x.tracer is self else
+                      x if type(x) in _ATOMIC_TYPES else self.create_arg(x) for x in a])
         if t is dict and all(type(k) is str for k in a):
             return {k: self.create_arg(v) for k, v in a.items()}
         return super().create_arg(a)

@@ -251,6 +251,7 @@ def keeps_node(root: Optional[nn.Module] = None):
     """
 
     verdicts: dict = {}  # call_function target -> fx's verdict, which depends on the target alone
+    whole: dict = {}  # call_function target -> this rule's verdict, for nodes without kwargs or inplace flag
 
     def impure(node: Node) -> bool:
         op = node.op
@@ -262,15 +263,29 @@ def keeps_node(root: Optional[nn.Module] = None):
         elif op == "call_function" and not isinstance(node.target, torch._ops.HigherOrderOperator):
             # (a higher-order op's verdict depends on its arguments: not cached)
             try:
-                verdict = verdicts.get(node.target)
-                if verdict is None:
-                    verdict = verdicts[node.target] = node.is_impure()
+                if node.kwargs or node.target in INPLACE_POS:  # is_inplace reads the arguments too
+                    return _verdict_of_target(node, verdicts) or is_inplace(node, root)
+                # without keyword arguments or an inplace flag position, is_inplace reads the target alone
+                both = whole.get(node.target)
+                if both is None:
+                    both = whole[node.target] = _verdict_of_target(node, verdicts) or is_inplace(node, root)
+                return both
             except TypeError:  # an unhashable target
-                verdict = node.is_impure()
-            return verdict or is_inplace(node, root)
+                return node.is_impure() or is_inplace(node, root)
         return node.is_impure() or is_inplace(node, root)
 
     return impure
+
+
+def _verdict_of_target(node: Node, verdicts: dict) -> bool:
+    """fx's `node.is_impure()` of a call_function node, cached per target in `verdicts`."""
+    try:
+        verdict = verdicts.get(node.target)
+        if verdict is None:
+            verdict = verdicts[node.target] = node.is_impure()
+    except TypeError:  # an unhashable target
+        verdict = node.is_impure()
+    return verdict
 
 
 _CLASS_HAS: dict = {}  # (module class, name) -> whether the class or a base defines the name

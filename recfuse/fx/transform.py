@@ -39,12 +39,31 @@ def _prune(gm: GraphModule, old_attrs: list) -> None:
         if qual in used:
             continue
         owner_path, _, name = qual.rpartition(".")
-        try:
-            owner = gm.get_submodule(owner_path) if owner_path else gm
-        except AttributeError:
+        owner = _submodule_or_none(gm, owner_path) if owner_path else gm
+        if owner is None:
             continue
         if hasattr(owner, name) and not any(u.startswith(qual + ".") for u in used):
             delattr(owner, name)
+
+
+def _submodule_or_none(gm: nn.Module, path: str) -> Optional[nn.Module]:
+    """``gm.get_submodule(path)``, or None where that raises AttributeError. Walks the `_modules`
+    dicts: the owners of the per-slice parameters fusion pruned are gone, and get_submodule's
+    AttributeError for each of 10,000 of them was a third of pruning them."""
+    mod = gm
+    for part in path.split("."):
+        cls = type(mod)
+        if part in mod.__dict__ or hasattr(cls, part) or cls.__getattr__ is not nn.Module.__getattr__:
+            break  # getattr finds something before (or instead of) `_modules`: get_submodule says
+        mod = mod._modules.get(part)
+        if mod is None:
+            return None  # a parameter, a buffer or nothing: get_submodule raises
+    else:
+        return mod
+    try:
+        return gm.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def _adopt_original_state(gm: GraphModule, model: nn.Module) -> dict:
@@ -70,10 +89,8 @@ def _adopt_original_state(gm: GraphModule, model: nn.Module) -> dict:
         if g is not None:
             present[name] = g
             memo.setdefault(id(t), g)
-            # A tensor the graph does not read may share storage with one it reads (a buffer
-            # registered as `weight.detach()`): its copy shares gm's storage, as in the model.
-            if _same_layout(g, t):
-                memo.setdefault("torch", {}).setdefault(t.untyped_storage()._cdata, g.untyped_storage())
+    if len(present) < len(entries):
+        _memo_shared_storage(entries, present, memo)
     kept = {}
     for name, t, persistent in entries:
         g = present.get(name)
@@ -98,6 +115,18 @@ def _adopt_original_state(gm: GraphModule, model: nn.Module) -> dict:
             if pre + k not in names:
                 mod._non_persistent_buffers_set.add(k)
     return kept
+
+
+def _memo_shared_storage(entries: list, present: dict, memo: dict) -> None:
+    """Point deepcopy's storage memo at gm's storage of each tensor the graph reads. A tensor the
+    graph does not read may share storage with one it reads (a buffer registered as
+    `weight.detach()`): its copy then shares gm's storage, as in the model. Only the copies of
+    tensors the graph does not read consult it, so it is built only when there are some (asking
+    for the storage of 20,000 per-feature parameters took a tenth of a second)."""
+    for name, t, _ in entries:
+        g = present.get(name)
+        if g is not None and _same_layout(g, t):
+            memo.setdefault("torch", {}).setdefault(t.untyped_storage()._cdata, g.untyped_storage())
 
 
 def _plain(t: torch.Tensor) -> bool:
