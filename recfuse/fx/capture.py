@@ -143,6 +143,43 @@ def _traced_module_setattr(self, name, value):
     return _MODULE_SETATTR(self, name, value)
 
 
+def _refuse_lazy(module: Optional[nn.Module], fn_name: str) -> None:
+    """Raise if `module` has uninitialized lazy parameters or buffers (nn.LazyLinear before its
+    first call): capture would initialize the copy's with other random values than the original's
+    first call will, so the two would compute with different weights."""
+    if module is None:
+        return
+    for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
+        if isinstance(t, nn.parameter.UninitializedTensorMixin):
+            raise RecfuseError(
+                f"cannot transform {fn_name}: `{name}` is an uninitialized lazy parameter (nn.LazyLinear & co.); "
+                f"the transformed copy would initialize it with other random values than the original's first "
+                f"call. Run the model once (e.g. on example_inputs) before recfuse.transform.")
+
+
+_FUNCTION_APPLY = torch.autograd.function.Function.__dict__["apply"]
+
+
+def _traced_function_apply(cls, *args, **kwargs):
+    # A custom torch.autograd.Function (gradient reversal, a straight-through estimator, reentrant
+    # torch.utils.checkpoint) called on traced values: fx would trace its `forward` as plain ops and
+    # drop its `backward`, so the captured graph would compute other gradients. Refused for
+    # torch.fx; the caller falls back to Dynamo, which keeps the backward or fails loudly.
+    if _tracing_user_code() is not None and any(
+            isinstance(a, Proxy) for a in itertools.chain(args, kwargs.values())):
+        if cls.__module__ == "torch.utils.checkpoint":
+            # Dynamo would capture it as a non-reentrant checkpoint, which also gives parameters
+            # gradients when no input requires grad (the reentrant one gives them none).
+            raise RecfuseError(
+                f"cannot capture torch.utils.checkpoint.checkpoint(..., use_reentrant=True) (at {_user_frame()}): "
+                f"its gradients depend on whether the inputs require grad in a way a captured graph does not "
+                f"keep. Use use_reentrant=False (PyTorch's recommendation), which recfuse captures exactly.")
+        raise torch.fx.proxy.TraceError(
+            f"the model calls the custom autograd.Function {cls.__qualname__}.apply (at {_user_frame()}): "
+            f"torch.fx would trace its forward and drop its backward")
+    return _FUNCTION_APPLY.__func__(cls, *args, **kwargs)
+
+
 @contextlib.contextmanager
 def _patched_global_state(tracer: "Tracer"):
     """While `tracer` traces: grad-mode reads and changes of the model's code are recorded as nodes,
@@ -153,6 +190,7 @@ def _patched_global_state(tracer: "Tracer"):
     torch._C._set_grad_enabled = _traced_set_grad_enabled
     torch.amp.autocast_mode.autocast.__enter__ = _traced_autocast_enter
     nn.Module.__setattr__ = _traced_module_setattr
+    torch.autograd.function.Function.apply = classmethod(_traced_function_apply)
     try:
         yield
     finally:
@@ -160,6 +198,7 @@ def _patched_global_state(tracer: "Tracer"):
         torch._C._set_grad_enabled = _SET_GRAD_ENABLED
         torch.amp.autocast_mode.autocast.__enter__ = _AUTOCAST_ENTER
         nn.Module.__setattr__ = _MODULE_SETATTR
+        torch.autograd.function.Function.apply = _FUNCTION_APPLY
         _ACTIVE_TRACERS.pop()
         _SET_GRAD_ENABLED(grad)
 
@@ -1190,6 +1229,10 @@ def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = Tr
                 raise RecfuseError(f"example_inputs gives no value for argument `{p.name}` of {fn_name}")
             values[p.name] = p.default
     constants = {k: v for k, v in values.items() if _is_constant(v)}
+    _refuse_lazy(root, fn_name)
+    for v in constants.values():
+        if isinstance(v, nn.Module):
+            _refuse_lazy(v, fn_name)
     adopted: list[str] = []
     if root is None:
         module_args = {k: deepcopy_module(v) for k, v in constants.items() if isinstance(v, nn.Module)}
@@ -1199,6 +1242,7 @@ def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = Tr
         # Globals are called by identity from the function's code: registered as they are for the
         # trace, replaced by copies in the result (which owns its parameters, as for arguments).
         for name, m in _global_modules(model).items():
+            _refuse_lazy(m, fn_name)
             attr = f"_recfuse_global_{name}"
             root.add_module(attr, m)
             adopted.append(attr)

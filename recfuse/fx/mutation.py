@@ -90,11 +90,22 @@ _META_ATTRS = {"shape", "dtype", "device", "ndim", "requires_grad", "is_cuda", "
 _META_METHODS = {"size", "dim", "numel", "stride", "storage_offset", "is_contiguous", "element_size",
                  "nelement", "ndimension", "get_device", "is_floating_point", "is_complex"}
 # Modules known to return a new tensor (their class's own forward, not in-place); exact types.
-_FRESH_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.Linear, nn.Tanh, nn.Sigmoid, nn.GELU, nn.SiLU, nn.Softplus,
-                  nn.Softmax, nn.LogSoftmax, nn.Mish, nn.Embedding, nn.EmbeddingBag, nn.BatchNorm1d,
+_FRESH_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.Linear, nn.Tanh, nn.Sigmoid, nn.GELU, nn.Softplus,
+                  nn.Softmax, nn.LogSoftmax, nn.Embedding, nn.EmbeddingBag, nn.BatchNorm1d,
                   nn.BatchNorm2d, nn.GroupNorm, nn.Bilinear)
 _FRESH_UNLESS_INPLACE_MODULES = (nn.ReLU, nn.LeakyReLU, nn.ELU, nn.ReLU6, nn.Hardswish, nn.Hardsigmoid, nn.SELU,
-                                 nn.CELU, nn.Hardtanh)
+                                 nn.CELU, nn.Hardtanh, nn.SiLU, nn.Mish)
+# The out-of-place function (and its keyword arguments) each in-place activation module computes:
+# an `nn.ReLU(inplace=True)` on a fresh value becomes `F.relu(x)`, so that a rewrite may batch it and
+# dead-code elimination may drop it (a module node with inplace=True is kept as impure).
+_MODULE_TWINS = {
+    nn.ReLU: lambda m: (F.relu, {}), nn.SiLU: lambda m: (F.silu, {}), nn.Mish: lambda m: (F.mish, {}),
+    nn.ReLU6: lambda m: (F.relu6, {}), nn.SELU: lambda m: (F.selu, {}), nn.Hardswish: lambda m: (F.hardswish, {}),
+    nn.Hardsigmoid: lambda m: (F.hardsigmoid, {}),
+    nn.LeakyReLU: lambda m: (F.leaky_relu, {"negative_slope": m.negative_slope}),
+    nn.ELU: lambda m: (F.elu, {"alpha": m.alpha}), nn.CELU: lambda m: (F.celu, {"alpha": m.alpha}),
+    nn.Hardtanh: lambda m: (F.hardtanh, {"min_val": m.min_val, "max_val": m.max_val}),
+}
 
 
 def _own_forward(mod: nn.Module) -> bool:
@@ -199,7 +210,12 @@ def _out_of_place(node: Node, root) -> bool:
                 node.target = twin
                 return True
         return False
-    return True  # a module with inplace=True: its result is y itself, readers are redirected to it
+    mod = _module(node, root)
+    twin = _MODULE_TWINS.get(type(mod)) if mod is not None and _own_forward(mod) else None
+    if twin is not None:  # a known activation module: its out-of-place function, as a function node
+        fn, kwargs = twin(mod)
+        node.op, node.target, node.kwargs = "call_function", fn, kwargs
+    return True  # (other modules with inplace=True: the result is y itself, readers are redirected to it)
 
 
 def functionalize_inplace(graph: Graph, root: Optional[nn.Module] = None) -> list[str]:
@@ -229,7 +245,7 @@ def functionalize_inplace(graph: Graph, root: Optional[nn.Module] = None) -> lis
         if not fresh or aliased:
             kept.append(f"`{n.name}`: {n.format_node()}")
             continue
-        if not readers:
+        if not readers and n.op != "call_module":
             continue
         later = [u for u in readers if order[u] > order[n]]
         if not _out_of_place(n, root):

@@ -193,6 +193,8 @@ def classify(node: Node, root: Optional[nn.Module]) -> Optional[OpInfo]:
             return None  # a batched rewrite would never call the module, so its hooks would not run
         if not _own_forward(mod):
             return None  # a patched forward: the module's type no longer says what it computes
+        if getattr(mod, "inplace", False) is True:
+            return None  # changes its input (mutation.py makes the known ones functions first)
         x = node.args[0]
         if type(mod) is nn.LayerNorm:
             return OpInfo("layer_norm", node, x, (("eps", float(mod.eps)), ("shape", tuple(mod.normalized_shape))),

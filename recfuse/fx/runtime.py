@@ -333,9 +333,13 @@ def feature_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     """
     xf = x.movedim(fd, 0)
     mid = xf.shape[1:-1]
-    y = torch.bmm(xf.reshape(xf.shape[0], -1, xf.shape[-1]), weight.transpose(1, 2))
+    x3 = xf.reshape(xf.shape[0], -1, xf.shape[-1])
+    # baddbmm, not bmm + bias: under autocast it runs in the autocast dtype with the bias, as the
+    # per-slice F.linear (addmm) does; a float32 bias added after a bf16 bmm would promote y.
     if bias is not None:
-        y = y + bias.unsqueeze(1)
+        y = torch.baddbmm(bias.unsqueeze(1), x3, weight.transpose(1, 2))
+    else:
+        y = torch.bmm(x3, weight.transpose(1, 2))
     return y.reshape((xf.shape[0],) + tuple(mid) + (weight.shape[1],)).movedim(0, fd)
 
 

@@ -144,6 +144,9 @@ def _check_plain(label: str, mod: nn.Module) -> None:
         why = f"overrides nn.{base.__name__}.forward"
     elif mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks or getattr(mod, "_backward_pre_hooks", None):
         why = "has hooks"
+    elif torch.nn.utils.parametrize.is_parametrized(mod):
+        why = (f"has a parametrization of {sorted(mod.parametrizations.keys())} (weight norm, spectral norm, ...), "
+               f"which a copied plain tensor would not train through")
     if why is not None:
         raise ValueError(
             f"{label} is a {type(mod).__qualname__} that {why}; from_modules copies only weight and bias "

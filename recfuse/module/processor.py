@@ -265,7 +265,10 @@ class FusedFeatureProcessor(nn.Module):
 
         All norms must be of one type and share eps and elementwise_affine; all Linears share
         out_features and whether they have a bias. The new module is on the device and dtype of
-        the Linear.
+        the Linear. A kind of tensor (Linear weight, bias, norm weight, norm bias) that is frozen
+        (``requires_grad=False``) in every source is frozen in the module too; frozen for some
+        features and not others raises. Parametrized modules (weight norm, spectral norm) raise:
+        the copy would train a plain tensor.
 
         Example:
             >>> from torch import nn
@@ -276,12 +279,25 @@ class FusedFeatureProcessor(nn.Module):
         """
         spec = read_modules(layer_norms, linear, feature_names)
         fp = cls(**spec.kwargs, activation=activation, out_activation=out_activation)
+        trainable: dict = {}  # kind -> {requires_grad of its source tensors}
         with torch.no_grad():
             for name in fp.feature_names:
                 sources = spec.sources(name)
                 for kind, dst in fp.feature_parameters(name).items():
                     if dst is not None:
                         dst.copy_(sources[kind])
+                        trainable.setdefault(kind, set()).add(bool(sources[kind].requires_grad))
+        # A frozen source stays frozen: the module would otherwise train what the loop did not.
+        for kind, flags in trainable.items():
+            if len(flags) > 1:
+                raise ValueError(
+                    f"the loop's {kind} tensors are frozen (requires_grad=False) for some features and trainable "
+                    f"for others; the fused module holds them in one parameter with one requires_grad")
+            if flags == {False}:
+                for names in fp._parameter_names:
+                    p = fp._parameters.get(names[PARAM_KINDS.index(kind)])
+                    if p is not None:
+                        p.requires_grad_(False)
         return fp
 
     # -----------------------------------------------------------------------------------------
