@@ -37,6 +37,14 @@ def forward_backward(model, x):
     return y.detach(), x.grad
 
 
+def assert_same_forward_backward(g, ref, x):
+    """The transformed `g` and the untouched `ref`: the same output and input gradient on `x`."""
+    yg, gg = forward_backward(g, x)
+    yr, gr = forward_backward(ref, x)
+    assert_close(yg, yr)
+    assert_close(gg, gr, 1e-4)
+
+
 def sgd_steps(model, xs):
     opt = torch.optim.SGD(model.parameters(), lr=0.3)
     for x in xs:
@@ -110,11 +118,7 @@ def test_inplace_activation_module_after_stack(act, no_hang):
     ref = copy.deepcopy(m)
     g = recfuse.transform(m, (torch.randn(3, F_ * D),))
     assert g.recfuse_report.groups
-    x = torch.randn(5, F_ * D)
-    yg, gg = forward_backward(g, x)
-    yr, gr = forward_backward(ref, x)
-    assert_close(yg, yr)
-    assert_close(gg, gr, 1e-4)
+    assert_same_forward_backward(g, ref, torch.randn(5, F_ * D))
 
 
 @pytest.mark.parametrize("act", ["relu", "silu", "leaky"])
@@ -175,11 +179,7 @@ def test_custom_autograd_function_keeps_its_backward(fn):
     ref = copy.deepcopy(m)
     ex = torch.randn(3, F_ * D, requires_grad=True)
     g = recfuse.transform(m, (ex,))  # captured by Dynamo, which keeps the Function's backward
-    x = torch.randn(5, F_ * D)
-    yg, gg = forward_backward(g, x)
-    yr, gr = forward_backward(ref, x)
-    assert_close(yg, yr)
-    assert_close(gg, gr, 1e-4)
+    assert_same_forward_backward(g, ref, torch.randn(5, F_ * D))
 
 
 class Reentrant(nn.Module):
@@ -209,10 +209,7 @@ def test_non_reentrant_checkpoint_trains_as_the_original():
     g = recfuse.transform(m, (torch.randn(3, F_ * D),))
     assert g.recfuse_report.groups
     x = torch.randn(5, F_ * D)
-    yg, gg = forward_backward(g, x)
-    yr, gr = forward_backward(ref, x)
-    assert_close(yg, yr)
-    assert_close(gg, gr, 1e-4)
+    assert_same_forward_backward(g, ref, x)
     xs = [torch.randn(4, F_ * D) for _ in range(2)]
     g2, r2 = sgd_steps(copy.deepcopy(g), xs), sgd_steps(copy.deepcopy(ref), xs)
     with torch.no_grad():

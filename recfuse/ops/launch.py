@@ -255,9 +255,8 @@ _FWD_UNFIT: set = set()
 
 
 def _forward_unfit_key(x: torch.Tensor, weight: torch.Tensor, chain, full_tiles: bool) -> tuple:
-    """What a forward kernel variant's shared memory depends on besides its config; full and
-    masked tiles have configs of their own."""
-    return (x.shape[2], weight.shape[-2], x.dtype, weight.dim(), x.device.type, chain, full_tiles)
+    """`_unfit_key` of a forward kernel variant: full and masked tiles have configs of their own."""
+    return _unfit_key(x, weight, chain) + (full_tiles,)
 
 
 def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats,
