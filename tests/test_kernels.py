@@ -86,6 +86,9 @@ CHUNKED_CASES = [  # (case, forced config changes): the K-chunked forward, 16 co
     (Case(3, 20, 32, 24, feature_dim=1, per_feature_weight=True, bias="per_feature", ln="shared", eps=0.0),
      dict(block_b=16)),
     (Case(2, 48, 32, 40, feature_dim=1, strided_view=True, ln="none"), dict(block_b=16, persistent=1, tile_stages=2)),
+    # D not a power of two, a whole number of chunks: 3 and 5 chunks, no padded columns
+    (Case(2, 24, 48, 16, ln="per_feature", bias="per_feature"), dict(block_b=16)),
+    (Case(1, 40, 80, 8, feature_dim=1, ln="shared"), dict(block_b=16, persistent=1, tile_stages=2)),
 ]
 
 
@@ -98,8 +101,19 @@ def test_k_chunked_forward_matches_float64(case, changes, dtype):
 
     with configs.override(forward=chunked), launch.trace_launches() as launches:
         check_against_float64(case, dtype)
-    seen = [meta["BLOCK_K"] for kind, _, meta, _ in launches if kind == "forward"]
-    assert seen == [16], seen
+    seen = [(meta["BLOCK_K"], meta["K_CHUNKS"]) for kind, _, meta, _ in launches if kind == "forward"]
+    assert seen == [(16, case.D // 16)], seen
+
+
+@pytest.mark.parametrize("D, H, dtype", [(48, 16, torch.float32), (160, 8, torch.float32), (96, 64, torch.bfloat16)])
+def test_d_not_a_power_of_two_takes_the_chunked_forward_by_default(D, H, dtype):
+    # No forced config: the heuristic chunks D (no padded columns), masked rows included (B=20).
+    case = Case(2, 20, D, H, feature_dim=1, ln="per_feature")
+    with launch.trace_launches() as launches:
+        check_against_float64(case, dtype)
+    seen = [(meta["BLOCK_K"], meta["K_CHUNKS"], meta["EVEN_D"]) for kind, _, meta, _ in launches if kind == "forward"]
+    width = configs.chunk_width(D, 32 if dtype == torch.float32 and H <= 16 else 64)
+    assert seen == [(width, D // width, False)], seen
 
 
 def test_float16_dot_path():
@@ -157,12 +171,12 @@ def test_empty_batch_and_zero_grad_parameters():
 
 def test_wide_rows_take_the_k_chunked_backward():
     # H * D past the whole-row kernel's register tile (it fell back to the composite before the
-    # K-chunked kernel existed): 64 columns at a time.
+    # K-chunked kernel existed): 32 columns at a time in fp32 at H > 16 (64 spilled on the H100).
     cfg = configs.backward_config(1024, 64, torch.float32, "cpu")
-    assert cfg.use_dot and cfg.block_k == 64
+    assert cfg.use_dot and cfg.block_k == 32
     with launch.trace_launches() as seen:
         check_against_float64(Case(1, 2, 1024, 64, ln="none"), torch.float32)
-    assert [m["BLOCK_K"] for kind, _, m, _ in seen if kind == "backward"] == [64]
+    assert [(m["BLOCK_K"], m["EVEN_D"]) for kind, _, m, _ in seen if kind == "backward"] == [(32, True)]
 
 
 def test_backward_falls_back_beyond_kernel_tile():

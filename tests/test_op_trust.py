@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F_
 
 import recfuse
-from recfuse.ops import uses_triton
+from recfuse.ops import configs, uses_triton
 from recfuse.reference import batched_ln_tanh_linear_relu
 from op_cases import TOLERANCE, rel_err
 
@@ -538,3 +538,21 @@ def test_a_training_step_launches_only_the_ops_kernels(per_feature_ln):
     _, names = kernels(step)
     assert len(names) <= 1 + 1 + 3, names  # forward, the loss's sum, fill + backward + reduction
     assert all(p.grad is not None and p.grad.dtype == p.dtype and p.grad.shape == p.shape for p in (w, b, lw, lb))
+
+
+def test_a_tuned_whole_row_entry_does_not_hold_back_the_chunked_forward(monkeypatch):
+    """A table tuned before D=160 could be chunked holds its padded whole-row config: ignored for
+    a D that chunks evenly; a power-of-two D's tuned whole-row entry still stands."""
+    whole_row = {"block_b": 32, "num_warps": 4, "use_dot": True, "x_evict": "", "persistent": 0,
+                 "tile_stages": 1, "block_k": 0}
+    table = {("forward", 160, 16, "float32", False): whole_row, ("forward", 128, 16, "float32", True): whole_row}
+    monkeypatch.setattr(configs, "device_slug", lambda device: "fake-gpu")
+    monkeypatch.setattr(configs, "load_table", lambda slug: table)
+    configs._cached_forward_config.cache_clear()
+    try:
+        masked = configs.forward_config(160, 16, torch.float32, 0, full_tiles=False)
+        assert (masked.block_k, masked.block_b) == (32, 64)
+        full = configs.forward_config(128, 16, torch.float32, 0, full_tiles=True)
+        assert (full.block_k, full.block_b) == (0, 32)
+    finally:
+        configs._cached_forward_config.cache_clear()

@@ -138,6 +138,18 @@ def heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool = Tru
     return dataclasses.replace(cfg, **knobs) if knobs else cfg
 
 
+def chunk_width(D: int, widest: int) -> int:
+    """The widest power of two <= ``widest`` that divides D, or 0 below 16 (tl.dot's K): the
+    columns per chunk of the K-chunked kernels, which then need no column masks.
+
+    Example:
+        >>> chunk_width(256, 64), chunk_width(160, 64), chunk_width(48, 32), chunk_width(100, 64)
+        (64, 32, 16, 0)
+    """
+    width = min(widest, D & -D) if D > 0 else 0
+    return width if width >= 16 else 0
+
+
 def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> ForwardConfig:
     block_d = triton.next_power_of_2(D)
     # tl.dot needs K >= 16 on the GPU (D < 16 failed to compile on the H100): rows below that.
@@ -146,13 +158,19 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
         block_h = dot_block_h(H)
         block_b = 32 if 32 * block_d <= TILE_BUDGET else 16
         num_warps = 4 if dtype == torch.float32 and block_h <= 16 else 8
-        if full_tiles and H <= block_h:
+        # A D that is not a power of two but a whole number of chunks (48, 96, 160, ...) takes the
+        # chunked path too, masked rows or not: whole-row tiles padded it to BLOCK_D (160 -> 256),
+        # and ran at 14-25% of the floor on the H100 where D = 128 and 256 ran at 50-80%.
+        # 16-bit rows in 16-column chunks ran slower than padded whole rows (bf16 D=48: 289 vs
+        # 217 us at H=16; fp32 D=48 173 vs 321 us): 16-bit chunks are at least 32 wide.
+        chunkable = full_tiles or (D != block_d and chunk_width(D, 64) >= (16 if dtype == torch.float32 else 32))
+        if chunkable and H <= block_h:
             if dtype == torch.float32:
-                block_k = min(32 if block_h <= 16 else 64, block_d)
+                block_k = chunk_width(D, 32 if block_h <= 16 else 64)
                 return ForwardConfig(64, block_d, block_h, True, 4, block_k=block_k)
             if block_h <= 16 or block_h > 32:
                 return ForwardConfig(64, block_d, block_h, True, 4, persistent=1,
-                                     tile_stages=3 if block_h <= 16 else 2, block_k=min(64, block_d))
+                                     tile_stages=3 if block_h <= 16 else 2, block_k=chunk_width(D, 64))
             # Tiles in flight live in shared memory beside the dot's operands.
             return ForwardConfig(min(64, X_STAGE_BYTES // (2 * block_d)), block_d, block_h, True, 8,
                                  persistent=1, tile_stages=3 if block_d <= 256 else 2)
@@ -180,7 +198,9 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
         >>> heuristic_backward(256, 16, torch.bfloat16).use_dot
         True
         >>> heuristic_backward(1024, 64, torch.float32).block_k  # the K-chunked kernel
-        64
+        32
+        >>> heuristic_backward(128, 64, torch.float32).block_k  # whole rows
+        0
         >>> heuristic_backward(16384, 2, torch.float32) is None
         True
     """
@@ -198,12 +218,23 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
         block_b = 32 if dtype == torch.bfloat16 else 16
         num_warps = 8 if block_h * block_d > 4096 or dtype == torch.float32 else 4
         x_evict = ""
-        if block_h * block_d > BWD_MAX_WEIGHT_TILE or 16 * block_d > TILE_BUDGET:
-            # Only where the whole-row kernel does not fit (it holds the whole weight and row) the
-            # K-chunked one, with [*, 64] slices: elsewhere it was 1.3-2.5x slower on the H100
-            # (three passes over each tile), and 64-row tiles with 8 warps its fastest config
-            # (fp32 D=512 H=64: 3.1 ms, the composite before it ~11 ms; benchmarks/NOTES.md).
-            block_k, block_b, num_warps = 64, 64, 8
+        if block_h * block_d > BWD_MAX_WEIGHT_TILE or 16 * block_d > TILE_BUDGET or (
+                dtype == torch.float32 and block_d >= 256 and chunk_width(D, 32)):
+            # The K-chunked kernel where the whole-row one does not fit (it holds the whole weight
+            # and row), and for fp32 rows of 256+ columns, where the whole row's split-bf16
+            # operands spill. H100, backward alone (benchmarks/results/checks/ab_fp32_dots_h100.json,
+            # ab_masked_d_h100.json): fp32 D=256 H=16 1028 us (64-column chunks, 32 rows, 4 warps)
+            # vs 1377 whole-row, H=64 3054 (32 columns, 64 rows, 8 warps) vs 4585; D=160 H=16
+            # 1410 vs 2146, H=64 4341 vs 7311. Wider chunks or fewer rows at H=64 spilled (~40 ms).
+            # Elsewhere whole rows were 1.3-2.6x faster (fp32 D=128 H=64 1276 vs 1739; D=48, 96;
+            # bf16 D=160 on par) and the chunked kernel walks each tile three times.
+            if dtype == torch.float32 and block_h > 16:
+                block_k, block_b, num_warps = chunk_width(D, 32), 64, 8
+            elif dtype == torch.float32:
+                block_k, block_b, num_warps = chunk_width(D, 64), 32, 4
+            else:
+                block_k, block_b, num_warps = 64, 64, 8  # bf16 D=512 H=64: 2.2-3.0 ms
+            block_k = block_k or 64  # D not a multiple of 16: masked chunks (only rows too wide to fit)
     else:
         block_h = triton.next_power_of_2(H)
         if block_h * block_d > BWD_MAX_WEIGHT_TILE:
@@ -422,9 +453,14 @@ def forward_config(D: int, H: int, dtype: torch.dtype, device: Union[str, int], 
 
 @functools.lru_cache(maxsize=None)
 def _cached_forward_config(D, H, dtype, device, full_tiles) -> ForwardConfig:
+    heuristic = heuristic_forward(D, H, dtype, full_tiles)
     entry = _nearest_entry(load_table(device_slug(device)), "forward", D, H, _DTYPE_NAMES.get(dtype, ""), full_tiles)
+    if entry is not None and heuristic.block_k and D != heuristic.block_d and not entry.get("block_k"):
+        # Tuned before a D that is not a power of two could be chunked: the entry's whole-row
+        # tiles are the padded path the chunked kernel replaces.
+        entry = None
     cfg = config_from_entry("forward", entry, D, H, dtype, full_tiles) if entry is not None else None
-    return cfg if cfg is not None else heuristic_forward(D, H, dtype, full_tiles)
+    return cfg if cfg is not None else heuristic
 
 
 def backward_config(D: int, H: int, dtype: torch.dtype, device: Union[str, int]) -> Optional[BackwardConfig]:

@@ -316,9 +316,10 @@ def _chunked_norm_act_linear(
     HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr, FAST_TANH: tl.constexpr, EVEN_B: tl.constexpr,
     X_EVICT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     NORM: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr,
 ):
-    """(z = act(norm(x)) @ w^T, mean, rstd) of a row tile, BLOCK_K columns at a time (D == BLOCK_D).
+    """(z = act(norm(x)) @ w^T, mean, rstd) of a row tile, BLOCK_K columns at a time
+    (D == K_CHUNKS * BLOCK_K: no column masks, also where D is not a power of two).
 
     Only a [rows, BLOCK_K] slice of x and of the weight is live at once, instead of the whole
     [rows, D] tile and [H, D] weight (with 3xTF32 those held 255 registers and spilled). The
@@ -331,7 +332,7 @@ def _chunked_norm_act_linear(
     mean = tl.zeros([BLOCK_B], dtype=tl.float32)
     m2 = tl.zeros([BLOCK_B], dtype=tl.float32)
     if NORM != 0:
-        for kc in tl.static_range(BLOCK_D // BLOCK_K):
+        for kc in tl.static_range(K_CHUNKS):
             xk = _load_rows(x_rows[:, None] + (kc * BLOCK_K + ks)[None, :] * stride_x_d, rmask, EVEN_B, X_EVICT)
             if NORM == 2:
                 m2 = m2 + tl.sum(xk * xk, axis=1)  # mean stays 0
@@ -351,7 +352,7 @@ def _chunked_norm_act_linear(
         rstd = tl.full([BLOCK_B], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
     hmask = hs < H
-    for kc in tl.static_range(BLOCK_D // BLOCK_K):
+    for kc in tl.static_range(K_CHUNKS):
         cols = kc * BLOCK_K + ks
         xk = _load_rows(x_rows[:, None] + cols[None, :] * stride_x_d, rmask, EVEN_B, "")
         if NORM == 0:
@@ -387,6 +388,7 @@ def _forward_tile(
     FAST_TANH: tl.constexpr, SAVE_STATS: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr, W_LOADED: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_CHUNKS: tl.constexpr,
 ):
     """One tile of BLOCK_B rows of feature f. W_LOADED: the caller holds the whole weight block
     (w1, bias1: H <= BLOCK_H); otherwise the weight is read block by block after the tanh."""
@@ -402,7 +404,7 @@ def _forward_tile(
         z, mean, rstd = _chunked_norm_act_linear(
             x_rows, rmask, f, D, H, eps, W, LNW, LNB, stride_x_d, stride_w_f, stride_w_h,
             stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_B, X_EVICT, DOT_DTYPE,
-            DOT_PRECISION, NORM, ACT, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K,
+            DOT_PRECISION, NORM, ACT, BLOCK_B, BLOCK_H, BLOCK_K, K_CHUNKS,
         )
     else:
         _, _, t, mean, rstd, _ = _normalize_activate(
@@ -469,10 +471,12 @@ def ln_tanh_linear_relu_fwd(
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
     PERSISTENT: tl.constexpr, TILE_STAGES: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_CHUNKS: tl.constexpr,
 ):
     # STATS (SAVE_STATS, for a backward that follows): [2, F, B] fp32, mean then rstd.
-    # BLOCK_K < BLOCK_D (tl.dot path, D == BLOCK_D, H <= BLOCK_H): the row tile is normalised and
-    # multiplied BLOCK_K columns at a time (`_chunked_ln_tanh_linear`), the weight read per chunk.
+    # BLOCK_K < BLOCK_D (tl.dot path, D == K_CHUNKS * BLOCK_K, H <= BLOCK_H): the row tile is
+    # normalised and multiplied BLOCK_K columns at a time (`_chunked_norm_act_linear`), the weight
+    # read per chunk; a D that is not a power of two (160 = 5 x 32) then has no padded columns.
     # Grid (programs per feature, F). Not PERSISTENT: one program per row tile. PERSISTENT
     # (needs H <= BLOCK_H): fewer programs, each loads the weight once and walks the row tiles
     # pid, pid + P, ... with TILE_STAGES tiles of x in flight, so that the loads of the next
@@ -501,6 +505,7 @@ def ln_tanh_linear_relu_fwd(
                 stride_bias_f, stride_lnw_f, stride_lnb_f, stride_y_f, stride_y_b, eps,
                 HAS_BIAS, HAS_LNW, HAS_LNB, NORM, ACT, OUT_ACT, USE_DOT, DOT_DTYPE, DOT_PRECISION, FAST_TANH,
                 SAVE_STATS, EVEN_D, EVEN_B, X_EVICT, BLOCK_K == BLOCK_D, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K,
+                K_CHUNKS,
             )
     else:
         _forward_tile(
@@ -508,7 +513,7 @@ def ln_tanh_linear_relu_fwd(
             stride_x_f, stride_x_b, stride_x_d, stride_w_f, stride_w_h,
             stride_bias_f, stride_lnw_f, stride_lnb_f, stride_y_f, stride_y_b, eps,
             HAS_BIAS, HAS_LNW, HAS_LNB, NORM, ACT, OUT_ACT, USE_DOT, DOT_DTYPE, DOT_PRECISION, FAST_TANH,
-            SAVE_STATS, EVEN_D, EVEN_B, X_EVICT, False, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K,
+            SAVE_STATS, EVEN_D, EVEN_B, X_EVICT, False, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K, K_CHUNKS,
         )
 
 
@@ -757,6 +762,8 @@ def ln_tanh_linear_relu_bwd_chunked(
     gradients of the chunk, added into the program's partial row in global memory (a chunk loop
     cannot index a register accumulator by chunk); (3) dt again, and dx. Row statistics are the
     forward's (LOAD_STATS) or two passes over the chunks (mean, then centred squares).
+    The chunk loops stop at D, not BLOCK_D: EVEN_D here means D % BLOCK_K == 0, so a D that is not
+    a power of two (160 = 5 x 32) walks no padded columns and needs no column masks.
     """
     pid_p = tl.program_id(0)
     f = tl.program_id(1).to(tl.int64)
@@ -792,14 +799,14 @@ def ln_tanh_linear_relu_bwd_chunked(
         else:
             s1 = tl.zeros([BLOCK_B], dtype=tl.float32)
             if NORM == 1:
-                for k0 in range(0, BLOCK_D, BLOCK_K):
+                for k0 in range(0, D, BLOCK_K):
                     cols = k0 + ks
                     xk = tl.load(X + x_row_off[:, None] + cols[None, :] * stride_x_d,
                                  mask=rmask[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
                     s1 += tl.sum(xk, axis=1)
             mean = s1 * inv_d
             s2 = tl.zeros([BLOCK_B], dtype=tl.float32)
-            for k0 in range(0, BLOCK_D, BLOCK_K):
+            for k0 in range(0, D, BLOCK_K):
                 cols = k0 + ks
                 kmask = cols < D
                 xk = tl.load(X + x_row_off[:, None] + cols[None, :] * stride_x_d,
@@ -814,7 +821,7 @@ def ln_tanh_linear_relu_bwd_chunked(
         # -- (1) z, then dz
         z = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
         if OUT_ACT != 0:
-            for k0 in range(0, BLOCK_D, BLOCK_K):
+            for k0 in range(0, D, BLOCK_K):
                 cols = k0 + ks
                 kmask = cols < D
                 _, _, tk, _ = _chunk_norm_act(X, x_row_off, cols, kmask, rmask, f, mean, rstd, LNW, LNB, stride_x_d,
@@ -847,7 +854,7 @@ def ln_tanh_linear_relu_bwd_chunked(
             if step == 1:
                 c1 = c1 * inv_d
                 c2 = c2 * inv_d
-            for k0 in range(0, BLOCK_D, BLOCK_K):
+            for k0 in range(0, D, BLOCK_K):
                 cols = k0 + ks
                 kmask = cols < D
                 xhat, a, tk, g = _chunk_norm_act(X, x_row_off, cols, kmask, rmask, f, mean, rstd, LNW, LNB,
@@ -897,11 +904,11 @@ def ln_tanh_linear_relu_bwd_chunked(
     tl.store(part + H * D + hs, tl.sum(acc_b_rows, axis=0), mask=hmask)
     # Absent LayerNorm affine: zeros, so the reduction stays one uniform pass.
     if not HAS_LNW:
-        for k0 in range(0, BLOCK_D, BLOCK_K):
+        for k0 in range(0, D, BLOCK_K):
             cols = k0 + ks
             tl.store(part + H * D + H + cols, tl.zeros([BLOCK_K], dtype=tl.float32), mask=cols < D)
     if not HAS_LNB:
-        for k0 in range(0, BLOCK_D, BLOCK_K):
+        for k0 in range(0, D, BLOCK_K):
             cols = k0 + ks
             tl.store(part + H * D + H + D + cols, tl.zeros([BLOCK_K], dtype=tl.float32), mask=cols < D)
 

@@ -291,7 +291,8 @@ def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, s
         syf, syb,
         float(eps),
     )
-    chunked = cfg.block_k and cfg.use_dot and even_d and H <= cfg.block_h
+    # Chunks need no column masks: D a whole number of them (also a D that is not a power of two).
+    chunked = bool(cfg.block_k) and cfg.use_dot and D % cfg.block_k == 0 and H <= cfg.block_h
     norm, act, out_act = chain_codes(chain)
     meta = dict(
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
@@ -300,7 +301,7 @@ def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, s
         SAVE_STATS=save_stats, EVEN_D=even_d, EVEN_B=even_b, X_EVICT=cfg.x_evict,
         PERSISTENT=persistent, TILE_STAGES=cfg.tile_stages,
         BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
-        BLOCK_K=cfg.block_k if chunked else cfg.block_d,
+        BLOCK_K=cfg.block_k if chunked else cfg.block_d, K_CHUNKS=D // cfg.block_k if chunked else 1,
     )
     if cfg.use_dot and _FWD_PRECISION.get(_forward_unfit_key(x, weight, chain, even_d and even_b)) == "ieee":
         meta["DOT_PRECISION"] = "ieee"
@@ -514,7 +515,10 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
         FAST_TANH=_fast_tanh(x.dtype, dev.type, backward=True) and "gelu" not in (chain.activation,
                                                                                   chain.out_activation),
         LOAD_STATS=stats is not None,
-        EVEN_D=D == cfg.block_d, EVEN_B=B > 0 and B % rows_per_program == 0, X_EVICT=cfg.x_evict,
+        # The K-chunked kernel walks chunks up to D: its columns are all real when D is a whole
+        # number of chunks.
+        EVEN_D=D % cfg.block_k == 0 if chunked else D == cfg.block_d,
+        EVEN_B=B > 0 and B % rows_per_program == 0, X_EVICT=cfg.x_evict,
         BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
     )
     if chunked:
