@@ -217,6 +217,10 @@ CUDA_CASES = [
     dict(F=4, B=777, D=160, H=16, feature_dim=1, per_feature_weight=True, bias="per_feature"),  # masked D, dot
     dict(F=4, B=1024, D=256, H=64, feature_dim=0, ln="shared"),                     # chunked / persistent
     dict(F=6, B=513, D=48, H=4, feature_dim=1, strided_view=True, bias="none"),
+    # D a whole number of chunks, not a power of two: the chunked forward; fp32's chunked and
+    # bf16's wide whole-row backward at 480 (BLOCK_D 512)
+    dict(F=2, B=700, D=480, H=60, feature_dim=1, strided_view=True, ln="per_feature"),
+    dict(F=3, B=300, D=96, H=16, feature_dim=0, bias="per_feature"),
 ]
 
 

@@ -179,6 +179,16 @@ def test_wide_rows_take_the_k_chunked_backward():
     assert [(m["BLOCK_K"], m["EVEN_D"]) for kind, _, m, _ in seen if kind == "backward"] == [(32, True)]
 
 
+def test_wide_bf16_rows_take_the_whole_row_backward():
+    # A [64, 512] bf16 weight tile still fits the whole-row kernel (16-row tiles; 1.4x faster than
+    # chunks on the H100); D=480 pads to 512.
+    cfg = configs.backward_config(480, 60, torch.bfloat16, "cpu")
+    assert cfg.use_dot and not cfg.block_k and cfg.block_b == 16
+    with launch.trace_launches() as seen:
+        check_against_float64(Case(1, 20, 480, 60, ln="per_feature"), torch.bfloat16)
+    assert [("BLOCK_K" in m, m["EVEN_D"]) for kind, _, m, _ in seen if kind == "backward"] == [(False, False)]
+
+
 def test_backward_falls_back_beyond_kernel_tile():
     # The row path's [rows, H, D] product past its tile: the composite backward takes over.
     assert configs.backward_config(16384, 2, torch.float32, "cpu") is None
