@@ -6,6 +6,7 @@ stay small here: the interpreter runs numpy per program.
 """
 import pytest
 import torch
+import triton
 import triton.language as tl
 
 import recfuse
@@ -105,15 +106,18 @@ def test_k_chunked_forward_matches_float64(case, changes, dtype):
     assert seen == [(16, case.D // 16)], seen
 
 
-@pytest.mark.parametrize("D, H, dtype", [(48, 16, torch.float32), (160, 8, torch.float32), (96, 64, torch.bfloat16)])
-def test_d_not_a_power_of_two_takes_the_chunked_forward_by_default(D, H, dtype):
-    # No forced config: the heuristic chunks D (no padded columns), masked rows included (B=20).
+@pytest.mark.parametrize("D, H, dtype", [(48, 16, torch.float32), (160, 8, torch.float32), (96, 64, torch.bfloat16),
+                                         (64, 16, torch.float32)])
+def test_masked_tiles_take_the_chunked_forward_by_default(D, H, dtype):
+    # No forced config, masked rows (B=20): the heuristic chunks D where it divides into chunks
+    # (no padded columns at D=48, 96, 160), and fp32 takes chunks for masked rows at any D.
     case = Case(2, 20, D, H, feature_dim=1, ln="per_feature")
     with launch.trace_launches() as launches:
         check_against_float64(case, dtype)
-    seen = [(meta["BLOCK_K"], meta["K_CHUNKS"], meta["EVEN_D"]) for kind, _, meta, _ in launches if kind == "forward"]
+    seen = [(meta["BLOCK_K"], meta["K_CHUNKS"], meta["EVEN_D"], meta["EVEN_B"])
+            for kind, _, meta, _ in launches if kind == "forward"]
     width = configs.chunk_width(D, 32 if dtype == torch.float32 and H <= 16 else 64)
-    assert seen == [(width, D // width, False)], seen
+    assert seen == [(width, D // width, D == triton.next_power_of_2(D), False)], seen
 
 
 def test_float16_dot_path():

@@ -163,7 +163,14 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
         # and ran at 14-25% of the floor on the H100 where D = 128 and 256 ran at 50-80%.
         # 16-bit rows in 16-column chunks ran slower than padded whole rows (bf16 D=48: 289 vs
         # 217 us at H=16; fp32 D=48 173 vs 321 us): 16-bit chunks are at least 32 wide.
-        chunkable = full_tiles or (D != block_d and chunk_width(D, 64) >= (16 if dtype == torch.float32 else 32))
+        # fp32 masked rows (B not a multiple of the tile) take chunks at any D: 1.3-8x faster than
+        # whole masked rows on the H100 (D=256 H=16 419 -> 223 us, D=512 H=16 5905 -> 710);
+        # bf16 ones at power-of-two D were as often slower (D=512 H=16 227 -> 325) as faster
+        # (results/checks/ab_masked_rows_h100.json).
+        if dtype == torch.float32:
+            chunkable = full_tiles or chunk_width(D, 64) >= 16
+        else:
+            chunkable = full_tiles or (D != block_d and chunk_width(D, 64) >= 32)
         if chunkable and H <= block_h:
             if dtype == torch.float32:
                 block_k = chunk_width(D, 32 if block_h <= 16 else 64)
@@ -461,9 +468,9 @@ def forward_config(D: int, H: int, dtype: torch.dtype, device: Union[str, int], 
 def _cached_forward_config(D, H, dtype, device, full_tiles) -> ForwardConfig:
     heuristic = heuristic_forward(D, H, dtype, full_tiles)
     entry = _nearest_entry(load_table(device_slug(device)), "forward", D, H, _DTYPE_NAMES.get(dtype, ""), full_tiles)
-    if entry is not None and heuristic.block_k and D != heuristic.block_d and not entry.get("block_k"):
-        # Tuned before a D that is not a power of two could be chunked: the entry's whole-row
-        # tiles are the padded path the chunked kernel replaces.
+    if entry is not None and heuristic.block_k and not full_tiles and not entry.get("block_k"):
+        # Masked entries were tuned before masked tiles could be chunked: their whole-row tiles
+        # are the padded path (D=160 -> 256 columns) the chunked kernel replaces.
         entry = None
     cfg = config_from_entry("forward", entry, D, H, dtype, full_tiles) if entry is not None else None
     return cfg if cfg is not None else heuristic
