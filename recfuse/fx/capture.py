@@ -314,6 +314,8 @@ class _ValueProxy(Proxy):
         # (0.1-0.2 s of a 10,000-feature transform went to that collection).
         count = _unpack_count(sys._getframe(1))
         if count is not None:
+            if isinstance(self.node.meta.get(_LIVE), (tuple, list)) and hasattr(self.tracer, "_guard_count"):
+                self.tracer._guard_count(self.node, count)  # `a, b = x.split(D, 1)` of a wider x raises in the original
             return (self[i] for i in range(count))
         return self.tracer.iter(self)
 
@@ -326,7 +328,10 @@ class _ValueProxy(Proxy):
             # `len(x)` turns a size into a Python int: the graph is specialised to it, so guard it.
             self.tracer._specialise(self.node, "len", len(v))
             return len(v)
-        if isinstance(v, (tuple, list, Mapping)):
+        if isinstance(v, (tuple, list)):
+            self.tracer._guard_count(self.node, len(v))  # as in `iter`: `range(len(x.unbind(1)))`
+            return len(v)
+        if isinstance(v, Mapping):
             return len(v)
         return super().__len__()
 
@@ -734,6 +739,11 @@ class _ValueTracer(_ModeTracer):
             if isinstance(v, str) or (
                 isinstance(v, (list, tuple)) and v and all(isinstance(k, str) for k in v)
             ):
+                # ... and guarded: `kt.keys()` of a KeyedTensor in another order (a sharded EBC's)
+                # would otherwise run the graph with the example's names, zipped to other slices.
+                if node.op in ("call_method", "call_function"):
+                    self.value_guards.append((node, "strings", tuple(v) if isinstance(v, list) else v,
+                                              _expr(node), _user_frame()))
                 return v
         return p
 
@@ -870,6 +880,7 @@ class _ValueTracer(_ModeTracer):
             self._specialise(obj.node, "len", len(v))
             return iter([obj[i] for i in range(len(v))])
         if isinstance(v, (tuple, list)):
+            self._guard_count(obj.node, len(v))
             return iter([obj[i] for i in range(len(v))])
         if isinstance(v, Mapping):
             self.key_order_guards.append((obj.node, tuple(v.keys())))
@@ -903,6 +914,20 @@ class _ValueTracer(_ModeTracer):
         what = f"len({_expr(node)})" if how == "len" else _expr(node)
         self.value_guards.append((node, how, value, what, _user_frame()))
 
+    def _guard_count(self, node: Node, count: int) -> None:
+        """Guard the number of items of a tuple/list value the model's code unrolled (`for t in
+        x.split(D, 1)`, `x.unbind(1)`, `len(...)`, `a, b = ...`): the graph holds the example's
+        count, the original would follow the call's. A split's count is guarded from its source's
+        size (`runtime.piece_count`), so that the split itself need not run once it is fused."""
+        if (node, "count") in self._specialised:
+            return
+        self._specialised.add((node, "count"))
+        split = _split_pieces(node)
+        if split is False:
+            return  # a count fixed by the code: tensor_split(x, n), split(x, [sizes])
+        how = "len" if split is None else "pieces"
+        self.value_guards.append((node, how, count, f"len({_expr(node)})", _user_frame()))
+
     def _check_not_data(self, node: Node) -> None:
         """Raise `_DataDependentControlFlow` when `node`'s Python value is computed from tensor data
         rather than tensor metadata (shapes, dtype, requires_grad, ...)."""
@@ -934,6 +959,32 @@ _METADATA_METHODS = frozenset({
     "size", "dim", "ndimension", "numel", "nelement", "stride", "is_contiguous", "is_floating_point",
     "is_complex", "element_size", "get_device", "storage_offset", "is_signed", "is_inference", "has_names"})
 _METADATA_FUNCTIONS = frozenset({torch.numel, torch.is_floating_point, torch.is_complex})
+
+
+_SPLIT_FUNCTIONS = {torch.split: "split", torch.chunk: "chunk", torch.unbind: "unbind", torch.tensor_split: "tensor_split"}
+
+
+def _split_pieces(node: Node):
+    """(source, kind, size, dim) of a split-like node whose number of pieces depends on its source's
+    size, False for one whose count the code fixes, None for any other node."""
+    if node.op == "call_function":
+        kind = _SPLIT_FUNCTIONS.get(node.target)
+    elif node.op == "call_method" and node.target in ("split", "chunk", "unbind", "tensor_split", "split_with_sizes"):
+        kind = node.target
+    else:
+        return None
+    if kind is None or not node.args or not isinstance(node.args[0], Node):
+        return None
+    if kind in ("tensor_split", "split_with_sizes"):
+        return False
+    names = ("dim",) if kind == "unbind" else ("split_size_or_sections", "split_size", "chunks", "dim")
+    args = list(node.args[1:]) + [node.kwargs[k] for k in names if k in node.kwargs]
+    if kind == "unbind":
+        return node.args[0], kind, None, args[0] if args else 0
+    size = args[0] if args else None
+    if isinstance(size, (list, tuple)) or size is None:
+        return False
+    return node.args[0], kind, size, args[1] if len(args) > 1 else 0
 
 
 def _reads_metadata(n: Node) -> bool:
@@ -1089,7 +1140,8 @@ def _insert_guards(gm: GraphModule, tracer: "_ModeTracer") -> bool:
         if node.graph is not graph:
             continue
         with graph.inserting_after(node):
-            graph.call_function(runtime.check_specialized, (node, how, value, what, where))
+            graph.call_function(runtime.check_specialized, (_split_pieces(node) if how == "pieces" else node, how, value,
+                                                            what, where))
     seen = set()
     for node, keys in tracer.key_order_guards:
         if (node, keys) in seen or node.graph is not graph:

@@ -45,6 +45,8 @@ def _graph_leaf(fn, when_rebuilding: bool = False):
         tracer = _REBUILDING[-1] if when_rebuilding and _REBUILDING else None
         if tracer is None:
             for a in (*args, *kwargs.values()):
+                if isinstance(a, tuple):  # `check_specialized`'s (source, kind, size, dim) of a split
+                    a = next((x for x in a if isinstance(x, Proxy)), None)
                 if isinstance(a, Proxy):
                     tracer = a.tracer
                     break
@@ -136,7 +138,31 @@ def check_key_order(d, keys: tuple, name: str) -> None:
 
 
 
-_HOW = {"bool": bool, "int": int, "index": int, "float": float, "len": len}
+def piece_count(split: tuple) -> int:
+    """How many pieces ``torch.split``/``chunk``/``unbind`` make of a source, from its size alone:
+    ``split`` is ``(source, kind, size, dim)`` (what `capture` records of the split's node).
+
+    Example:
+        >>> import torch
+        >>> piece_count((torch.zeros(2, 40), "split", 8, 1)), piece_count((torch.zeros(0), "chunk", 3, 0))
+        (5, 3)
+    """
+    src, kind, size, dim = split
+    n = src.shape[dim]
+    if kind == "unbind":
+        return n
+    if isinstance(size, (list, tuple)):  # sizes computed at run time (`kt.length_per_key()`)
+        return len(size)
+    if kind == "chunk":
+        if n == 0:
+            return int(size)
+        step = -(-n // int(size))
+        return -(-n // step)
+    return max(1, -(-n // int(size)))
+
+
+_HOW = {"bool": bool, "int": int, "index": int, "float": float, "len": len, "pieces": piece_count,
+        "strings": lambda v: tuple(v) if isinstance(v, list) else v}  # feature names folded to constants
 
 
 @has_side_effect

@@ -1,0 +1,182 @@
+"""Red-team round 4: "never a silent wrong answer". Each test compares the transformed model (or
+FusedFeatureProcessor) with the untouched original, or checks the error that refuses the case.
+Each docstring says what the case did before its fix."""
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import recfuse
+from recfuse.errors import RecfuseError
+
+F_, D, H = 4, 8, 3
+
+
+def rnd(m):
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return m
+
+
+def assert_close(got, want, tol=1e-5):
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def reloaded(m):
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+# -- KeyedTensor.keys() was folded into the graph as a constant, unguarded -----------------------
+# A sharded EmbeddingBagCollection returns its keys in another order than the unsharded one the
+# model was transformed with. Code that zips `kt.keys()` with the pieces of `kt.values()` (split by
+# `kt.length_per_key()` or sliced by `kt.offset_per_key()`) then ran the per-feature LayerNorms of the
+# example's key order on the call's slices: each feature normalised with another feature's weights.
+
+kt_mod = pytest.importorskip("torchrec.sparse.jagged_tensor")
+KeyedTensor = kt_mod.KeyedTensor
+
+KEYS = ["f0", "f1", "f2", "f3"]
+
+
+class KeysZip(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.lns = nn.ModuleDict({k: nn.LayerNorm(D) for k in KEYS})
+        self.lin = nn.Linear(D, H)
+        rnd(self)
+
+    def forward(self, kt):
+        if self.how == "length_per_key":
+            ts = kt.values().split(kt.length_per_key(), 1)
+            hs = [torch.tanh(self.lns[k](t)) for k, t in zip(kt.keys(), ts)]
+        elif self.how == "offset_per_key":
+            v, o = kt.values(), kt.offset_per_key()
+            hs = [torch.tanh(self.lns[k](v[:, o[i]:o[i + 1]])) for i, k in enumerate(kt.keys())]
+        else:  # to_dict() read in kt.keys() order
+            d = kt.to_dict()
+            hs = [torch.tanh(self.lns[k](d[k])) for k in kt.keys()]
+        return torch.relu(self.lin(torch.stack(hs, 1)))
+
+
+def kt_of(keys, B=5):
+    return KeyedTensor(keys=list(keys), length_per_key=[D] * len(keys), values=torch.randn(B, D * len(keys)))
+
+
+@pytest.mark.parametrize("how", ["length_per_key", "offset_per_key", "to_dict"])
+def test_keyed_tensor_keys_in_another_order_are_refused(how):
+    """Before: the call with keys ['f2', 'f0', 'f3', 'f1'] returned the example order's result for
+    the new layout (max abs diff 0.59-1.6 against the original), silently."""
+    m = KeysZip(how)
+    ref = copy.deepcopy(m)
+    g = recfuse.transform(m, (kt_of(KEYS, 3),))
+    assert g.recfuse_report.groups
+    kt = kt_of(KEYS)
+    assert_close(g(kt), ref(kt))
+    other = kt_of(["f2", "f0", "f3", "f1"])
+    for gm in (g, reloaded(g)):
+        with pytest.raises(RecfuseError, match=r"kt\.keys\(\).*\('f2', 'f0', 'f3', 'f1'\)"):
+            gm(other)
+
+
+# -- the number of pieces a model iterates over was not guarded --------------------------------
+# `for t in x.split(D, 1)` / `x.unbind(1)` with one shared LayerNorm works for any number of features;
+# the graph unrolls the example's count. A call with more features returned fewer outputs (unbind)
+# or failed deep inside the op with "weight must be [H, D=10]" (split).
+
+
+class SharedNorm(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.ln = nn.LayerNorm(D)
+        self.lin = nn.Linear(D, H)
+        rnd(self)
+
+    def forward(self, x):
+        ts = x.unbind(1) if self.how == "unbind" else x.split(D, 1)
+        return torch.relu(self.lin(torch.stack([torch.tanh(self.ln(t)) for t in ts], 1)))
+
+
+@pytest.mark.parametrize("how", ["unbind", "split"])
+def test_iterating_more_pieces_than_the_example_is_refused(how):
+    """Before: unbind of a [5, 5, D] input gave a [5, 4, H] result (the original [5, 5, H]); split of
+    a [5, 5*D] input raised "weight must be [H, D=10] (or [F=4, H, D=10]), got shape [3, 8]"."""
+    m = SharedNorm(how)
+    ref = copy.deepcopy(m)
+    shape = (lambda B, f: (B, f, D)) if how == "unbind" else (lambda B, f: (B, f * D))
+    g = recfuse.transform(m, (torch.randn(*shape(3, F_)),))
+    assert g.recfuse_report.groups
+    x = torch.randn(*shape(5, F_))
+    assert_close(g(x), ref(x))
+    for f in (F_ + 1, F_ - 1):
+        with pytest.raises(RecfuseError, match=r"len\(x\.(unbind|split)\(.*to 4"):
+            g(torch.randn(*shape(5, f)))
+
+
+# -- constant-length slices that tiled the example were sized from the source at run time --------
+# Slices written with constants (`x[:, i*8:(i+1)*8]`, `narrow(1, i*8, 8)`, `ts[i]` of `split(8, 1)`)
+# of the first 4 features: on a wider input the original reads the same 32 columns; the rewrite
+# viewed the whole width as [B, 4, width/4].
+
+
+class FirstFour(nn.Module):
+    def __init__(self, how, act):
+        super().__init__()
+        self.how, self.act = how, act
+        self.lin = nn.Linear(D, H)
+        rnd(self)
+
+    def forward(self, x):
+        if self.how == "slice":
+            ts = [x[:, i * D:(i + 1) * D] for i in range(F_)]
+        elif self.how == "narrow":
+            ts = [x.narrow(1, i * D, D) for i in range(F_)]
+        else:
+            parts = x.split(D, 1)
+            ts = [parts[i] for i in range(F_)]
+        if self.act == "tanh":  # no op that checks D: a silent wrong shape
+            return torch.stack([torch.tanh(t) for t in ts], 1)
+        return torch.relu(self.lin(torch.stack([torch.tanh(F.layer_norm(t, (D,))) for t in ts], 1)))
+
+
+@pytest.mark.parametrize("how", ["slice", "narrow", "split_index"])
+@pytest.mark.parametrize("act", ["tanh", "ln_linear"])
+def test_constant_slices_of_a_wider_input_read_the_same_columns(how, act):
+    """Before: a [5, 40] input gave a [5, 4, 10] tanh result (the original [5, 4, 8]) or raised
+    "weight must be [H, D=10] ..." where the original ran."""
+    m = FirstFour(how, act)
+    ref = copy.deepcopy(m)
+    g = recfuse.transform(m, (torch.randn(3, F_ * D),))
+    assert g.recfuse_report.groups
+    for width in (F_ * D, F_ * D + D, F_ * D + 3):
+        x = torch.randn(5, width, requires_grad=True)
+        xr = x.detach().clone().requires_grad_()
+        y, yr = g(x), ref(xr)
+        assert_close(y, yr)
+        (y ** 2).sum().backward()
+        (yr ** 2).sum().backward()
+        assert_close(x.grad, xr.grad, 1e-4)
+
+
+def test_split_by_a_batch_size_still_follows_the_batch():
+    """The run-time sizing that the constant case lost is kept where the length is computed."""
+    class SplitB(nn.Module):
+        def forward(self, x):
+            return torch.stack([torch.tanh(F.layer_norm(t, (D,))) for t in x.split(x.shape[0] // F_, 0)], 1)
+
+    m = SplitB()
+    g = recfuse.transform(m, (torch.randn(3 * F_, D),))
+    assert g.recfuse_report.groups
+    x = torch.randn(5 * F_, D)
+    assert_close(g(x), m(x))
