@@ -180,3 +180,90 @@ def test_split_by_a_batch_size_still_follows_the_batch():
     assert g.recfuse_report.groups
     x = torch.randn(5 * F_, D)
     assert_close(g(x), m(x))
+
+
+# -- FusedFeatureProcessor.from_modules: one module listed for several features -----------------
+# The loop trains one LayerNorm (or Linear) for all features that use it; from_modules copied it
+# into one row per feature, which training then untied.
+
+
+def _loop(lns, lins, names, x):
+    return torch.stack([torch.relu(lins[i](torch.tanh(lns[i](t)))) for i, t in enumerate(x.split(D, 1))], 1).flatten(1)
+
+
+def _train_both(fp, loop_modules, loop_fn, steps=2):
+    torch.manual_seed(3)
+    opt_f = torch.optim.SGD(fp.parameters(), lr=0.3)
+    opt_l = torch.optim.SGD([p for m in loop_modules for p in m.parameters()], lr=0.3)
+    for _ in range(steps):
+        x = torch.randn(4, 3 * D)
+        opt_f.zero_grad()
+        opt_l.zero_grad()
+        (fp(x) ** 2).sum().backward()
+        (loop_fn(x) ** 2).sum().backward()
+        opt_f.step()
+        opt_l.step()
+    x = torch.randn(5, 3 * D)
+    with torch.no_grad():
+        assert_close(fp(x), loop_fn(x), 1e-4)
+
+
+@pytest.mark.parametrize("shared", ["layer_norm", "linear"])
+def test_from_modules_one_module_for_every_feature_trains_as_one(shared):
+    """Before: each feature got its own copy (ln_weight [3, D]); after two SGD steps the fused
+    module differed from the loop by ~0.1."""
+    rnd_ln = rnd(nn.LayerNorm(D))
+    rnd_lin = rnd(nn.Linear(D, H))
+    lns = [rnd_ln] * 3 if shared == "layer_norm" else [rnd(nn.LayerNorm(D)) for _ in range(3)]
+    lins = [rnd_lin] * 3 if shared == "linear" else [rnd(nn.Linear(D, H)) for _ in range(3)]
+    fp = recfuse.FusedFeatureProcessor.from_modules(nn.ModuleList(lns), nn.ModuleList(lins))
+    assert (fp.ln_weight.dim() == 1) == (shared == "layer_norm") and (fp.weight.dim() == 2) == (shared == "linear")
+    uniq = {id(m): m for m in lns + lins}.values()
+    _train_both(fp, uniq, lambda x: _loop(lns, lins, None, x))
+
+
+def test_from_modules_refuses_a_module_shared_by_some_features():
+    """Before: accepted, each feature's row trained on its own (a silent untying)."""
+    a, b = nn.LayerNorm(D), nn.LayerNorm(D)
+    with pytest.raises(ValueError, match=r"features '0' and '2' share one weight tensor"):
+        recfuse.FusedFeatureProcessor.from_modules([a, b, a], nn.Linear(D, H))
+    c = nn.LayerNorm(D)
+    c.weight = a.weight  # a tied parameter
+    with pytest.raises(ValueError, match=r"features '0' and '1' share one weight tensor"):
+        recfuse.FusedFeatureProcessor.from_modules([a, c], nn.Linear(D, H))
+
+
+def test_from_modules_of_no_modules_says_so():
+    """Before: IndexError: tuple index out of range."""
+    with pytest.raises(ValueError, match="at least one feature"):
+        recfuse.FusedFeatureProcessor.from_modules([], [])
+
+
+# -- FusedFeatureProcessor.load_state_dict across feature orders ----------------------------------
+# Its parameters are stacked by feature position; a checkpoint saved by a module with the same
+# features in another order loaded without error, each feature getting another feature's weights.
+
+
+@pytest.mark.parametrize("dims", [D, [D, 4, D]])
+def test_state_dict_of_another_feature_order_is_refused(dims):
+    """Before: "<All keys matched successfully>", and the per-feature outputs of 'u' and 'c' swapped."""
+    a = rnd(recfuse.FusedFeatureProcessor(["u", "i", "c"], dims, out_features=H, shared_linear=False))
+    order = ["c", "u", "i"]
+    b_dims = dims if isinstance(dims, int) else [D, D, 4]
+    b = recfuse.FusedFeatureProcessor(order, b_dims, out_features=H, shared_linear=False)
+    sd = a.state_dict()
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    for state in (sd, torch.load(buf)):
+        with pytest.raises(RuntimeError, match=r"saved by a module with features in the order \['u', 'i', 'c'\]"):
+            b.load_state_dict(state)
+        with pytest.raises(RuntimeError, match="features in the order"):
+            nn.Sequential(b).load_state_dict(nn.Sequential(a).state_dict())
+    same = recfuse.FusedFeatureProcessor(["u", "i", "c"], dims, out_features=H, shared_linear=False)
+    same.load_state_dict(sd)
+    x = torch.randn(5, a.embedding_dims and sum(a.embedding_dims))
+    assert_close(same(x), a(x))
+    shared = recfuse.FusedFeatureProcessor(order, b_dims, out_features=H, shared_layer_norm=True)
+    shared.load_state_dict(rnd(recfuse.FusedFeatureProcessor(["u", "i", "c"], dims, out_features=H,
+                                                             shared_layer_norm=True)).state_dict())  # no rows: fine
