@@ -267,3 +267,62 @@ def test_state_dict_of_another_feature_order_is_refused(dims):
     shared = recfuse.FusedFeatureProcessor(order, b_dims, out_features=H, shared_layer_norm=True)
     shared.load_state_dict(rnd(recfuse.FusedFeatureProcessor(["u", "i", "c"], dims, out_features=H,
                                                              shared_layer_norm=True)).state_dict())  # no rows: fine
+
+
+# -- an optional argument given a tensor at transform time, None at call time ---------------------
+
+
+class OptionalMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lns = nn.ModuleList([nn.LayerNorm(D) for _ in range(F_)])
+        self.lin = nn.Linear(D, H)
+        rnd(self)
+
+    def forward(self, x, mask=None):
+        y = torch.relu(self.lin(torch.stack([torch.tanh(n(t)) for n, t in zip(self.lns, x.split(D, 1))], 1)))
+        if mask is None:
+            return y + 1.0  # a None path that does not read `mask` at all
+        return y * mask
+
+
+def test_an_optional_argument_passed_at_transform_time_is_guarded_against_none():
+    """Before: g(x, None) raised "TypeError: unsupported operand type(s) for *: 'Tensor' and
+    'NoneType'" from inside the generated code (the original takes its None path)."""
+    m = OptionalMask()
+    ref = copy.deepcopy(m)
+    g = recfuse.transform(m, (torch.randn(3, F_ * D), torch.ones(3, F_, 1)))
+    assert g.recfuse_report.groups
+    x, mask = torch.randn(5, F_ * D), (torch.rand(5, F_, 1) > 0.5).float()
+    assert_close(g(x, mask), ref(x, mask))
+    for gm in (g, reloaded(g)):
+        with pytest.raises(RecfuseError, match=r"argument `mask` \(default None\) had a value"):
+            gm(x, None)
+        with pytest.raises(RecfuseError, match=r"argument `mask`"):
+            gm(x)
+
+
+# -- a KeyedTensor argument of a model that only torch._dynamo can capture -----------------------
+
+
+class Negate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return -g
+
+
+class KeysThroughFunction(KeysZip):
+    def forward(self, kt):
+        ts = Negate.apply(kt.values()).split(kt.length_per_key(), 1)
+        return torch.relu(self.lin(torch.stack([torch.tanh(self.lns[k](t)) for k, t in zip(kt.keys(), ts)], 1)))
+
+
+def test_keyed_tensor_argument_on_the_dynamo_path_is_refused_clearly():
+    """Before: ValueError "Did not find a flatten_with_keys_fn for type: <class '...KeyedTensor'>"
+    from torch's pytree, naming neither the model nor what to do."""
+    with pytest.raises(RecfuseError, match=r"cannot capture KeysThroughFunction\.forward.*KeyedTensor"):
+        recfuse.transform(KeysThroughFunction("length_per_key"), (kt_of(KEYS, 3),))

@@ -1153,7 +1153,7 @@ def _insert_guards(gm: GraphModule, tracer: "_ModeTracer") -> bool:
 
 
 _NOT_REGION_USERS = (runtime.set_grad_mode, runtime.grad_enabled, runtime.check_specialized, runtime.check_dynamo_guards,
-                     runtime.check_key_order, runtime.check_none, runtime.check_training_mode)
+                     runtime.check_key_order, runtime.check_none, runtime.check_not_none, runtime.check_training_mode)
 
 
 def _separate_grad_regions(graph: Graph) -> bool:
@@ -1195,6 +1195,22 @@ def _clone_inputs(v: Any) -> Any:
     if type(v) in (list, tuple):
         return type(v)(_clone_inputs(x) for x in v)
     return v
+
+
+def _guard_optional_arguments(gm: GraphModule, params: list, values: dict, constants: dict) -> bool:
+    """Guard arguments whose default is None but whose example value was a tensor (`mask=None`):
+    the graph holds the code path for the tensor; a call passing None would fail inside it with an
+    unrelated TypeError (or `x * None`), while the original takes its None branch."""
+    optional = {p.name for p in params if p.default is None and p.name not in constants and values.get(p.name) is not None}
+    if not optional:
+        return False
+    changed = False
+    for n in list(gm.graph.nodes):
+        if n.op == "placeholder" and n.target in optional:
+            with gm.graph.inserting_after(n):
+                gm.graph.call_function(runtime.check_not_none, (n, n.target))
+            changed = True
+    return changed
 
 
 def _finish_concrete(gm: GraphModule, constants: dict[str, Any]) -> None:
@@ -1345,6 +1361,7 @@ def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = Tr
         if example_inputs is not None and n.op != "output":
             n.meta[VAL_KEY] = live.value_info() if type(live) is deferred.Deferred else summarise(live)
     changed = _insert_guards(gm, tracer)
+    changed = _guard_optional_arguments(gm, params, values, constants) or changed
     changed = _separate_grad_regions(gm.graph) or changed
     if constants:
         _finish_concrete(gm, constants)
@@ -1485,7 +1502,13 @@ def _guard_dynamo_specialisation(gm: GraphModule, guards, names: list, args: lis
     condition that cannot be evaluated here is replaced by the example's exact metadata."""
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    with_paths, _ = torch.utils._pytree.tree_flatten_with_path((args, {}))
+    try:
+        with_paths, _ = torch.utils._pytree.tree_flatten_with_path((args, {}))
+    except Exception as e:  # a pytree node without key paths (torchrec's KeyedTensor)
+        raise RecfuseError(
+            f"cannot capture {fn_name}: torch.fx failed ({fx_error}), and the arguments passed to torch._dynamo.export "
+            f"cannot be matched to the inputs of its graph ({e}). Pass plain tensors (e.g. `kt.values()` or "
+            f"`kt.to_dict()` instead of a KeyedTensor), or make the code torch.fx can trace.") from None
     paths = tuple(_dynamo_source(names, p) for p, _ in with_paths)
     if len(paths) != len(placeholders) or not all(paths):
         raise RecfuseError(f"cannot capture {fn_name}: torch.fx failed and the inputs of the graph "

@@ -21,6 +21,7 @@ __all__ = [
     "check_module_argument",
     "check_specialized",
     "check_none",
+    "check_not_none",
     "check_dynamo_guards",
     "grad_enabled",
     "set_grad_mode",
@@ -199,6 +200,23 @@ def check_none(value, name: str) -> None:
             f"holds only the code path for None and would ignore the {type(value).__name__} passed now. "
             f"Transform with an example value for `{name}` to use it (a separate transformed module if "
             f"both cases are needed).")
+
+
+@has_side_effect
+@_graph_leaf
+def check_not_none(value, name: str) -> None:
+    """Guard of an argument with a None default that example_inputs gave a value: the graph holds
+    the code path for a value.
+
+    Example:
+        >>> check_not_none(1, "mask")
+    """
+    if value is None:
+        raise RecfuseError(
+            f"argument `{name}` (default None) had a value in recfuse.transform's example_inputs, so the "
+            f"transformed graph holds only the code path that uses it; the original would take its None path "
+            f"now. Transform with example_inputs that leave `{name}` None for that case (a separate "
+            f"transformed module if both cases are needed).")
 
 
 _DYNAMO_GUARD_CODE: dict = {}  # guard text -> its compiled code
