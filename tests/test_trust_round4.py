@@ -326,3 +326,43 @@ def test_keyed_tensor_argument_on_the_dynamo_path_is_refused_clearly():
     from torch's pytree, naming neither the model nor what to do."""
     with pytest.raises(RecfuseError, match=r"cannot capture KeysThroughFunction\.forward.*KeyedTensor"):
         recfuse.transform(KeysThroughFunction("length_per_key"), (kt_of(KEYS, 3),))
+
+
+# -- torch.where(cond, y, 0.0): the capture crashed the Python process ----------------------------
+# The traced value answers isinstance(v, torch.Tensor) as the real tensor would (round 2), and
+# torch's C++ argument parser asks the same question before __torch_function__: for an overload
+# with a Scalar parameter it then unpacked the proxy as a tensor (SIGSEGV).
+
+
+class WhereRelu(nn.Module):
+    def __init__(self, spelling):
+        super().__init__()
+        self.spelling = spelling
+        self.lns = nn.ModuleList([nn.LayerNorm(D) for _ in range(F_)])
+        self.lin = nn.Linear(D, H)
+        rnd(self)
+
+    def forward(self, x):
+        y = self.lin(torch.stack([torch.tanh(n(t)) for n, t in zip(self.lns, x.split(D, 1))], 1))
+        if self.spelling == "where":
+            return torch.where(y > 0, y, 0.0)
+        if self.spelling == "where_int":
+            return torch.where(y > 0.1, y, 0)
+        return torch.where(y > 0, y, 0.0) if isinstance(y, torch.Tensor) else y  # a type check on the same line
+
+
+@pytest.mark.parametrize("spelling", ["where", "where_int", "where_and_isinstance"])
+def test_torch_where_with_a_scalar_is_captured(spelling):
+    """Before: the process died with a segmentation fault inside recfuse.transform."""
+    m = WhereRelu(spelling)
+    ref = copy.deepcopy(m)
+    g = recfuse.transform(m, (torch.randn(3, F_ * D),))
+    assert g.recfuse_report.groups
+    x = torch.randn(5, F_ * D)
+    x.requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+    y, yr = g(x), ref(xr)
+    assert_close(y, yr)
+    (y ** 2).sum().backward()
+    (yr ** 2).sum().backward()
+    assert_close(x.grad, xr.grad, 1e-4)

@@ -342,7 +342,7 @@ class _ValueProxy(Proxy):
         v = self.node.meta.get(_LIVE)
         if isinstance(v, torch.Tensor) or type(v) is deferred.Deferred:
             f = sys._getframe(1)
-            if f.f_code is _IS_TENSOR_CODE or _is_user_code(f):
+            if f.f_code is _IS_TENSOR_CODE or (_is_user_code(f) and not _calls_a_torch_function(f)):
                 return type(v) if isinstance(v, torch.Tensor) else torch.Tensor
         return _ValueProxy
 
@@ -385,6 +385,43 @@ def _unpack_count(frame) -> Optional[int]:
 
 
 _IS_TENSOR_CODE = torch.is_tensor.__code__ if hasattr(torch.is_tensor, "__code__") else None
+_CALL_SITES: dict = {}  # (code, offset) -> whether the call there is not a type check
+_TYPE_CHECKS = frozenset({"isinstance", "issubclass", "is_tensor"})
+
+
+def _calls_a_torch_function(frame) -> bool:
+    """Whether the user code at `frame` is calling something other than a type check, so that the
+    `__class__` read comes from C: torch's argument parser calls isinstance(arg, Tensor) on every
+    argument, before `__torch_function__`, and unpacks an argument that passes as a tensor (for a
+    Scalar parameter of an overload, `torch.where(c, x, 0.0)`): a proxy there crashed the process.
+    The callee is the last name loaded at the call expression's first column (`torch.where` ->
+    `where`, `isinstance(x, T)` -> `isinstance`). Unknown (no positions: Python 3.10): False, the
+    type check's answer."""
+    key = (frame.f_code, frame.f_lasti)
+    found = _CALL_SITES.get(key)
+    if found is None:
+        found = _CALL_SITES[key] = _callee_is_not_a_type_check(frame.f_code, frame.f_lasti)
+    return found
+
+
+def _callee_is_not_a_type_check(code, offset: int) -> bool:
+    try:
+        instructions = list(dis.get_instructions(code))
+        current = next((i for i in instructions if i.offset == offset), None)
+        pos = getattr(current, "positions", None)
+        if current is None or not current.opname.startswith("CALL") or pos is None or pos.col_offset is None:
+            return False
+        name = None
+        for i in instructions:
+            if i.offset >= offset:
+                break
+            p = i.positions
+            if (p is not None and (p.lineno, p.col_offset) == (pos.lineno, pos.col_offset)
+                    and i.opname.startswith("LOAD_") and isinstance(i.argval, str)):
+                name = i.argval
+        return name is not None and name not in _TYPE_CHECKS
+    except Exception:  # pragma: no cover - bytecode this reading does not know
+        return False
 
 
 class _TracedTypeMeta(type):
