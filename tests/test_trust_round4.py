@@ -366,3 +366,43 @@ def test_torch_where_with_a_scalar_is_captured(spelling):
     (y ** 2).sum().backward()
     (yr ** 2).sum().backward()
     assert_close(x.grad, xr.grad, 1e-4)
+
+
+# -- a model that already uses FusedFeatureProcessor on a KeyedTensor ----------------------------
+
+
+class PartlyMigrated(nn.Module):
+    """Some features through FusedFeatureProcessor, the others still a per-feature loop."""
+
+    def __init__(self):
+        super().__init__()
+        self.fp = recfuse.FusedFeatureProcessor(KEYS, D, out_features=H)
+        self.lns = nn.ModuleList([nn.LayerNorm(D) for _ in range(F_)])
+        self.lin = nn.Linear(D, H)
+        rnd(self)
+
+    def forward(self, kt):
+        loop = torch.relu(self.lin(torch.stack([torch.tanh(n(t)) for n, t in zip(self.lns, kt.values().split(D, 1))], 1)))
+        return self.fp(kt).values() + loop.flatten(1)
+
+
+def test_a_fused_feature_processor_inside_the_model_is_kept_as_one_call():
+    """Before: RecfuseError "torch.fx failed (input must be a torchrec KeyedTensor ..., got KeyedTensor)"
+    then torch's pytree ValueError: torch.fx traced into the module with a stand-in for the KeyedTensor."""
+    m = PartlyMigrated()
+    ref = copy.deepcopy(m)
+    g = recfuse.transform(m, (kt_of(KEYS, 3),))
+    assert g.recfuse_report.groups
+    kt = kt_of(KEYS)
+    for gm in (g, reloaded(g)):
+        assert_close(gm(kt), ref(kt))
+    opt_g, opt_r = torch.optim.SGD(g.parameters(), lr=0.3), torch.optim.SGD(ref.parameters(), lr=0.3)
+    for _ in range(2):
+        kt = kt_of(KEYS, 4)
+        for model, opt in ((g, opt_g), (ref, opt_r)):
+            opt.zero_grad()
+            (model(kt) ** 2).sum().backward()
+            opt.step()
+    kt = kt_of(["f1", "f0", "f3", "f2"])  # the module reads keys by name: any order
+    with torch.no_grad():
+        assert_close(g(kt), ref(kt), 1e-4)

@@ -572,6 +572,13 @@ class _ModeTracer(Tracer):
     # there, so nothing runs their code; a bool read from a leaf would be baked otherwise).
     proxy_every_flag = False
 
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        # recfuse's own FusedFeatureProcessor is already fused, and reads a KeyedTensor argument
+        # (which a traced value only stands for): one call_module node, run as it is.
+        from ..module import FusedFeatureProcessor
+
+        return isinstance(m, FusedFeatureProcessor) or super().is_leaf_module(m, module_qualified_name)
+
     def __init__(self):
         super().__init__()
         # Buffers read through `self.name` become get_attr nodes, not constants baked from their
