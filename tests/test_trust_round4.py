@@ -406,3 +406,46 @@ def test_a_fused_feature_processor_inside_the_model_is_kept_as_one_call():
     kt = kt_of(["f1", "f0", "f3", "f2"])  # the module reads keys by name: any order
     with torch.no_grad():
         assert_close(g(kt), ref(kt), 1e-4)
+
+
+# -- a split into fixed sizes raises in the original on a wider input; fused, it no longer ran -----
+# `kt.values().split(self.dims, 1)` is the model's check that the KeyedTensor holds exactly its
+# features: a KeyedTensor with one more key (in the middle) raises in the original. The fused graph
+# read the first 32 columns as the 4 features instead, silently.
+
+
+class FixedSizes(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.dims = [D] * F_
+        self.lns = nn.ModuleList([nn.LayerNorm(D) for _ in range(F_)])
+        self.lin = nn.Linear(D, H)
+        rnd(self)
+
+    def forward(self, x):
+        if self.how == "split":
+            ts = x.split(self.dims, 1)
+        elif self.how == "split_with_sizes":
+            ts = x.split_with_sizes(self.dims, 1)
+        else:
+            ts = torch.tensor_split(x, [D, 2 * D, 3 * D], 1)
+        return torch.relu(self.lin(torch.stack([torch.tanh(n(ts[i])) for i, n in enumerate(self.lns)], 1)))
+
+
+@pytest.mark.parametrize("how", ["split", "split_with_sizes", "tensor_split"])
+def test_split_into_fixed_sizes_keeps_its_size_check(how):
+    """Before: a [5, 40] input (an extra feature) gave a [5, 4, 3] result from the first 32 columns
+    where the original raises (split sizes must sum to the dim; tensor_split's last piece is 16 wide)."""
+    m = FixedSizes(how)
+    ref = copy.deepcopy(m)
+    g = recfuse.transform(m, (torch.randn(3, F_ * D),))
+    assert g.recfuse_report.groups
+    x = torch.randn(5, F_ * D)
+    assert_close(g(x), ref(x))
+    wide = torch.randn(5, F_ * D + D)
+    with pytest.raises(RuntimeError):
+        ref(wide)
+    for gm in (g, reloaded(g)):
+        with pytest.raises(RecfuseError, match=r"the size of dim 1 of x .* to 32"):
+            gm(wide)

@@ -778,6 +778,8 @@ class _ValueTracer(_ModeTracer):
         if kind != "output":
             node.meta[_LIVE] = self._execute(node)
             v = node.meta[_LIVE]
+            if kind in ("call_function", "call_method") and isinstance(v, tuple):
+                self._guard_split_sizes(node)
             # Strings and lists of strings (feature keys) are folded to constants so that user
             # code can loop over them; ints stay symbolic so batch sizes are not baked in.
             if isinstance(v, str) or (
@@ -972,6 +974,25 @@ class _ValueTracer(_ModeTracer):
         how = "len" if split is None else "pieces"
         self.value_guards.append((node, how, count, f"len({_expr(node)})", _user_frame()))
 
+    def _guard_split_sizes(self, node: Node) -> None:
+        """`x.split([8, 8, 8, 8], 1)` (or `split_with_sizes`, `tensor_split(x, [8, 16, 24], 1)`) raises
+        in the original when x's dim is not the sizes' sum (or gives a last piece of another length):
+        once fused, the split no longer runs, so its source's size is guarded."""
+        split = _split_pieces(node)
+        if split is not False or node.target not in ("split", "split_with_sizes", "tensor_split", torch.split,
+                                                     torch.tensor_split):
+            return
+        src = node.args[0]
+        names = ("split_size_or_sections", "split_size", "split_sizes", "indices_or_sections", "indices", "sections",
+                 "dim")
+        args = list(node.args[1:]) + [node.kwargs[k] for k in names if k in node.kwargs]
+        dim = args[1] if len(args) > 1 else 0
+        sv = src.meta.get(_LIVE)
+        if not args or not isinstance(args[0], (list, tuple)) or not isinstance(dim, int) or not isinstance(sv, torch.Tensor) or not -sv.dim() <= dim < sv.dim():
+            return
+        what = f"the size of dim {dim} of {_expr(src)} (which `{_expr(node)}` splits)"
+        self.value_guards.append((node, "size", sv.shape[dim], what, _user_frame()))
+
     def _check_not_data(self, node: Node) -> None:
         """Raise `_DataDependentControlFlow` when `node`'s Python value is computed from tensor data
         rather than tensor metadata (shapes, dtype, requires_grad, ...)."""
@@ -1029,6 +1050,13 @@ def _split_pieces(node: Node):
     if isinstance(size, (list, tuple)) or size is None:
         return False
     return node.args[0], kind, size, args[1] if len(args) > 1 else 0
+
+
+def _split_source(node: Node) -> tuple:
+    """(source, dim) of a split whose sizes the code fixes (see `_guard_split_sizes`)."""
+    args = list(node.args[1:]) + [v for k, v in node.kwargs.items() if k != "dim"] + (
+        [node.kwargs["dim"]] if "dim" in node.kwargs else [])
+    return node.args[0], args[1] if len(args) > 1 else 0
 
 
 def _reads_metadata(n: Node) -> bool:
@@ -1184,8 +1212,8 @@ def _insert_guards(gm: GraphModule, tracer: "_ModeTracer") -> bool:
         if node.graph is not graph:
             continue
         with graph.inserting_after(node):
-            graph.call_function(runtime.check_specialized, (_split_pieces(node) if how == "pieces" else node, how, value,
-                                                            what, where))
+            arg = _split_pieces(node) if how == "pieces" else _split_source(node) if how == "size" else node
+            graph.call_function(runtime.check_specialized, (arg, how, value, what, where))
     seen = set()
     for node, keys in tracer.key_order_guards:
         if (node, keys) in seen or node.graph is not graph:

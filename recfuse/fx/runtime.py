@@ -163,6 +163,7 @@ def piece_count(split: tuple) -> int:
 
 
 _HOW = {"bool": bool, "int": int, "index": int, "float": float, "len": len, "pieces": piece_count,
+        "size": lambda src_dim: src_dim[0].shape[src_dim[1]],  # (source, dim) of a split of fixed sizes
         "strings": lambda v: tuple(v) if isinstance(v, list) else v}  # feature names folded to constants
 
 
