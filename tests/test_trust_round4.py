@@ -449,3 +449,24 @@ def test_split_into_fixed_sizes_keeps_its_size_check(how):
     for gm in (g, reloaded(g)):
         with pytest.raises(RecfuseError, match=r"the size of dim 1 of x .* to 32"):
             gm(wide)
+
+
+# -- torch.jit.script-ed submodules: the transform's deep copy disconnected their parameters -------
+
+
+class ScriptedNorms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lns = nn.ModuleList([torch.jit.script(nn.LayerNorm(D)) for _ in range(F_)])
+        self.lin = nn.Linear(D, H)
+
+    def forward(self, x):
+        return torch.relu(self.lin(torch.stack([torch.tanh(n(t)) for n, t in zip(self.lns, x.split(D, 1))], 1)))
+
+
+def test_scripted_submodules_are_refused():
+    """Before: transformed (the LayerNorms kept as calls of the copied ScriptModules), but the copy's
+    LayerNorm parameters got no gradient (grad None after backward, the original's did) and
+    changing them did not change the output: training silently froze them."""
+    with pytest.raises(RecfuseError, match=r"`lns\.0` is a torch\.jit\.ScriptModule"):
+        recfuse.transform(ScriptedNorms(), (torch.randn(3, F_ * D),))

@@ -149,6 +149,15 @@ def _refuse_lazy(module: Optional[nn.Module], fn_name: str) -> None:
     first call will, so the two would compute with different weights."""
     if module is None:
         return
+    for name, m in module.named_modules():
+        if isinstance(m, torch.jit.ScriptModule):
+            # copy.deepcopy of a scripted module gives parameters that are not leaves, or not the
+            # tensors its compiled code reads: the copy's would get no gradients and ignore updates.
+            raise RecfuseError(
+                f"cannot transform {fn_name}: `{name or type(module).__name__}` is a torch.jit.ScriptModule; "
+                f"recfuse.transform works on a deep copy of the model, and a copy of a scripted module does not "
+                f"keep its parameters connected to its compiled code (training would not reach them). Transform "
+                f"the eager module, before torch.jit.script.")
     for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
         if isinstance(t, nn.parameter.UninitializedTensorMixin):
             raise RecfuseError(
