@@ -997,7 +997,8 @@ class _ValueTracer(_ModeTracer):
         args = list(node.args[1:]) + [node.kwargs[k] for k in names if k in node.kwargs]
         dim = args[1] if len(args) > 1 else 0
         sv = src.meta.get(_LIVE)
-        if not args or not isinstance(args[0], (list, tuple)) or not isinstance(dim, int) or not isinstance(sv, torch.Tensor) or not -sv.dim() <= dim < sv.dim():
+        if (not args or not isinstance(args[0], (list, tuple)) or not isinstance(dim, int)
+                or not isinstance(sv, torch.Tensor) or not -sv.dim() <= dim < sv.dim()):
             return
         what = f"the size of dim {dim} of {_expr(src)} (which `{_expr(node)}` splits)"
         self.value_guards.append((node, "size", sv.shape[dim], what, _user_frame()))
@@ -1035,7 +1036,8 @@ _METADATA_METHODS = frozenset({
 _METADATA_FUNCTIONS = frozenset({torch.numel, torch.is_floating_point, torch.is_complex})
 
 
-_SPLIT_FUNCTIONS = {torch.split: "split", torch.chunk: "chunk", torch.unbind: "unbind", torch.tensor_split: "tensor_split"}
+_SPLIT_FUNCTIONS = {torch.split: "split", torch.chunk: "chunk", torch.unbind: "unbind",
+                    torch.tensor_split: "tensor_split"}
 
 
 def _split_pieces(node: Node):
@@ -1234,7 +1236,8 @@ def _insert_guards(gm: GraphModule, tracer: "_ModeTracer") -> bool:
 
 
 _NOT_REGION_USERS = (runtime.set_grad_mode, runtime.grad_enabled, runtime.check_specialized, runtime.check_dynamo_guards,
-                     runtime.check_key_order, runtime.check_none, runtime.check_not_none, runtime.check_training_mode)
+                     runtime.check_key_order, runtime.check_none, runtime.check_not_none,
+                     runtime.check_training_mode)
 
 
 def _separate_grad_regions(graph: Graph) -> bool:
@@ -1282,7 +1285,8 @@ def _guard_optional_arguments(gm: GraphModule, params: list, values: dict, const
     """Guard arguments whose default is None but whose example value was a tensor (`mask=None`):
     the graph holds the code path for the tensor; a call passing None would fail inside it with an
     unrelated TypeError (or `x * None`), while the original takes its None branch."""
-    optional = {p.name for p in params if p.default is None and p.name not in constants and values.get(p.name) is not None}
+    optional = {p.name for p in params
+                if p.default is None and p.name not in constants and values.get(p.name) is not None}
     if not optional:
         return False
     changed = False

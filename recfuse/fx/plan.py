@@ -423,7 +423,8 @@ def _source_plan(chains: list) -> tuple:
             # Slices that tile the whole dim are sized from the source at run time (-1): the
             # dim may be the batch (split of [F*B, D] on dim 0).
             count = max(idx) + 1
-            if length is not None and base == 0 and count * L == src_shape[i0.dim] and _sized_at_run_time(chains[0].start):
+            if (length is not None and base == 0 and count * L == src_shape[i0.dim]
+                    and _sized_at_run_time(chains[0].start)):
                 length = -1
             d = i0.dim
             if i0.kind == "range":
