@@ -470,3 +470,46 @@ def test_scripted_submodules_are_refused():
     changing them did not change the output: training silently froze them."""
     with pytest.raises(RecfuseError, match=r"`lns\.0` is a torch\.jit\.ScriptModule"):
         recfuse.transform(ScriptedNorms(), (torch.randn(3, F_ * D),))
+
+
+# -- a branch on `.requires_grad`: capture computed values under no_grad --------------------------
+# An intermediate's requires_grad was always False in capture (and an input's example was detached),
+# so the branch was specialised to False, its guard citing a wrong "value on example_inputs", and
+# every training call of the model was refused.
+
+
+class RequiresGradBranch(nn.Module):
+    def __init__(self, where):
+        super().__init__()
+        self.where = where
+        self.lns = nn.ModuleList([nn.LayerNorm(D) for _ in range(F_)])
+        self.lin = nn.Linear(D, H)
+        rnd(self)
+
+    def forward(self, x):
+        y = torch.relu(self.lin(torch.stack([torch.tanh(n(t)) for n, t in zip(self.lns, x.split(D, 1))], 1)))
+        probe = x if self.where == "input" else y
+        return y * 2.0 if probe.requires_grad else y  # e.g. a loss scale applied only when training
+
+
+@pytest.mark.parametrize("where", ["input", "intermediate"])
+def test_a_branch_on_requires_grad_follows_the_example(where):
+    """Before: transformed with an example requiring grad (or any example, for the intermediate),
+    every call with gradients was refused: "specialised ... requires_grad to False, its value on
+    example_inputs" (it was True)."""
+    m = RequiresGradBranch(where)
+    ref = copy.deepcopy(m)
+    g = recfuse.transform(m, (torch.randn(3, F_ * D, requires_grad=True),))
+    x = torch.randn(5, F_ * D, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    y, yr = g(x), ref(xr)
+    assert_close(y, yr)
+    (y ** 2).sum().backward()
+    (yr ** 2).sum().backward()
+    assert_close(x.grad, xr.grad, 1e-4)
+    with pytest.raises(RecfuseError, match=r"requires_grad to True"):  # the original takes the other branch
+        if where == "input":
+            g(x.detach())
+        else:
+            with torch.no_grad():
+                g(x)

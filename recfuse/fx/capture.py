@@ -828,6 +828,9 @@ class _ValueTracer(_ModeTracer):
             if _MODE in node.meta:
                 return node.meta[_MODE][1]
             return _resolve_attr(self.root, node.target)
+        if (op == "call_function" and node.target is builtins.getattr and len(node.args) == 2
+                and node.args[1] == "requires_grad" and isinstance(node.args[0], Node)):
+            return self._would_require_grad(node.args[0])
         args = self._live_arg(node.args)
         kwargs = {k: self._live_arg(v) for k, v in node.kwargs.items()} if node.kwargs else {}
         if op == "call_function" and node.target in _GRAD_MODE_FNS:
@@ -849,6 +852,41 @@ class _ValueTracer(_ModeTracer):
                 args = self._live_arg(node.args)
                 kwargs = {k: self._live_arg(v) for k, v in node.kwargs.items()} if node.kwargs else {}
         return self._run(node, args, kwargs)
+
+    def _would_require_grad(self, node: Node) -> bool:
+        """`node`'s value's requires_grad in an eager run. Capture computes values under no_grad,
+        so an intermediate's own flag is always False: a branch on `y.requires_grad` was specialised
+        (and guarded) to False, which refused every training call. Autograd's rule instead: a
+        floating result requires grad when grad mode is on (the mode where the model's code reads
+        the flag) and a tensor it was computed from does (an input, a parameter, a module's
+        parameter); `detach` ends it."""
+        grad = torch.is_grad_enabled()
+        stack = [node]
+        while stack:
+            n = stack[-1]
+            if "recfuse_rg" in n.meta:
+                stack.pop()
+                continue
+            v = n.meta.get(_LIVE)
+            tensor = isinstance(v, torch.Tensor) or type(v) is deferred.Deferred
+            if not tensor:
+                n.meta["recfuse_rg"] = False
+            elif n.op in ("placeholder", "get_attr"):
+                n.meta["recfuse_rg"] = bool(getattr(v, "requires_grad", False))
+            elif (not grad or not (v.dtype.is_floating_point or v.dtype.is_complex)
+                  or n.target in (torch.detach, "detach", "detach_")):
+                n.meta["recfuse_rg"] = False
+            else:
+                todo = [a for a in n.all_input_nodes if "recfuse_rg" not in a.meta]
+                if todo:
+                    stack.extend(todo)
+                    continue
+                r = any(a.meta["recfuse_rg"] for a in n.all_input_nodes)
+                if not r and n.op == "call_module":
+                    r = any(p.requires_grad for p in self._submodule(n.target).parameters())
+                n.meta["recfuse_rg"] = r
+            stack.pop()
+        return node.meta["recfuse_rg"]
 
     def _run(self, node: Node, args: tuple, kwargs: dict, errors: bool = True) -> Any:
         """Run `node`'s op on values (never proxies); `errors=False` lets its exception through."""
@@ -1271,7 +1309,8 @@ def _is_constant(v: Any) -> bool:
 
 def _clone_inputs(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
-        return v.detach().clone()
+        c = v.detach().clone()
+        return c.requires_grad_() if v.requires_grad else c  # read by `x.requires_grad` in the model's code
     if isinstance(v, Mapping):
         return type(v)((k, _clone_inputs(x)) for k, x in v.items()) if type(v) is dict else {
             k: _clone_inputs(x) for k, x in v.items()
