@@ -262,7 +262,7 @@ def test_state_dict_of_another_feature_order_is_refused(dims):
             nn.Sequential(b).load_state_dict(nn.Sequential(a).state_dict())
     same = recfuse.FusedFeatureProcessor(["u", "i", "c"], dims, out_features=H, shared_linear=False)
     same.load_state_dict(sd)
-    x = torch.randn(5, a.embedding_dims and sum(a.embedding_dims))
+    x = torch.randn(5, sum(a.embedding_dims))
     assert_close(same(x), a(x))
     shared = recfuse.FusedFeatureProcessor(order, b_dims, out_features=H, shared_layer_norm=True)
     shared.load_state_dict(rnd(recfuse.FusedFeatureProcessor(["u", "i", "c"], dims, out_features=H,
