@@ -149,6 +149,15 @@ def _refuse_lazy(module: Optional[nn.Module], fn_name: str) -> None:
     first call will, so the two would compute with different weights."""
     if module is None:
         return
+    for name, m in module.named_modules():
+        if isinstance(m, torch.jit.ScriptModule):
+            # copy.deepcopy of a scripted module gives parameters that are not leaves, or not the
+            # tensors its compiled code reads: the copy's would get no gradients and ignore updates.
+            raise RecfuseError(
+                f"cannot transform {fn_name}: `{name or type(module).__name__}` is a torch.jit.ScriptModule; "
+                f"recfuse.transform works on a deep copy of the model, and a copy of a scripted module does not "
+                f"keep its parameters connected to its compiled code (training would not reach them). Transform "
+                f"the eager module, before torch.jit.script.")
     for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
         if isinstance(t, nn.parameter.UninitializedTensorMixin):
             raise RecfuseError(
@@ -314,6 +323,8 @@ class _ValueProxy(Proxy):
         # (0.1-0.2 s of a 10,000-feature transform went to that collection).
         count = _unpack_count(sys._getframe(1))
         if count is not None:
+            if isinstance(self.node.meta.get(_LIVE), (tuple, list)) and hasattr(self.tracer, "_guard_count"):
+                self.tracer._guard_count(self.node, count)  # `a, b = x.split(D, 1)` of a wider x raises in the original
             return (self[i] for i in range(count))
         return self.tracer.iter(self)
 
@@ -326,7 +337,10 @@ class _ValueProxy(Proxy):
             # `len(x)` turns a size into a Python int: the graph is specialised to it, so guard it.
             self.tracer._specialise(self.node, "len", len(v))
             return len(v)
-        if isinstance(v, (tuple, list, Mapping)):
+        if isinstance(v, (tuple, list)):
+            self.tracer._guard_count(self.node, len(v))  # as in `iter`: `range(len(x.unbind(1)))`
+            return len(v)
+        if isinstance(v, Mapping):
             return len(v)
         return super().__len__()
 
@@ -337,7 +351,7 @@ class _ValueProxy(Proxy):
         v = self.node.meta.get(_LIVE)
         if isinstance(v, torch.Tensor) or type(v) is deferred.Deferred:
             f = sys._getframe(1)
-            if f.f_code is _IS_TENSOR_CODE or _is_user_code(f):
+            if f.f_code is _IS_TENSOR_CODE or (_is_user_code(f) and not _calls_a_torch_function(f)):
                 return type(v) if isinstance(v, torch.Tensor) else torch.Tensor
         return _ValueProxy
 
@@ -380,6 +394,43 @@ def _unpack_count(frame) -> Optional[int]:
 
 
 _IS_TENSOR_CODE = torch.is_tensor.__code__ if hasattr(torch.is_tensor, "__code__") else None
+_CALL_SITES: dict = {}  # (code, offset) -> whether the call there is not a type check
+_TYPE_CHECKS = frozenset({"isinstance", "issubclass", "is_tensor"})
+
+
+def _calls_a_torch_function(frame) -> bool:
+    """Whether the user code at `frame` is calling something other than a type check, so that the
+    `__class__` read comes from C: torch's argument parser calls isinstance(arg, Tensor) on every
+    argument, before `__torch_function__`, and unpacks an argument that passes as a tensor (for a
+    Scalar parameter of an overload, `torch.where(c, x, 0.0)`): a proxy there crashed the process.
+    The callee is the last name loaded at the call expression's first column (`torch.where` ->
+    `where`, `isinstance(x, T)` -> `isinstance`). Unknown (no positions: Python 3.10): False, the
+    type check's answer."""
+    key = (frame.f_code, frame.f_lasti)
+    found = _CALL_SITES.get(key)
+    if found is None:
+        found = _CALL_SITES[key] = _callee_is_not_a_type_check(frame.f_code, frame.f_lasti)
+    return found
+
+
+def _callee_is_not_a_type_check(code, offset: int) -> bool:
+    try:
+        instructions = list(dis.get_instructions(code))
+        current = next((i for i in instructions if i.offset == offset), None)
+        pos = getattr(current, "positions", None)
+        if current is None or not current.opname.startswith("CALL") or pos is None or pos.col_offset is None:
+            return False
+        name = None
+        for i in instructions:
+            if i.offset >= offset:
+                break
+            p = i.positions
+            if (p is not None and (p.lineno, p.col_offset) == (pos.lineno, pos.col_offset)
+                    and i.opname.startswith("LOAD_") and isinstance(i.argval, str)):
+                name = i.argval
+        return name is not None and name not in _TYPE_CHECKS
+    except Exception:  # pragma: no cover - bytecode this reading does not know
+        return False
 
 
 class _TracedTypeMeta(type):
@@ -529,6 +580,13 @@ class _ModeTracer(Tracer):
     # Rebuilding a saved module: every module's flag is read at run time (all modules are leaves
     # there, so nothing runs their code; a bool read from a leaf would be baked otherwise).
     proxy_every_flag = False
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        # recfuse's own FusedFeatureProcessor is already fused, and reads a KeyedTensor argument
+        # (which a traced value only stands for): one call_module node, run as it is.
+        from ..module import FusedFeatureProcessor
+
+        return isinstance(m, FusedFeatureProcessor) or super().is_leaf_module(m, module_qualified_name)
 
     def __init__(self):
         super().__init__()
@@ -729,11 +787,18 @@ class _ValueTracer(_ModeTracer):
         if kind != "output":
             node.meta[_LIVE] = self._execute(node)
             v = node.meta[_LIVE]
+            if kind in ("call_function", "call_method") and isinstance(v, tuple):
+                self._guard_split_sizes(node)
             # Strings and lists of strings (feature keys) are folded to constants so that user
             # code can loop over them; ints stay symbolic so batch sizes are not baked in.
             if isinstance(v, str) or (
                 isinstance(v, (list, tuple)) and v and all(isinstance(k, str) for k in v)
             ):
+                # ... and guarded: `kt.keys()` of a KeyedTensor in another order (a sharded EBC's)
+                # would otherwise run the graph with the example's names, zipped to other slices.
+                if node.op in ("call_method", "call_function"):
+                    self.value_guards.append((node, "strings", tuple(v) if isinstance(v, list) else v,
+                                              _expr(node), _user_frame()))
                 return v
         return p
 
@@ -763,6 +828,9 @@ class _ValueTracer(_ModeTracer):
             if _MODE in node.meta:
                 return node.meta[_MODE][1]
             return _resolve_attr(self.root, node.target)
+        if (op == "call_function" and node.target is builtins.getattr and len(node.args) == 2
+                and node.args[1] == "requires_grad" and isinstance(node.args[0], Node)):
+            return self._would_require_grad(node.args[0])
         args = self._live_arg(node.args)
         kwargs = {k: self._live_arg(v) for k, v in node.kwargs.items()} if node.kwargs else {}
         if op == "call_function" and node.target in _GRAD_MODE_FNS:
@@ -784,6 +852,41 @@ class _ValueTracer(_ModeTracer):
                 args = self._live_arg(node.args)
                 kwargs = {k: self._live_arg(v) for k, v in node.kwargs.items()} if node.kwargs else {}
         return self._run(node, args, kwargs)
+
+    def _would_require_grad(self, node: Node) -> bool:
+        """`node`'s value's requires_grad in an eager run. Capture computes values under no_grad,
+        so an intermediate's own flag is always False: a branch on `y.requires_grad` was specialised
+        (and guarded) to False, which refused every training call. Autograd's rule instead: a
+        floating result requires grad when grad mode is on (the mode where the model's code reads
+        the flag) and a tensor it was computed from does (an input, a parameter, a module's
+        parameter); `detach` ends it."""
+        grad = torch.is_grad_enabled()
+        stack = [node]
+        while stack:
+            n = stack[-1]
+            if "recfuse_rg" in n.meta:
+                stack.pop()
+                continue
+            v = n.meta.get(_LIVE)
+            tensor = isinstance(v, torch.Tensor) or type(v) is deferred.Deferred
+            if not tensor:
+                n.meta["recfuse_rg"] = False
+            elif n.op in ("placeholder", "get_attr"):
+                n.meta["recfuse_rg"] = bool(getattr(v, "requires_grad", False))
+            elif (not grad or not (v.dtype.is_floating_point or v.dtype.is_complex)
+                  or n.target in (torch.detach, "detach", "detach_")):
+                n.meta["recfuse_rg"] = False
+            else:
+                todo = [a for a in n.all_input_nodes if "recfuse_rg" not in a.meta]
+                if todo:
+                    stack.extend(todo)
+                    continue
+                r = any(a.meta["recfuse_rg"] for a in n.all_input_nodes)
+                if not r and n.op == "call_module":
+                    r = any(p.requires_grad for p in self._submodule(n.target).parameters())
+                n.meta["recfuse_rg"] = r
+            stack.pop()
+        return node.meta["recfuse_rg"]
 
     def _run(self, node: Node, args: tuple, kwargs: dict, errors: bool = True) -> Any:
         """Run `node`'s op on values (never proxies); `errors=False` lets its exception through."""
@@ -870,6 +973,7 @@ class _ValueTracer(_ModeTracer):
             self._specialise(obj.node, "len", len(v))
             return iter([obj[i] for i in range(len(v))])
         if isinstance(v, (tuple, list)):
+            self._guard_count(obj.node, len(v))
             return iter([obj[i] for i in range(len(v))])
         if isinstance(v, Mapping):
             self.key_order_guards.append((obj.node, tuple(v.keys())))
@@ -903,6 +1007,40 @@ class _ValueTracer(_ModeTracer):
         what = f"len({_expr(node)})" if how == "len" else _expr(node)
         self.value_guards.append((node, how, value, what, _user_frame()))
 
+    def _guard_count(self, node: Node, count: int) -> None:
+        """Guard the number of items of a tuple/list value the model's code unrolled (`for t in
+        x.split(D, 1)`, `x.unbind(1)`, `len(...)`, `a, b = ...`): the graph holds the example's
+        count, the original would follow the call's. A split's count is guarded from its source's
+        size (`runtime.piece_count`), so that the split itself need not run once it is fused."""
+        if (node, "count") in self._specialised:
+            return
+        self._specialised.add((node, "count"))
+        split = _split_pieces(node)
+        if split is False:
+            return  # a count fixed by the code: tensor_split(x, n), split(x, [sizes])
+        how = "len" if split is None else "pieces"
+        self.value_guards.append((node, how, count, f"len({_expr(node)})", _user_frame()))
+
+    def _guard_split_sizes(self, node: Node) -> None:
+        """`x.split([8, 8, 8, 8], 1)` (or `split_with_sizes`, `tensor_split(x, [8, 16, 24], 1)`) raises
+        in the original when x's dim is not the sizes' sum (or gives a last piece of another length):
+        once fused, the split no longer runs, so its source's size is guarded."""
+        split = _split_pieces(node)
+        if split is not False or node.target not in ("split", "split_with_sizes", "tensor_split", torch.split,
+                                                     torch.tensor_split):
+            return
+        src = node.args[0]
+        names = ("split_size_or_sections", "split_size", "split_sizes", "indices_or_sections", "indices", "sections",
+                 "dim")
+        args = list(node.args[1:]) + [node.kwargs[k] for k in names if k in node.kwargs]
+        dim = args[1] if len(args) > 1 else 0
+        sv = src.meta.get(_LIVE)
+        if (not args or not isinstance(args[0], (list, tuple)) or not isinstance(dim, int)
+                or not isinstance(sv, torch.Tensor) or not -sv.dim() <= dim < sv.dim()):
+            return
+        what = f"the size of dim {dim} of {_expr(src)} (which `{_expr(node)}` splits)"
+        self.value_guards.append((node, "size", sv.shape[dim], what, _user_frame()))
+
     def _check_not_data(self, node: Node) -> None:
         """Raise `_DataDependentControlFlow` when `node`'s Python value is computed from tensor data
         rather than tensor metadata (shapes, dtype, requires_grad, ...)."""
@@ -934,6 +1072,40 @@ _METADATA_METHODS = frozenset({
     "size", "dim", "ndimension", "numel", "nelement", "stride", "is_contiguous", "is_floating_point",
     "is_complex", "element_size", "get_device", "storage_offset", "is_signed", "is_inference", "has_names"})
 _METADATA_FUNCTIONS = frozenset({torch.numel, torch.is_floating_point, torch.is_complex})
+
+
+_SPLIT_FUNCTIONS = {torch.split: "split", torch.chunk: "chunk", torch.unbind: "unbind",
+                    torch.tensor_split: "tensor_split"}
+
+
+def _split_pieces(node: Node):
+    """(source, kind, size, dim) of a split-like node whose number of pieces depends on its source's
+    size, False for one whose count the code fixes, None for any other node."""
+    if node.op == "call_function":
+        kind = _SPLIT_FUNCTIONS.get(node.target)
+    elif node.op == "call_method" and node.target in ("split", "chunk", "unbind", "tensor_split", "split_with_sizes"):
+        kind = node.target
+    else:
+        return None
+    if kind is None or not node.args or not isinstance(node.args[0], Node):
+        return None
+    if kind in ("tensor_split", "split_with_sizes"):
+        return False
+    names = ("dim",) if kind == "unbind" else ("split_size_or_sections", "split_size", "chunks", "dim")
+    args = list(node.args[1:]) + [node.kwargs[k] for k in names if k in node.kwargs]
+    if kind == "unbind":
+        return node.args[0], kind, None, args[0] if args else 0
+    size = args[0] if args else None
+    if isinstance(size, (list, tuple)) or size is None:
+        return False
+    return node.args[0], kind, size, args[1] if len(args) > 1 else 0
+
+
+def _split_source(node: Node) -> tuple:
+    """(source, dim) of a split whose sizes the code fixes (see `_guard_split_sizes`)."""
+    args = list(node.args[1:]) + [v for k, v in node.kwargs.items() if k != "dim"] + (
+        [node.kwargs["dim"]] if "dim" in node.kwargs else [])
+    return node.args[0], args[1] if len(args) > 1 else 0
 
 
 def _reads_metadata(n: Node) -> bool:
@@ -1089,7 +1261,8 @@ def _insert_guards(gm: GraphModule, tracer: "_ModeTracer") -> bool:
         if node.graph is not graph:
             continue
         with graph.inserting_after(node):
-            graph.call_function(runtime.check_specialized, (node, how, value, what, where))
+            arg = _split_pieces(node) if how == "pieces" else _split_source(node) if how == "size" else node
+            graph.call_function(runtime.check_specialized, (arg, how, value, what, where))
     seen = set()
     for node, keys in tracer.key_order_guards:
         if (node, keys) in seen or node.graph is not graph:
@@ -1101,7 +1274,8 @@ def _insert_guards(gm: GraphModule, tracer: "_ModeTracer") -> bool:
 
 
 _NOT_REGION_USERS = (runtime.set_grad_mode, runtime.grad_enabled, runtime.check_specialized, runtime.check_dynamo_guards,
-                     runtime.check_key_order, runtime.check_none, runtime.check_training_mode)
+                     runtime.check_key_order, runtime.check_none, runtime.check_not_none,
+                     runtime.check_training_mode)
 
 
 def _separate_grad_regions(graph: Graph) -> bool:
@@ -1135,7 +1309,8 @@ def _is_constant(v: Any) -> bool:
 
 def _clone_inputs(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
-        return v.detach().clone()
+        c = v.detach().clone()
+        return c.requires_grad_() if v.requires_grad else c  # read by `x.requires_grad` in the model's code
     if isinstance(v, Mapping):
         return type(v)((k, _clone_inputs(x)) for k, x in v.items()) if type(v) is dict else {
             k: _clone_inputs(x) for k, x in v.items()
@@ -1143,6 +1318,23 @@ def _clone_inputs(v: Any) -> Any:
     if type(v) in (list, tuple):
         return type(v)(_clone_inputs(x) for x in v)
     return v
+
+
+def _guard_optional_arguments(gm: GraphModule, params: list, values: dict, constants: dict) -> bool:
+    """Guard arguments whose default is None but whose example value was a tensor (`mask=None`):
+    the graph holds the code path for the tensor; a call passing None would fail inside it with an
+    unrelated TypeError (or `x * None`), while the original takes its None branch."""
+    optional = {p.name for p in params
+                if p.default is None and p.name not in constants and values.get(p.name) is not None}
+    if not optional:
+        return False
+    changed = False
+    for n in list(gm.graph.nodes):
+        if n.op == "placeholder" and n.target in optional:
+            with gm.graph.inserting_after(n):
+                gm.graph.call_function(runtime.check_not_none, (n, n.target))
+            changed = True
+    return changed
 
 
 def _finish_concrete(gm: GraphModule, constants: dict[str, Any]) -> None:
@@ -1293,6 +1485,7 @@ def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = Tr
         if example_inputs is not None and n.op != "output":
             n.meta[VAL_KEY] = live.value_info() if type(live) is deferred.Deferred else summarise(live)
     changed = _insert_guards(gm, tracer)
+    changed = _guard_optional_arguments(gm, params, values, constants) or changed
     changed = _separate_grad_regions(gm.graph) or changed
     if constants:
         _finish_concrete(gm, constants)
@@ -1433,7 +1626,13 @@ def _guard_dynamo_specialisation(gm: GraphModule, guards, names: list, args: lis
     condition that cannot be evaluated here is replaced by the example's exact metadata."""
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    with_paths, _ = torch.utils._pytree.tree_flatten_with_path((args, {}))
+    try:
+        with_paths, _ = torch.utils._pytree.tree_flatten_with_path((args, {}))
+    except Exception as e:  # a pytree node without key paths (torchrec's KeyedTensor)
+        raise RecfuseError(
+            f"cannot capture {fn_name}: torch.fx failed ({fx_error}), and the arguments passed to torch._dynamo.export "
+            f"cannot be matched to the inputs of its graph ({e}). Pass plain tensors (e.g. `kt.values()` or "
+            f"`kt.to_dict()` instead of a KeyedTensor), or make the code torch.fx can trace.") from None
     paths = tuple(_dynamo_source(names, p) for p, _ in with_paths)
     if len(paths) != len(placeholders) or not all(paths):
         raise RecfuseError(f"cannot capture {fn_name}: torch.fx failed and the inputs of the graph "

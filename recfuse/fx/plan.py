@@ -17,13 +17,14 @@ Example:
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from torch.fx import Node
 
-from .patterns import ParamRef, SliceChain, classify, submodule
+from .patterns import ParamRef, SliceChain, _split_kind, classify, submodule
 from .values import tensor_shape
 
 __all__ = ["BatchedSource", "SinkReplacement", "ParamPlan", "SideUse", "GroupPlan", "plan_group",
@@ -383,6 +384,26 @@ def _known_shape(r: ParamRef, t: Optional[torch.Tensor], root) -> Optional[tuple
     return ref_shape(r, root)
 
 
+def _sized_at_run_time(start: Node) -> bool:
+    """Whether the slice `start` has a length the original computes from the source's size on every
+    call (`chunk`, `tensor_split(x, n)`, `split(x.shape[0] // F)`), not a constant of its code
+    (`split(8, 1)`, `narrow(1, i * 8, 8)`, `x[:, 8:16]`): a wider source at run time gives the
+    original longer slices in the first case, and the same slices (of a prefix) in the second."""
+    if not (start.op == "call_function" and start.target is operator.getitem and isinstance(start.args[0], Node)):
+        return False
+    split = _split_kind(start.args[0])
+    if split is None:
+        return False
+    parent = start.args[0]
+    size = parent.args[1] if len(parent.args) > 1 else next(
+        (v for k, v in parent.kwargs.items() if k not in ("dim", "input", "tensor", "self")), None)
+    if split[0] == "chunk":
+        return True
+    if split[0] == "tensor_split":
+        return not isinstance(size, (list, tuple))
+    return isinstance(size, Node) or (isinstance(size, (list, tuple)) and any(isinstance(v, Node) for v in size))
+
+
 def _source_plan(chains: list) -> tuple:
     """A view of the common source when the slices tile it in order (zero-copy), an index_select
     when they are aligned but permuted, else a stack. Returns (source, feature dim, slice shape)."""
@@ -402,7 +423,8 @@ def _source_plan(chains: list) -> tuple:
             # Slices that tile the whole dim are sized from the source at run time (-1): the
             # dim may be the batch (split of [F*B, D] on dim 0).
             count = max(idx) + 1
-            if length is not None and base == 0 and count * L == src_shape[i0.dim]:
+            if (length is not None and base == 0 and count * L == src_shape[i0.dim]
+                    and _sized_at_run_time(chains[0].start)):
                 length = -1
             d = i0.dim
             if i0.kind == "range":

@@ -21,6 +21,7 @@ __all__ = [
     "check_module_argument",
     "check_specialized",
     "check_none",
+    "check_not_none",
     "check_dynamo_guards",
     "grad_enabled",
     "set_grad_mode",
@@ -45,6 +46,8 @@ def _graph_leaf(fn, when_rebuilding: bool = False):
         tracer = _REBUILDING[-1] if when_rebuilding and _REBUILDING else None
         if tracer is None:
             for a in (*args, *kwargs.values()):
+                if isinstance(a, tuple):  # `check_specialized`'s (source, kind, size, dim) of a split
+                    a = next((x for x in a if isinstance(x, Proxy)), None)
                 if isinstance(a, Proxy):
                     tracer = a.tracer
                     break
@@ -136,7 +139,32 @@ def check_key_order(d, keys: tuple, name: str) -> None:
 
 
 
-_HOW = {"bool": bool, "int": int, "index": int, "float": float, "len": len}
+def piece_count(split: tuple) -> int:
+    """How many pieces ``torch.split``/``chunk``/``unbind`` make of a source, from its size alone:
+    ``split`` is ``(source, kind, size, dim)`` (what `capture` records of the split's node).
+
+    Example:
+        >>> import torch
+        >>> piece_count((torch.zeros(2, 40), "split", 8, 1)), piece_count((torch.zeros(0), "chunk", 3, 0))
+        (5, 3)
+    """
+    src, kind, size, dim = split
+    n = src.shape[dim]
+    if kind == "unbind":
+        return n
+    if isinstance(size, (list, tuple)):  # sizes computed at run time (`kt.length_per_key()`)
+        return len(size)
+    if kind == "chunk":
+        if n == 0:
+            return int(size)
+        step = -(-n // int(size))
+        return -(-n // step)
+    return max(1, -(-n // int(size)))
+
+
+_HOW = {"bool": bool, "int": int, "index": int, "float": float, "len": len, "pieces": piece_count,
+        "size": lambda src_dim: src_dim[0].shape[src_dim[1]],  # (source, dim) of a split of fixed sizes
+        "strings": lambda v: tuple(v) if isinstance(v, list) else v}  # feature names folded to constants
 
 
 @has_side_effect
@@ -173,6 +201,23 @@ def check_none(value, name: str) -> None:
             f"holds only the code path for None and would ignore the {type(value).__name__} passed now. "
             f"Transform with an example value for `{name}` to use it (a separate transformed module if "
             f"both cases are needed).")
+
+
+@has_side_effect
+@_graph_leaf
+def check_not_none(value, name: str) -> None:
+    """Guard of an argument with a None default that example_inputs gave a value: the graph holds
+    the code path for a value.
+
+    Example:
+        >>> check_not_none(1, "mask")
+    """
+    if value is None:
+        raise RecfuseError(
+            f"argument `{name}` (default None) had a value in recfuse.transform's example_inputs, so the "
+            f"transformed graph holds only the code path that uses it; the original would take its None path "
+            f"now. Transform with example_inputs that leave `{name}` None for that case (a separate "
+            f"transformed module if both cases are needed).")
 
 
 _DYNAMO_GUARD_CODE: dict = {}  # guard text -> its compiled code

@@ -168,6 +168,8 @@ def read_modules(layer_norms, linear, feature_names: Optional[Sequence[str]]) ->
         ValueError: linear for feature 'b' has in_features=8 but its LayerNorm normalizes D=4
     """
     names = _names_from_modules(layer_norms, linear, feature_names)
+    if not names:
+        raise ValueError("from_modules needs at least one feature; layer_norms and linear are empty")
     ln_of = _per_feature_lookup("layer_norms", layer_norms, names, (nn.LayerNorm, nn.RMSNorm))
     lin_of = _per_feature_lookup("linear", linear, names, nn.Linear)
 
@@ -216,8 +218,9 @@ def read_modules(layer_norms, linear, feature_names: Optional[Sequence[str]]) ->
         feature_names=names,
         embedding_dims=tuple(dims),
         out_features=first_lin.out_features,
-        shared_linear=isinstance(linear, nn.Linear),
-        shared_layer_norm=isinstance(layer_norms, (nn.LayerNorm, nn.RMSNorm)),
+        shared_linear=isinstance(linear, nn.Linear) or _one_for_all("linear", names, lin_of, ("weight", "bias")),
+        shared_layer_norm=isinstance(layer_norms, (nn.LayerNorm, nn.RMSNorm))
+        or _one_for_all("layer_norms", names, ln_of, ("weight", "bias")),
         norm="rms_norm" if isinstance(first_ln, nn.RMSNorm) else "layer_norm",
         ln_affine=first_ln.elementwise_affine,
         bias=first_lin.bias is not None,
@@ -226,6 +229,30 @@ def read_modules(layer_norms, linear, feature_names: Optional[Sequence[str]]) ->
         dtype=first_lin.weight.dtype,
     )
     return ModulesSpec(kwargs, ln_of, lin_of)
+
+
+def _one_for_all(what: str, names, module_of, kinds) -> bool:
+    """Whether every feature's module holds the same tensors (one module listed for every feature):
+    the fused module then shares one copy, which trains as the loop's one module does. Raises when
+    some features share a tensor and others do not (a module listed twice, a tied weight): one row
+    per feature would untie them, so training would differ from the loop."""
+    rows = [[getattr(module_of(n), k, None) for k in kinds] for n in names]
+    if len(names) > 1 and any(t is not None for t in rows[0]) and all(
+            all(a is b for a, b in zip(r, rows[0])) for r in rows[1:]):
+        return True
+    owner: dict = {}
+    for name, row in zip(names, rows):
+        for kind, t in zip(kinds, row):
+            if t is None:
+                continue
+            first = owner.setdefault(id(t), name)
+            if first != name:
+                raise ValueError(
+                    f"{what} for features {first!r} and {name!r} share one {kind} tensor (the same module listed "
+                    f"twice, or a tied parameter), but not every feature does; the fused module holds one copy per "
+                    f"feature (or one for all), so training would untie what the loop shares. Pass one module per "
+                    f"feature, or one shared by all")
+    return False
 
 
 def _is_mapping(m) -> bool:

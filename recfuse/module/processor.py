@@ -29,7 +29,7 @@ from ..chain import DEFAULT, chain_of
 from ..cuda_graph import CudaGraphCache, ModuleTensors
 from .features import FeatureLayout, check_config
 from .inputs import read_input
-from .parameters import PARAM_KINDS, feature_view, parameter_shapes, read_modules, reset_group
+from .parameters import PARAM_KINDS, PER_FEATURE_NDIM, feature_view, parameter_shapes, read_modules, reset_group
 from .plan import PlanCache, parameters_signature, resolve_eps
 
 __all__ = ["FusedFeatureProcessor"]
@@ -299,6 +299,35 @@ class FusedFeatureProcessor(nn.Module):
                     if p is not None:
                         p.requires_grad_(False)
         return fp
+
+    # -----------------------------------------------------------------------------------------
+    # state_dict: rows are features by position, so the saver's feature order travels with them
+
+    _FEATURES_KEY = "recfuse_feature_names"
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        metadata = getattr(destination, "_metadata", None)
+        if metadata is not None and prefix[:-1] in metadata:
+            metadata[prefix[:-1]][self._FEATURES_KEY] = list(self.feature_names)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        saved = (local_metadata or {}).get(self._FEATURES_KEY)
+        per_feature = any(p is not None and p.dim() == ndim for names in self._parameter_names
+                          for p, ndim in zip((self._parameters.get(n) for n in names), PER_FEATURE_NDIM))
+        if (per_feature and saved is not None and tuple(saved) != self.feature_names
+                and sorted(saved) == sorted(self.feature_names)):
+            # The same features in another order: row i of each stacked tensor is another feature
+            # here, so a positional load would give every feature another one's weights.
+            error_msgs.append(
+                f"{type(self).__name__} at {prefix[:-1] or 'the root'!r}: the state_dict was saved by a module with "
+                f"features in the order {list(saved)}, this one has {list(self.feature_names)}; its per-feature rows "
+                f"would load into the wrong features. Build the module with feature_names={list(saved)!r} (inputs "
+                f"matched by name, KeyedTensor/dict, are unaffected by the order).")
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     # -----------------------------------------------------------------------------------------
     # forward
