@@ -319,3 +319,35 @@ def test_ffp_refuses_mixed_dict_dtypes_bool_feature_dim_and_inf_eps():
         recfuse.FusedFeatureProcessor(["a"], 4, eps=float("inf"))
     with pytest.raises(TypeError, match="float64"):
         recfuse.ln_tanh_linear_relu(torch.zeros(2, 2, 4, dtype=torch.int64), torch.zeros(1, 4))
+
+
+def test_name_based_parameter_groups_follow_the_stacked_parameters():
+    """AdamW without weight decay on LayerNorm parameters, chosen by name: on the result the
+    per-feature names are gone (stacked), and `stacked_parameters` says which stacked parameter
+    holds which originals, so the same groups train the same."""
+    torch.manual_seed(0)
+    ref = _PerFeature()
+    with torch.no_grad():  # non-trivial affine, so that decaying it would show
+        for ln in ref.lns:
+            ln.weight.add_(torch.randn(D) * 0.3)
+            ln.bias.add_(torch.randn(D) * 0.3)
+    x = torch.randn(5, NF * D)
+    gm = recfuse.transform(copy.deepcopy(ref), (x,))
+    stacked = gm.stacked_parameters()
+    assert any("lns.0.weight" in olds for olds in stacked.values())
+
+    def groups(model, originals_of):
+        no_decay = [p for n, p in model.named_parameters() if any(".lns." in f".{o}" for o in originals_of(n))]
+        decay = [p for n, p in model.named_parameters() if not any(".lns." in f".{o}" for o in originals_of(n))]
+        return [{"params": decay, "weight_decay": 0.5}, {"params": no_decay, "weight_decay": 0.0}]
+
+    models = ((ref, lambda n: [n]), (gm, lambda n: stacked.get(n, [n])))
+    opts = [torch.optim.AdamW(groups(m, orig), lr=0.05) for m, orig in models]
+    assert [len(g["params"]) for g in opts[1].param_groups][1] < [len(g["params"]) for g in opts[0].param_groups][1]
+    for _ in range(3):
+        for (m, _), opt in zip(models, opts):
+            opt.zero_grad()
+            m(x).pow(2).sum().backward()
+            opt.step()
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), ref(x), rtol=1e-5, atol=1e-5)

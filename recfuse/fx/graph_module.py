@@ -161,6 +161,29 @@ class TransformedGraphModule(GraphModule):
             type(self).forward = _restoring_grad_mode(type(self).forward)
         return result
 
+    def stacked_parameters(self) -> dict:
+        """{stacked parameter name: the original parameters it holds, one row each, in order}.
+
+        Fusion renames the per-feature parameters it stacks (``lns.3.weight`` becomes row 3 of
+        ``recfuse_g0_ln_weight``), so optimizer parameter groups chosen by name must be built from
+        the result: this says which original names each stacked parameter stands for.
+
+        Example:
+            >>> import torch, recfuse
+            >>> class PerFeature(torch.nn.Module):
+            ...     def __init__(self):
+            ...         super().__init__()
+            ...         self.lns = torch.nn.ModuleList(torch.nn.LayerNorm(8) for _ in range(3))
+            ...         self.lin = torch.nn.Linear(8, 2)
+            ...     def forward(self, x):
+            ...         ts = [torch.tanh(ln(s)) for ln, s in zip(self.lns, x.split(8, 1))]
+            ...         return torch.relu(self.lin(torch.stack(ts, 1)))
+            >>> fused = recfuse.transform(PerFeature(), (torch.randn(4, 24),))
+            >>> fused.stacked_parameters()["recfuse_g0_ln_weight"]
+            ['lns.0.weight', 'lns.1.weight', 'lns.2.weight']
+        """
+        return {k: list(v) for k, v in getattr(self, "_recfuse_stacked", {}).items()}
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         map_original_keys(self, state_dict, prefix, missing_keys)
