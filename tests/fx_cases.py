@@ -198,6 +198,23 @@ def assert_equivalent(model, gm, fresh_args, tol=1e-5):
     assert set(ref_params) == {o for olds in stacked.values() for o in olds} | (set(params) - set(stacked))
 
 
+def randomized(m: nn.Module) -> nn.Module:
+    """`m` with every parameter moved by 0.3 * randn (seed 1): LayerNorm's ones and zeros would hide
+    a feature that reads another feature's parameters."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return m
+
+
+def assert_same_tensor(got, want, tol=1e-5):
+    """Same shape and dtype, and values within `tol` (absolute and relative)."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
 # The small per-feature model the trust tests subclass: F_ features of width D_ (4 x 8), one
 # LayerNorm each, a shared Linear to H_ (3) outputs; `ln_tanh_chain` is its plain forward.
 F_, D_, H_ = 4, 8, 3

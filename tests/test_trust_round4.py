@@ -12,21 +12,10 @@ from torch import nn
 import recfuse
 from recfuse.errors import RecfuseError
 
+from fx_cases import assert_same_tensor, randomized
+
 F_, D, H = 4, 8, 3
-
-
-def rnd(m):
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return m
-
-
-def assert_close(got, want, tol=1e-5):
-    assert got.shape == want.shape, (got.shape, want.shape)
-    assert got.dtype == want.dtype, (got.dtype, want.dtype)
-    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+rnd, assert_close = randomized, assert_same_tensor
 
 
 def reloaded(m):
