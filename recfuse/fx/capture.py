@@ -622,6 +622,8 @@ class _ValueTracer(_ModeTracer):
         self._module_at: Optional[dict] = None  # qualified name -> submodule, built on first use
         self.value_guards: list = []  # (node, how, value, what, where): see `_specialise`
         self._specialised: set = set()
+        self._shared: set = set()  # ids of the original's tensors the traced model holds (`copy_sharing_leaves`)
+        self._privates: dict = {}  # id of one of them -> the copy the graph's reads of it get
 
     # Leave values of per-slice ops uncomputed when only their metadata is needed (see `deferred`).
     defer_values = True
@@ -762,7 +764,10 @@ class _ValueTracer(_ModeTracer):
         if op == "get_attr":
             if _MODE in node.meta:
                 return node.meta[_MODE][1]
-            return _resolve_attr(self.root, node.target)
+            v = _resolve_attr(self.root, node.target)
+            if self._shared and id(v) in self._shared:
+                v = self._private(v)
+            return v
         args = self._live_arg(node.args)
         kwargs = {k: self._live_arg(v) for k, v in node.kwargs.items()} if node.kwargs else {}
         if op == "call_function" and node.target in _GRAD_MODE_FNS:
@@ -784,6 +789,15 @@ class _ValueTracer(_ModeTracer):
                 args = self._live_arg(node.args)
                 kwargs = {k: self._live_arg(v) for k, v in node.kwargs.items()} if node.kwargs else {}
         return self._run(node, args, kwargs)
+
+    def _private(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of the original's tensor `t` for the graph's reads of it: an in-place update the
+        model's code makes through the graph (``self.w.data.mul_(2)``) changes the copy only."""
+        c = self._privates.get(id(t))
+        if c is None:
+            c = self._privates[id(t)] = nn.Parameter(t.detach().clone(memory_format=torch.preserve_format),
+                                                     t.requires_grad)
+        return c
 
     def _run(self, node: Node, args: tuple, kwargs: dict, errors: bool = True) -> Any:
         """Run `node`'s op on values (never proxies); `errors=False` lets its exception through."""
@@ -1176,7 +1190,8 @@ def _finish_concrete(gm: GraphModule, constants: dict[str, Any]) -> None:
                     gm.graph.call_function(runtime.check_none, (n, _arg_name(n.target, constants)))
 
 
-def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = True) -> tuple[GraphModule, dict]:
+def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = True,
+            share_leaves: bool = False) -> tuple[GraphModule, dict]:
     """Trace `model` (an nn.Module or a function) into a GraphModule annotated with example values.
 
     Returns the GraphModule and a dict of facts for the report (``"how"``: the capture path,
@@ -1194,19 +1209,37 @@ def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = Tr
         >>> gm, facts = capture(lambda x, n: x.view(n, -1).tanh(), (torch.randn(6), 2))
         >>> facts["constants"]
         {'n': 2}
+
+    ``share_leaves=True`` (for `transform`, which calls `unshare` on what it keeps): the plain
+    leaves of an nn.Module model are traced as shallow copies holding the original's parameters
+    (`copy_sharing_leaves`); ``facts["shared"]`` lists those tensors. The original is never
+    changed: if the trace changed one of them, it is put back and the capture is redone on a full
+    copy (then ``facts["shared"]`` is empty).
     """
+    if share_leaves and isinstance(model, nn.Module):
+        try:
+            return _capture(model, example_inputs, codegen, True)
+        except _RetryWithCopy:
+            logger.debug("recfuse: the trace changed a shared tensor of the original (restored); capturing a copy")
+    return _capture(model, example_inputs, codegen, False)
+
+
+def _capture(model, example_inputs, codegen: bool, share: bool) -> tuple[GraphModule, dict]:
     if isinstance(example_inputs, (torch.Tensor, Mapping)) or (
             example_inputs is not None and not isinstance(example_inputs, (tuple, list))):
         raise TypeError(
             f"example_inputs must be a tuple of the model's positional arguments, got a "
             f"{type(example_inputs).__name__}; for a single tensor x pass (x,)")
     example_inputs = tuple(example_inputs) if example_inputs is not None else None
+    shared: list = []
     if isinstance(model, nn.Module):
-        root = deepcopy_module(model)
-        _copy_tensor_hooks(model, root)
+        root, shared, special = copy_sharing_leaves(model) if share else (deepcopy_module(model), [], True)
+        if special:  # copy_sharing_leaves found no tensor hook and no lazy parameter otherwise
+            _copy_tensor_hooks(model, root)
         sig = inspect.signature(root.forward)
         fn_name = type(model).__name__ + ".forward"
     elif callable(model):
+        special = True
         sig = inspect.signature(model)
         fn_name = getattr(model, "__qualname__", repr(model))
         root = None
@@ -1229,7 +1262,8 @@ def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = Tr
                 raise RecfuseError(f"example_inputs gives no value for argument `{p.name}` of {fn_name}")
             values[p.name] = p.default
     constants = {k: v for k, v in values.items() if _is_constant(v)}
-    _refuse_lazy(root, fn_name)
+    if root is not None and special:
+        _refuse_lazy(root, fn_name)
     for v in constants.values():
         if isinstance(v, nn.Module):
             _refuse_lazy(v, fn_name)
@@ -1251,12 +1285,16 @@ def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = Tr
     if example_inputs is None:
         tracer = _ModeTracer()  # no values: plain symbolic tracing, shapes stay unknown
     concrete = {k: (None if isinstance(v, nn.Module) else v) for k, v in constants.items()}
+    if shared:
+        tracer._shared = {id(t) for t in shared}
+    guard = _SharedGuard(shared) if shared else None
     try:
         with warnings.catch_warnings(), _StateSnapshot(root, example_inputs), _one_thread(), \
                 _traced_type_builtin(root, model if not isinstance(model, nn.Module) else None):
             warnings.simplefilter("ignore")
             graph = tracer.trace(root, concrete_args=concrete or None)
     except _DataDependentControlFlow as e:
+        _check_guard(guard)
         raise RecfuseError(
             f"cannot capture {fn_name}: data-dependent control flow: {e}. The fused graph would be "
             f"specialised to the example data. Use torch.where or torch.cond instead of Python control "
@@ -1264,14 +1302,22 @@ def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = Tr
             f"recfuse.FusedFeatureProcessor by hand."
         ) from None
     except RecfuseError:
+        _check_guard(guard)
         raise
     except (torch.fx.proxy.TraceError, TypeError, RuntimeError, NotImplementedError) as e:
+        _check_guard(guard)
+        if shared:
+            raise _RetryWithCopy() from None  # Dynamo runs the model too: only ever on a full copy
         if isinstance(e, torch.fx.proxy.TraceError) and "control flow" in str(e):
             raise RecfuseError(
                 f"cannot capture {fn_name}: data-dependent control flow ({e}). Pass example_inputs, or "
                 f"use torch.where/torch.cond instead of a Python `if` on a tensor."
             ) from None
         return _capture_dynamo(root, values, constants, fn_name, e)
+    except BaseException:
+        _check_guard(guard)
+        raise
+    _check_guard(guard)
     _release_trace_state(tracer)
     graph._tracer_cls = None  # a loaded copy re-traces its code with RebuildTracer
     for n in graph.nodes:
@@ -1299,7 +1345,15 @@ def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = Tr
     if codegen and (changed or constants):
         gm.recompile()
     return gm, {"how": "torch.fx", "constants": {k: v for k, v in constants.items() if not isinstance(v, nn.Module)},
-                "shapes": example_inputs is not None, "name": fn_name}
+                "shapes": example_inputs is not None, "name": fn_name, "shared": shared}
+
+
+def _check_guard(guard: Optional["_SharedGuard"]) -> None:
+    """After a trace of shared leaves: if it changed one of the original's tensors, put it back
+    and ask for a capture on a full copy."""
+    if guard is not None and guard.changed():
+        guard.restore()
+        raise _RetryWithCopy()
 
 
 def _release_trace_state(tracer: Tracer) -> None:
@@ -1316,6 +1370,8 @@ def _release_trace_state(tracer: Tracer) -> None:
         tracer._module_at = None
         tracer._pending = []  # values never needed: capture drops every example value next
         tracer._result_meta = {}
+        tracer._privates = {}
+        tracer._shared = set()
 
 
 def _restore_attr_names(gm: GraphModule, root: nn.Module) -> None:
@@ -1620,6 +1676,8 @@ def _copy_tensor_hooks(model: nn.Module, copied: nn.Module) -> None:
                for t in originals):
         return  # the usual case; walking the copy's tensors too took as long again
     for t, c in zip(originals, itertools.chain(copied.parameters(), copied.buffers())):
+        if c is t:
+            continue  # the original's own tensor (`copy_sharing_leaves`): it has its hooks
         for hook in (getattr(t, "_backward_hooks", None) or {}).values():
             c.register_hook(hook)
         for hook in (getattr(t, "_post_accumulate_grad_hooks", None) or {}).values():
@@ -1658,3 +1716,247 @@ def _keep_state(gm: GraphModule, root: nn.Module) -> None:
             owner.register_parameter(leaf, t)
         else:
             owner.register_buffer(leaf, t)
+
+
+# ---------------------------------------------------------------------------------------------
+# tracing without copying the per-feature leaves
+#
+# `transform` used to trace a deep copy of the whole model. For a per-feature model most of that
+# copy (10,000 LayerNorms and their 20,000 parameters) is pruned by fusion right after the trace,
+# and copying it was a tenth of a 10,000-feature transform. Here plain leaf modules of a few
+# known classes (`_SHAREABLE_LEAVES`, whose forward reads its parameters and changes nothing) are
+# traced as *shallow* copies that hold the original's parameter tensors: new module objects (so
+# nothing the trace does to a module reaches the original), the original's tensors (never
+# cloned). `transform` clones the ones the fused graph still holds once fusion has pruned the
+# rest (`unshare`). Nothing may change those tensors meanwhile:
+#
+# * the trace's reads of them through the graph (`self.lns[0].weight` in the model's code, a
+#   get_attr node) get a private copy (`_ValueTracer._private`), so an in-place update recorded
+#   in the graph (`.data.mul_`, `add_` under no_grad) runs on that copy;
+# * `_SharedGuard` snapshots their values and metadata before the trace and compares after it:
+#   code that reaches the real tensors around the graph (`for p in self.parameters(): ...` in
+#   forward) is detected, the original is put back exactly (values, storage, requires_grad,
+#   grad, hooks, version counter) and the model is traced again as a full deep copy, as before.
+
+_SHAREABLE_LEAVES = frozenset(c for c in (nn.LayerNorm, nn.Linear, getattr(nn, "RMSNorm", None)) if c is not None)
+_EMPTY_STATE_TYPES = (dict, OrderedDict, set)
+
+
+class _RetryWithCopy(Exception):
+    """Capture of a model with shared leaves must be redone on a full copy."""
+
+
+def _atomic_value(v: Any) -> bool:
+    t = type(v)
+    return t in _ATOMIC_TYPES or (t is tuple and all(type(e) in _ATOMIC_TYPES for e in v))
+
+
+def _shallow_leaf(m: nn.Module) -> Optional[nn.Module]:
+    """A shallow copy of `m` that holds `m`'s parameters (not cloned), or None when `m` may not be
+    traced so: `m` must be of an exact class of `_SHAREABLE_LEAVES` with no hooks of any kind, no
+    buffers or submodules, no per-instance forward, nothing but Python atoms (and tuples of them)
+    besides its parameters, which are plain strided `nn.Parameter`s without tensor hooks. The
+    copy is a new module with `m`'s atoms and fresh empty hook dicts."""
+    if type(m) not in _SHAREABLE_LEAVES:
+        return None
+    d = m.__dict__
+    state = d.copy()
+    for k, v in d.items():
+        t = type(v)
+        if t in _ATOMIC_TYPES:
+            continue
+        if k == "_parameters" and t is dict:
+            for p in v.values():
+                if p is not None and (type(p) is not nn.Parameter or p.layout is not torch.strided or p.is_meta
+                                      or p._backward_hooks or p._post_accumulate_grad_hooks):
+                    return None
+            state[k] = v.copy()
+        elif t in _EMPTY_STATE_TYPES:
+            if v:
+                return None  # hooks, buffers, submodules
+            state[k] = t()
+        elif t is not tuple or not all(type(e) in _ATOMIC_TYPES for e in v):
+            return None  # `forward` bound per instance, tensors, other objects: copied as before
+    if "_parameters" not in state or "training" not in state:
+        return None
+    new = type(m).__new__(type(m))
+    new.__dict__.update(state)
+    return new
+
+
+def _storage_key(t: torch.Tensor) -> Any:
+    """The identity of `t`'s storage (None for tensors without one)."""
+    if type(t) not in (torch.Tensor, nn.Parameter) or t.layout is not torch.strided or t.is_meta:
+        return None
+    return torch._C._storage_address(t)
+
+
+def copy_sharing_leaves(model: nn.Module) -> tuple[nn.Module, list, bool]:
+    """``deepcopy_module(model)``, except that the leaves `_shallow_leaf` accepts are shallow
+    copies holding the original's parameters (returned in the list, each once). A leaf is
+    copied as before when one of its parameters shares storage with another tensor of the model,
+    when the model is its own leaf, or while global module hooks are registered. The bool says
+    whether a parameter or buffer of the model has gradient hooks or is an uninitialized lazy one
+    (then `_copy_tensor_hooks` and `_refuse_lazy` have work to do).
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Sequential(torch.nn.LayerNorm(3), torch.nn.BatchNorm1d(3))
+        >>> c, shared, special = copy_sharing_leaves(m)
+        >>> c[0] is m[0], c[0].weight is m[0].weight, c[1].weight is m[1].weight, len(shared), special
+        (False, True, False, 2, False)
+    """
+    from .deferred import _global_module_hooks
+
+    if _global_module_hooks():
+        return deepcopy_module(model), [], True
+    shallow: dict = {}  # id(module) -> (module, its shallow copy)
+    storages: dict = {}  # storage key -> ids of the distinct tensors in it
+    special = False
+    seen: set = set()
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        d = m.__dict__
+        copy_ = _shallow_leaf(m) if m is not model else None
+        if copy_ is not None:  # plain strided parameters (`_shallow_leaf` checked), nothing else
+            keyed = [(p, torch._C._storage_address(p)) for p in d["_parameters"].values() if p is not None]
+            shallow[id(m)] = (m, copy_, keyed)
+        else:
+            keyed = []
+            for t in itertools.chain(d.get("_parameters", {}).values(), d.get("_buffers", {}).values(),
+                                     (v for v in d.values() if isinstance(v, torch.Tensor))):
+                if t is None:
+                    continue
+                if (isinstance(t, nn.parameter.UninitializedTensorMixin) or getattr(t, "_backward_hooks", None)
+                        or getattr(t, "_post_accumulate_grad_hooks", None)):
+                    special = True
+                keyed.append((t, _storage_key(t)))
+            stack.extend(c for c in d.get("_modules", {}).values() if c is not None)
+        for t, key in keyed:
+            if key is not None:
+                ids = storages.get(key)
+                if ids is None:
+                    storages[key] = {id(t)}
+                else:
+                    ids.add(id(t))
+    memo: dict = {}
+    shared: list = []
+    for m, copy_, keyed in shallow.values():
+        if any(len(storages[key]) > 1 for _, key in keyed):
+            continue  # a view or alias of another tensor: copied with it, as before
+        memo[id(m)] = copy_
+        for p, _ in keyed:
+            if id(p) not in memo:
+                memo[id(p)] = p
+                shared.append(p)
+    if any(len(ids) > 1 for ids in storages.values()):
+        _share_storage_in_copy(model, memo)  # what deepcopy_module does with its own memo
+    return deepcopy_module(model, memo), shared, special
+
+
+class _SharedGuard:
+    """What could change the original's tensors that a trace shares (see the section comment),
+    checked after the trace: `changed()` says whether anything did, `restore()` puts it back
+    (a tensor whose storage was swapped gets its own storage back, holding its old values)."""
+
+    def __init__(self, tensors: list):
+        self.tensors = tensors
+        self.meta = [(t._version, t.requires_grad, t.data_ptr(), t.shape, t.grad, t._backward_hooks,
+                      t._post_accumulate_grad_hooks) for t in tensors]  # as `changed` reads them
+        self.layout = [(t.stride(), t.storage_offset(), t.untyped_storage()) for t in tensors]
+        self.groups: dict = {}  # (dtype, device, 1-D) -> indices into `tensors`
+        for i, t in enumerate(tensors):
+            key = (t.dtype, t.device, t.dim() == 1)
+            idx = self.groups.get(key)
+            if idx is None:
+                self.groups[key] = [i]
+            else:
+                idx.append(i)
+        # 1-D tensors are concatenated as they are (`changed` checks their shapes first)
+        self.flat_lists = [[tensors[i] for i in idx] if key[2] else None for key, idx in self.groups.items()]
+        self.values = self._flat()
+
+    def _flat(self) -> list:
+        ts = self.tensors
+        with torch.no_grad(), _one_thread():  # cat of 20,000 small tensors: 5 ms on one thread, 20 on two
+            return [torch.cat(flat if flat is not None else [ts[i].reshape(-1) for i in idx]).view(torch.uint8)
+                    for idx, flat in zip(self.groups.values(), self.flat_lists)]
+
+    def changed(self) -> bool:
+        for t, (version, requires_grad, ptr, shape, grad, hooks, post) in zip(self.tensors, self.meta):
+            if (t._version != version or t.requires_grad is not requires_grad or t.data_ptr() != ptr
+                    or t.shape != shape or t.grad is not grad or t._backward_hooks is not hooks
+                    or t._post_accumulate_grad_hooks is not post):
+                return True
+        try:
+            now = self._flat()
+        except Exception:
+            return True
+        return not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(now, self.values))
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for (dtype, device, _), idx, flat in zip(self.groups, self.groups.values(), self.values):
+                start = 0
+                for i in idx:
+                    t = self.tensors[i]
+                    version, requires_grad, ptr, shape, grad, hooks, post = self.meta[i]
+                    stride, offset, storage = self.layout[i]
+                    n = shape.numel()
+                    saved = flat.view(dtype)[start:start + n].view(shape)
+                    start += n
+                    if (t.data_ptr(), t.dtype, t.shape, t.stride(), t.storage_offset()) != (
+                            ptr, dtype, shape, stride, offset):
+                        t.data = torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
+                    t.data.copy_(saved)
+                    if t.requires_grad != requires_grad:
+                        t.requires_grad_(requires_grad)
+                    if t.grad is not grad:
+                        t.grad = grad
+                    if t._backward_hooks is not hooks:
+                        t._backward_hooks = hooks
+                    if t._post_accumulate_grad_hooks is not post:
+                        t._post_accumulate_grad_hooks = post
+                    if t._version != version:
+                        torch._C._autograd._unsafe_set_version_counter((t,), (version,))
+
+
+def unshare(gm: nn.Module, shared: list, extra: Optional[dict] = None) -> None:
+    """Replace, in `gm` (and in `extra`, name -> (tensor, persistent)), every tensor of `shared`
+    (the original's, from `copy_sharing_leaves`) by a copy of its own, as deepcopy would have
+    made it: one copy per tensor (tied parameters stay tied), gradient hooks carried over."""
+    ids = {id(t) for t in shared}
+    copies: dict = {}
+
+    def fresh(t):
+        c = copies.get(id(t))
+        if c is None:
+            c = copies[id(t)] = copy.deepcopy(t)
+            for hook in (getattr(t, "_backward_hooks", None) or {}).values():
+                c.register_hook(hook)
+            for hook in (getattr(t, "_post_accumulate_grad_hooks", None) or {}).values():
+                c.register_post_accumulate_grad_hook(hook)
+        return c
+
+    for m in gm.modules():
+        for store in (m._parameters, m._buffers):
+            for k, t in store.items():
+                if t is not None and id(t) in ids:
+                    store[k] = fresh(t)
+        for k, v in m.__dict__.items():
+            if isinstance(v, torch.Tensor) and id(v) in ids:
+                m.__dict__[k] = fresh(v)
+    if extra:
+        for name, (t, persistent) in extra.items():
+            if id(t) in ids:
+                extra[name] = (fresh(t), persistent)
+    # No tensor of the result may alias one of the original's: fusion only adds stacked copies.
+    keys = {_storage_key(t) for t in shared} - {None}
+    for m in gm.modules():
+        for t in itertools.chain(m._parameters.values(), m._buffers.values()):
+            if t is not None and (id(t) in ids or _storage_key(t) in keys):
+                raise RecfuseError("internal: the transformed module still shares a tensor with the original model")

@@ -14,7 +14,7 @@ from torch.fx import Graph, GraphModule
 from torch.utils._pytree import tree_flatten
 
 from ..errors import RecfuseError
-from .capture import _StateSnapshot, capture
+from .capture import _StateSnapshot, capture, unshare
 from .fuse import fuse_graph
 from .plan import attr_tensor
 from .registry import FUSIONS, select_fusions
@@ -159,12 +159,18 @@ def _assign(gm: nn.Module, name: str, t: torch.Tensor, persistent: bool) -> None
         owner.register_buffer(leaf, t, persistent=persistent)
 
 
-def _finish_module(gm: GraphModule, report: FusionReport, kept: Optional[dict] = None) -> GraphModule:
+def _finish_module(gm: GraphModule, report: FusionReport, kept: Optional[dict] = None,
+                   shared: Sequence[torch.Tensor] = ()) -> GraphModule:
     stacked = {}
     for g in report.groups:
         stacked.update(g.stacked_params)
     olds = {k for v in stacked.values() for k in v}
     _prune(gm, list(olds))
+    if shared:
+        # The original's tensors the trace shared: what fusion did not prune gets its own copy now.
+        if kept:
+            kept = {k: v for k, v in kept.items() if k not in olds}
+        unshare(gm, shared, kept)
     for name, (t, persistent) in (kept or {}).items():
         if name not in olds and attr_tensor(gm, name) is not t:
             _assign(gm, name, t, persistent)  # not read by the fused graph, still the model's state
@@ -194,7 +200,9 @@ def _cyclic_gc_paused():
 def _run(model, example_inputs, fusions) -> tuple[GraphModule, FusionReport]:
     t0 = time.perf_counter()
     with _cyclic_gc_paused():
-        gm, facts = capture(model, example_inputs, codegen=False)  # _finish_module recompiles
+        # _finish_module recompiles, and copies the original's tensors that the trace shared and the
+        # result keeps (the per-feature ones fusion stacks are never copied)
+        gm, facts = capture(model, example_inputs, codegen=False, share_leaves=True)
         kept = _adopt_original_state(gm, model) if isinstance(model, nn.Module) else None
         report = FusionReport(model=facts["name"], capture=facts["how"])
         if not facts["shapes"]:
@@ -204,7 +212,7 @@ def _run(model, example_inputs, fusions) -> tuple[GraphModule, FusionReport]:
             fuse_graph(gm.graph, gm, stack_params_once=True, report=report, fusions=fusions)
             if facts["constants"]:
                 report.capture += " (constants: " + ", ".join(f"{k}={v!r}" for k, v in facts["constants"].items()) + ")"
-        gm = _finish_module(gm, report, kept)
+        gm = _finish_module(gm, report, kept, facts.get("shared", ()))
         kept = None  # the per-slice copies fusion pruned are freed now, not walked by the collection that
         # turning the collector back on starts
     report.seconds = time.perf_counter() - t0
