@@ -1325,10 +1325,17 @@ def _capture(model, example_inputs, codegen: bool, share: bool) -> tuple[GraphMo
             # A string annotation (`from __future__ import annotations`) becomes a str-valued
             # global of the generated code, which torch.save cannot write as an import.
             n.type = None
-    gm = TransformedGraphModule(root, graph, class_name=getattr(model, "__name__", type(root).__name__),
-                                codegen=codegen)
-    gm.training = root.training
-    _carry_hooks(root, gm)
+    class_name = getattr(model, "__name__", type(root).__name__)
+    if share:
+        # `transform` fuses first and builds the module after (`PendingModule.build`): built now, the
+        # GraphModule would register every per-feature leaf the graph calls (10,000 of them) only for
+        # fusion to prune them.
+        _carry_hooks(root, types.SimpleNamespace(**{k: {} for k in _MODULE_HOOK_DICTS}))  # refuses as before
+        gm = PendingModule(root, graph, class_name)
+    else:
+        gm = TransformedGraphModule(root, graph, class_name=class_name, codegen=codegen)
+        gm.training = root.training
+        _carry_hooks(root, gm)
     for attr in adopted:
         if attr in gm._modules:
             original = gm._modules[attr]
@@ -1342,10 +1349,27 @@ def _capture(model, example_inputs, codegen: bool, share: bool) -> tuple[GraphMo
     changed = _separate_grad_regions(gm.graph) or changed
     if constants:
         _finish_concrete(gm, constants)
-    if codegen and (changed or constants):
+    if codegen and (changed or constants) and not share:
         gm.recompile()
     return gm, {"how": "torch.fx", "constants": {k: v for k, v in constants.items() if not isinstance(v, nn.Module)},
                 "shapes": example_inputs is not None, "name": fn_name, "shared": shared}
+
+
+class PendingModule:
+    """What ``capture(..., share_leaves=True)`` returns instead of a GraphModule: the traced copy
+    `root` (which owns the graph's attributes and modules; the graph has no owning module
+    meanwhile) and the graph, for `transform` to fuse before `build` makes the GraphModule (which
+    then registers only what the fused graph reads)."""
+
+    def __init__(self, root: nn.Module, graph: Graph, class_name: str):
+        self.root, self.graph, self.class_name = root, graph, class_name
+
+    def build(self, codegen: bool = True) -> GraphModule:
+        root, graph = self.root, self.graph
+        gm = TransformedGraphModule(root, graph, class_name=self.class_name, codegen=codegen)
+        gm.training = root.training
+        _carry_hooks(root, gm)
+        return gm
 
 
 def _check_guard(guard: Optional["_SharedGuard"]) -> None:
