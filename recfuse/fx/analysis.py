@@ -26,7 +26,7 @@ from torch import nn
 from torch.fx import Graph, Node
 
 from .patterns import SliceChain, fmt_float, sink_info, walk_chain
-from .plan import GroupPlan, TensorAliases, plan_group
+from .plan import Alone, GroupPlan, TensorAliases, plan_group
 from .report import NearMiss
 
 __all__ = ["GraphAnalysis", "GENERATED"]
@@ -57,9 +57,10 @@ class GraphAnalysis:
         ([], [], 0)
     """
 
-    def __init__(self, graph: Graph, root: Optional[nn.Module]):
+    def __init__(self, graph: Graph, root: Optional[nn.Module], alone: Optional[Alone] = None):
         self.graph = graph
         self.root = root
+        self._alone = alone  # tensors of root TensorAliases need not index (see plan.Alone)
         self.near_misses: list[NearMiss] = []
         self._seen_misses: set = set()
         self._sinks: dict[Node, _SinkResult] = {}
@@ -99,7 +100,7 @@ class GraphAnalysis:
         """The root's tensors by identity and storage, built on first use. Rewrites add only new
         tensors (stacked copies), which alias nothing the plans read."""
         if self._aliases is None and self.root is not None:
-            self._aliases = TensorAliases(self.root)
+            self._aliases = TensorAliases(self.root, self._alone)
         return self._aliases
 
     def _live(self, target: str) -> list:

@@ -47,6 +47,7 @@ from torch.fx.node import Node, map_aggregate
 from ..errors import RecfuseError
 from . import deferred, runtime
 from .graph_module import TransformedGraphModule
+from .plan import Alone
 from .values import VAL_KEY, annotate_from_meta, summarise
 
 __all__ = ["capture", "RebuildTracer"]
@@ -380,6 +381,8 @@ def _unpack_count(frame) -> Optional[int]:
 
 
 _IS_TENSOR_CODE = torch.is_tensor.__code__ if hasattr(torch.is_tensor, "__code__") else None
+_NEW_VALUE_PROXY = object.__new__
+_OBJECT_SETATTR = object.__setattr__
 
 
 class _TracedTypeMeta(type):
@@ -666,7 +669,11 @@ class _ValueTracer(_ModeTracer):
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def proxy(self, node: Node) -> Proxy:
-        return _ValueProxy(node, self)
+        # Proxy.__init__ sets `tracer` and `node`, each through _ValueProxy.__setattr__'s check
+        p = _NEW_VALUE_PROXY(_ValueProxy)
+        _OBJECT_SETATTR(p, "tracer", self)
+        _OBJECT_SETATTR(p, "node", node)
+        return p
 
     def _can_append_directly(self) -> bool:
         graph = self.graph
@@ -722,8 +729,14 @@ class _ValueTracer(_ModeTracer):
                 if target == "values":
                     return [args[0][k] for k in keys]
                 return [(k, args[0][k]) for k in keys]
-        p = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
-        node = p.node
+        if proxy_factory_fn is None and type(args) is tuple and (not kwargs or type(kwargs) is dict):
+            # fx's Tracer.create_proxy: lower the arguments, create the node, wrap it
+            node = self.create_node(kind, target, self.create_arg(args), self.create_arg(kwargs) if kwargs else {},
+                                    name, type_expr)
+            p = self.proxy(node)
+        else:
+            p = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+            node = p.node
         for a in node.all_input_nodes:
             if _MODE in a.meta:
                 node.meta[_MODE] = a.meta[_MODE]
@@ -1232,8 +1245,9 @@ def _capture(model, example_inputs, codegen: bool, share: bool) -> tuple[GraphMo
             f"{type(example_inputs).__name__}; for a single tensor x pass (x,)")
     example_inputs = tuple(example_inputs) if example_inputs is not None else None
     shared: list = []
+    alone = None
     if isinstance(model, nn.Module):
-        root, shared, special = copy_sharing_leaves(model) if share else (deepcopy_module(model), [], True)
+        root, shared, special, alone = copy_sharing_leaves(model) if share else (deepcopy_module(model), [], True, None)
         if special:  # copy_sharing_leaves found no tensor hook and no lazy parameter otherwise
             _copy_tensor_hooks(model, root)
         sig = inspect.signature(root.forward)
@@ -1341,10 +1355,19 @@ def _capture(model, example_inputs, codegen: bool, share: bool) -> tuple[GraphMo
             original = gm._modules[attr]
             gm._modules[attr] = deepcopy_module(original)
             _copy_tensor_hooks(original, gm._modules[attr])
+    infos: dict = {}  # (shape, dtype) -> its ValueInfo (frozen: one serves every node of that metadata)
     for n in gm.graph.nodes:
         live = n.meta.pop(_LIVE, None)
         if example_inputs is not None and n.op != "output":
-            n.meta[VAL_KEY] = live.value_info() if type(live) is deferred.Deferred else summarise(live)
+            t = type(live)
+            if t is deferred.Deferred or t is torch.Tensor:
+                key = (live.shape, live.dtype)
+                info = infos.get(key)
+                if info is None:
+                    info = infos[key] = live.value_info() if t is deferred.Deferred else summarise(live)
+                n.meta[VAL_KEY] = info
+            else:
+                n.meta[VAL_KEY] = summarise(live)
     changed = _insert_guards(gm, tracer)
     changed = _separate_grad_regions(gm.graph) or changed
     if constants:
@@ -1352,7 +1375,8 @@ def _capture(model, example_inputs, codegen: bool, share: bool) -> tuple[GraphMo
     if codegen and (changed or constants) and not share:
         gm.recompile()
     return gm, {"how": "torch.fx", "constants": {k: v for k, v in constants.items() if not isinstance(v, nn.Module)},
-                "shapes": example_inputs is not None, "name": fn_name, "shared": shared}
+                "shapes": example_inputs is not None, "name": fn_name, "shared": shared,
+                "alone": alone if shared else None}
 
 
 class PendingModule:
@@ -1815,33 +1839,37 @@ def _storage_key(t: torch.Tensor) -> Any:
     return torch._C._storage_address(t)
 
 
-def copy_sharing_leaves(model: nn.Module) -> tuple[nn.Module, list, bool]:
+def copy_sharing_leaves(model: nn.Module) -> tuple[nn.Module, list, bool, Alone]:
     """``deepcopy_module(model)``, except that the leaves `_shallow_leaf` accepts are shallow
     copies holding the original's parameters (returned in the list, each once). A leaf is
     copied as before when one of its parameters shares storage with another tensor of the model,
     when the model is its own leaf, or while global module hooks are registered. The bool says
     whether a parameter or buffer of the model has gradient hooks or is an uninitialized lazy one
-    (then `_copy_tensor_hooks` and `_refuse_lazy` have work to do).
+    (then `_copy_tensor_hooks` and `_refuse_lazy` have work to do). The `plan.Alone` names the
+    shallow copies reached once whose parameters are held nowhere else (tie checks skip them).
 
     Example:
         >>> import torch
         >>> m = torch.nn.Sequential(torch.nn.LayerNorm(3), torch.nn.BatchNorm1d(3))
-        >>> c, shared, special = copy_sharing_leaves(m)
+        >>> c, shared, special, alone = copy_sharing_leaves(m)
         >>> c[0] is m[0], c[0].weight is m[0].weight, c[1].weight is m[1].weight, len(shared), special
         (False, True, False, 2, False)
     """
     from .deferred import _global_module_hooks
 
     if _global_module_hooks():
-        return deepcopy_module(model), [], True
+        return deepcopy_module(model), [], True, None
     shallow: dict = {}  # id(module) -> (module, its shallow copy)
     storages: dict = {}  # storage key -> ids of the distinct tensors in it
     special = False
     seen: set = set()
+    again: set = set()  # modules reached more than once (their tensors have several names)
+    occurrences: dict = {}  # id(tensor) -> how many places hold it
     stack = [model]
     while stack:
         m = stack.pop()
         if id(m) in seen:
+            again.add(id(m))
             continue
         seen.add(id(m))
         d = m.__dict__
@@ -1861,6 +1889,7 @@ def copy_sharing_leaves(model: nn.Module) -> tuple[nn.Module, list, bool]:
                 keyed.append((t, _storage_key(t)))
             stack.extend(c for c in d.get("_modules", {}).values() if c is not None)
         for t, key in keyed:
+            occurrences[id(t)] = occurrences.get(id(t), 0) + 1
             if key is not None:
                 ids = storages.get(key)
                 if ids is None:
@@ -1869,6 +1898,7 @@ def copy_sharing_leaves(model: nn.Module) -> tuple[nn.Module, list, bool]:
                     ids.add(id(t))
     memo: dict = {}
     shared: list = []
+    alone_modules, alone_tensors = set(), set()
     for m, copy_, keyed in shallow.values():
         if any(len(storages[key]) > 1 for _, key in keyed):
             continue  # a view or alias of another tensor: copied with it, as before
@@ -1877,9 +1907,12 @@ def copy_sharing_leaves(model: nn.Module) -> tuple[nn.Module, list, bool]:
             if id(p) not in memo:
                 memo[id(p)] = p
                 shared.append(p)
+        if id(m) not in again and all(occurrences[id(p)] == 1 for p, _ in keyed):
+            alone_modules.add(id(copy_))
+            alone_tensors.update(id(p) for p, _ in keyed)
     if any(len(ids) > 1 for ids in storages.values()):
         _share_storage_in_copy(model, memo)  # what deepcopy_module does with its own memo
-    return deepcopy_module(model, memo), shared, special
+    return deepcopy_module(model, memo), shared, special, Alone(frozenset(alone_modules), frozenset(alone_tensors))
 
 
 class _SharedGuard:

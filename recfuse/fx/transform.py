@@ -218,7 +218,8 @@ def _run(model, example_inputs, fusions) -> tuple[GraphModule, FusionReport]:
             report.reason = "no example_inputs: shapes are unknown, so slices cannot be matched"
             report.near_misses.append(NearMiss("model", report.reason))
         else:
-            fuse_graph(gm.graph, gm.root if pending else gm, stack_params_once=True, report=report, fusions=fusions)
+            fuse_graph(gm.graph, gm.root if pending else gm, stack_params_once=True, report=report, fusions=fusions,
+                       alone=facts.get("alone") if pending else None)
             if facts["constants"]:
                 report.capture += " (constants: " + ", ".join(f"{k}={v!r}" for k, v in facts["constants"].items()) + ")"
         if pending:
