@@ -1805,9 +1805,13 @@ def _shallow_leaf(m: nn.Module) -> Optional[nn.Module]:
     buffers or submodules, no per-instance forward, nothing but Python atoms (and tuples of them)
     besides its parameters, which are plain strided `nn.Parameter`s without tensor hooks. The
     copy is a new module with `m`'s atoms and fresh empty hook dicts."""
-    if type(m) not in _SHAREABLE_LEAVES:
+    cls = type(m)
+    if cls not in _SHAREABLE_LEAVES:
         return None
     d = m.__dict__
+    layout = _LEAF_LAYOUTS.get(cls)
+    if layout is not None and layout[0] == tuple(d):
+        return _shallow_leaf_like(m, d, layout)
     state = d.copy()
     for k, v in d.items():
         t = type(v)
@@ -1827,6 +1831,41 @@ def _shallow_leaf(m: nn.Module) -> Optional[nn.Module]:
             return None  # `forward` bound per instance, tensors, other objects: copied as before
     if "_parameters" not in state or "training" not in state:
         return None
+    _LEAF_LAYOUTS[cls] = (tuple(d), tuple((k, type(v)) for k, v in d.items() if type(v) in _EMPTY_STATE_TYPES
+                                          and k != "_parameters"),
+                          tuple(k for k, v in d.items() if type(v) not in _EMPTY_STATE_TYPES or k == "_parameters"))
+    new = cls.__new__(cls)
+    new.__dict__.update(state)
+    return new
+
+
+_LEAF_LAYOUTS: dict = {}  # class -> (its instances' keys, the empty-container keys and types, the other keys)
+
+
+def _shallow_leaf_like(m: nn.Module, d: dict, layout: tuple) -> Optional[nn.Module]:
+    """`_shallow_leaf` of a module whose `__dict__` has the keys of one it accepted before: the
+    same checks and copy, without working out per key what kind of entry it is."""
+    _, containers, others = layout
+    for k, t in containers:
+        v = d[k]
+        if type(v) is not t or v:
+            return None
+    for k in others:
+        v = d[k]
+        tv = type(v)
+        if tv in _ATOMIC_TYPES:
+            continue
+        if k == "_parameters" and tv is dict:
+            for p in v.values():
+                if p is not None and (type(p) is not nn.Parameter or p.layout is not torch.strided or p.is_meta
+                                      or p._backward_hooks or p._post_accumulate_grad_hooks):
+                    return None
+        elif tv is not tuple or not all(type(e) in _ATOMIC_TYPES for e in v):
+            return None
+    state = d.copy()
+    state["_parameters"] = d["_parameters"].copy()
+    for k, t in containers:
+        state[k] = t()
     new = type(m).__new__(type(m))
     new.__dict__.update(state)
     return new
@@ -1944,11 +1983,12 @@ class _SharedGuard:
                     for idx, flat in zip(self.groups.values(), self.flat_lists)]
 
     def changed(self) -> bool:
-        for t, (version, requires_grad, ptr, shape, grad, hooks, post) in zip(self.tensors, self.meta):
-            if (t._version != version or t.requires_grad is not requires_grad or t.data_ptr() != ptr
-                    or t.shape != shape or t.grad is not grad or t._backward_hooks is not hooks
-                    or t._post_accumulate_grad_hooks is not post):
+        try:  # tuples compare their entries by identity first: a replaced grad or hook dict differs
+            if [(t._version, t.requires_grad, t.data_ptr(), t.shape, t.grad, t._backward_hooks,
+                 t._post_accumulate_grad_hooks) for t in self.tensors] != self.meta:
                 return True
+        except Exception:  # a tensor compared with another (a grad replaced): changed
+            return True
         try:
             now = self._flat()
         except Exception:

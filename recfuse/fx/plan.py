@@ -17,7 +17,7 @@ Example:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -91,6 +91,8 @@ class ParamPlan:
     how: str
     refs: tuple
     tied: Optional[str] = None
+    # the tensors the refs named when planned (None: look them up); not part of the plan's identity
+    tensors: Optional[tuple] = field(default=None, compare=False, repr=False)
 
     @property
     def shared(self) -> bool:
@@ -387,7 +389,7 @@ def _param_plans(chains: list, root, attr_uses, aliases=None):
                             if tied is not None:
                                 tied = f"{op.kind} {name} {tied}"
                                 break
-                specs[name] = ParamPlan("stacked", tuple(refs), tied)
+                specs[name] = ParamPlan("stacked", tuple(refs), tied, tuple(tensors))
             else:
                 return f"{op.kind} {name} is shared by some slices but not all; batching would untie it"
         plans.append(specs)
