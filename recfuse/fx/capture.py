@@ -1898,12 +1898,15 @@ def copy_sharing_leaves(model: nn.Module) -> tuple[nn.Module, list, bool, Alone]
 
     if _global_module_hooks():
         return deepcopy_module(model), [], True, None
-    shallow: dict = {}  # id(module) -> (module, its shallow copy)
-    storages: dict = {}  # storage key -> ids of the distinct tensors in it
+    shallow: list = []  # (module, its shallow copy, its parameters)
+    first_in: dict = {}  # storage key -> id of the first tensor seen in it
+    crowded: set = set()  # storage keys holding two or more distinct tensors
+    held: set = set()  # ids of the tensors seen
+    held_again: set = set()  # ids of tensors held in two or more places
+    address = torch._C._storage_address
     special = False
     seen: set = set()
     again: set = set()  # modules reached more than once (their tensors have several names)
-    occurrences: dict = {}  # id(tensor) -> how many places hold it
     stack = [model]
     while stack:
         m = stack.pop()
@@ -1914,10 +1917,11 @@ def copy_sharing_leaves(model: nn.Module) -> tuple[nn.Module, list, bool, Alone]
         d = m.__dict__
         copy_ = _shallow_leaf(m) if m is not model else None
         if copy_ is not None:  # plain strided parameters (`_shallow_leaf` checked), nothing else
-            keyed = [(p, torch._C._storage_address(p)) for p in d["_parameters"].values() if p is not None]
-            shallow[id(m)] = (m, copy_, keyed)
+            tensors = [p for p in d["_parameters"].values() if p is not None]
+            shallow.append((m, copy_, tensors))
+            keys = [address(p) for p in tensors]
         else:
-            keyed = []
+            tensors = []
             for t in itertools.chain(d.get("_parameters", {}).values(), d.get("_buffers", {}).values(),
                                      (v for v in d.values() if isinstance(v, torch.Tensor))):
                 if t is None:
@@ -1925,31 +1929,34 @@ def copy_sharing_leaves(model: nn.Module) -> tuple[nn.Module, list, bool, Alone]
                 if (isinstance(t, nn.parameter.UninitializedTensorMixin) or getattr(t, "_backward_hooks", None)
                         or getattr(t, "_post_accumulate_grad_hooks", None)):
                     special = True
-                keyed.append((t, _storage_key(t)))
+                tensors.append(t)
+            keys = [_storage_key(t) for t in tensors]
             stack.extend(c for c in d.get("_modules", {}).values() if c is not None)
-        for t, key in keyed:
-            occurrences[id(t)] = occurrences.get(id(t), 0) + 1
+        for t, key in zip(tensors, keys):
+            i = id(t)
+            if i in held:
+                held_again.add(i)
+            else:
+                held.add(i)
             if key is not None:
-                ids = storages.get(key)
-                if ids is None:
-                    storages[key] = {id(t)}
-                else:
-                    ids.add(id(t))
+                first = first_in.setdefault(key, i)
+                if first != i:
+                    crowded.add(key)
     memo: dict = {}
     shared: list = []
     alone_modules, alone_tensors = set(), set()
-    for m, copy_, keyed in shallow.values():
-        if any(len(storages[key]) > 1 for _, key in keyed):
+    for m, copy_, tensors in shallow:
+        if crowded and any(address(p) in crowded for p in tensors):
             continue  # a view or alias of another tensor: copied with it, as before
         memo[id(m)] = copy_
-        for p, _ in keyed:
+        for p in tensors:
             if id(p) not in memo:
                 memo[id(p)] = p
                 shared.append(p)
-        if id(m) not in again and all(occurrences[id(p)] == 1 for p, _ in keyed):
+        if id(m) not in again and not any(id(p) in held_again for p in tensors):
             alone_modules.add(id(copy_))
-            alone_tensors.update(id(p) for p, _ in keyed)
-    if any(len(ids) > 1 for ids in storages.values()):
+            alone_tensors.update(id(p) for p in tensors)
+    if crowded:
         _share_storage_in_copy(model, memo)  # what deepcopy_module does with its own memo
     return deepcopy_module(model, memo), shared, special, Alone(frozenset(alone_modules), frozenset(alone_tensors))
 
