@@ -547,13 +547,13 @@ class _ModeTracer(Tracer):
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):
         out = super().create_args_for_root(root_fn, is_module, concrete_args)
         if is_module:
-            leaves: set[str] = set()
+            inside: set[str] = set()  # leaf modules and what they contain
             for path, m in self.root.named_modules():
-                parts = path.split(".")
-                if any(".".join(parts[:i]) in leaves for i in range(1, len(parts))):
+                if path and path.rpartition(".")[0] in inside:
+                    inside.add(path)  # (named_modules gives each module's parent before it)
                     continue  # inside a leaf module
                 if path and not self.proxy_every_flag and self.is_leaf_module(m, path):
-                    leaves.add(path)
+                    inside.add(path)
                     continue  # leaf modules read their own flag when they run
                 target = f"{path}.training" if path else "training"
                 proxy = self.create_proxy("get_attr", target, (), {})
@@ -783,6 +783,9 @@ class _ValueTracer(_ModeTracer):
             return v
         args = self._live_arg(node.args)
         kwargs = {k: self._live_arg(v) for k, v in node.kwargs.items()} if node.kwargs else {}
+        if (op == "call_function" and node.target is operator.getitem and not kwargs and len(args) == 2
+                and type(args[1]) is int and type(args[0]) in (tuple, list) and -len(args[0]) <= args[1] < len(args[0])):
+            return args[0][args[1]]  # a piece of a split: Python indexing, what `_run` would do, directly
         if op == "call_function" and node.target in _GRAD_MODE_FNS:
             if node.target is runtime.grad_enabled:
                 return torch._C.is_grad_enabled()
