@@ -88,10 +88,19 @@ class GraphAnalysis:
     def attr_uses(self, qualname: str) -> int:
         """How many places read attribute `qualname` of the root: its get_attr nodes' uses, and calls
         of the module owning it (a call reads all of its module's parameters)."""
-        uses = sum(max(len(n.users), 1) for n in self._live(qualname) if n.op == "get_attr")
+        by_target = self._by_target
+        uses = 0
+        if qualname in by_target:
+            for n in self._live(qualname):
+                if n.op == "get_attr":
+                    uses += max(len(n.users), 1)
         dot = qualname.find(".")
         while dot >= 0:  # each owning module's path: "a", "a.b" of "a.b.weight"
-            uses += sum(n.op == "call_module" for n in self._live(qualname[:dot]))
+            path = qualname[:dot]
+            if path in by_target:
+                for n in self._live(path):
+                    if n.op == "call_module":
+                        uses += 1
             dot = qualname.find(".", dot + 1)
         return uses
 
@@ -107,8 +116,10 @@ class GraphAnalysis:
         nodes = self._by_target.get(target)
         if nodes is None:
             return []
-        if any(getattr(n, "_erased", False) for n in nodes):
-            nodes[:] = [n for n in nodes if not getattr(n, "_erased", False)]
+        for n in nodes:
+            if getattr(n, "_erased", False):
+                nodes[:] = [n for n in nodes if not getattr(n, "_erased", False)]
+                break
         return nodes
 
     def _index_target(self, n: Node) -> None:
