@@ -228,11 +228,25 @@ def functionalize_inplace(graph: Graph, root: Optional[nn.Module] = None) -> lis
         >>> functionalize_inplace(gm.graph, gm), [n.target for n in gm.graph.nodes if n.op == "call_method"]
         ([], ['relu'])
     """
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = None  # node -> position, built at the first in-place node (most graphs have none)
+    by_target: dict = {}  # call_function target -> is_inplace, for nodes whose verdict is the target's alone
     kept = []
     for n in list(graph.nodes):
-        if not is_inplace(n, root):
+        if n.op == "call_function" and not n.kwargs:
+            try:
+                inplace = by_target.get(n.target) if n.target not in INPLACE_POS else None
+                if inplace is None:
+                    inplace = is_inplace(n, root)
+                    if n.target not in INPLACE_POS:
+                        by_target[n.target] = inplace
+            except TypeError:  # an unhashable target
+                inplace = is_inplace(n, root)
+        else:
+            inplace = is_inplace(n, root)
+        if not inplace:
             continue
+        if order is None:
+            order = {m: i for i, m in enumerate(graph.nodes)}
         y = n.args[0] if n.args else None
         if not isinstance(y, Node):
             kept.append(f"`{n.name}`: {n.format_node()}")

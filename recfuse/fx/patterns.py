@@ -372,7 +372,7 @@ def slice_info(node: Node) -> Optional[SliceInfo]:
         if not isinstance(parent, Node):
             return None
         pv = value_of(parent)
-        if isinstance(pv, Mapping):
+        if type(pv) is not tuple and type(pv) is not list and isinstance(pv, Mapping):
             return SliceInfo(parent, "dict", key=idx) if not isinstance(idx, Node) else None
         if isinstance(pv, (tuple, list)) and isinstance(idx, int):
             split = _split_kind(parent)
