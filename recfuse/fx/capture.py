@@ -614,6 +614,9 @@ class RebuildTracer(_ModeTracer):
 TransformedGraphModule.rebuild_tracer = RebuildTracer
 
 
+_LEAF_CLASSES: dict = {}  # module class -> fx's Tracer.is_leaf_module verdict
+
+
 class _ValueTracer(_ModeTracer):
     def __init__(self, placeholder_values: Optional[dict[str, Any]] = None):
         super().__init__()
@@ -639,9 +642,20 @@ class _ValueTracer(_ModeTracer):
         if self._executing:
             return forward(*args, **kwargs)
         path = self.path_of_module(m)
-        if not self.is_leaf_module(m, path):
+        if not self._is_leaf(m, path):
             return super().call_module(m, forward, args, kwargs)
         return self._call_leaf_module(m, path, args, kwargs)
+
+    def _is_leaf(self, m: nn.Module, path: str) -> bool:
+        """``self.is_leaf_module(m, path)``; fx's own rule reads only the module's class (its
+        ``__module__``) and is answered once per class."""
+        if type(self).is_leaf_module is not Tracer.is_leaf_module or "__module__" in m.__dict__:
+            return self.is_leaf_module(m, path)
+        cls = type(m)
+        leaf = _LEAF_CLASSES.get(cls)
+        if leaf is None:
+            leaf = _LEAF_CLASSES[cls] = self.is_leaf_module(m, path)
+        return leaf
 
     def _call_leaf_module(self, m: nn.Module, path: str, args, kwargs) -> Any:
         """What fx's Tracer.call_module does for a leaf module (the scope and module stack its node
@@ -689,7 +703,7 @@ class _ValueTracer(_ModeTracer):
                 or not self._can_append_directly()):
             return super().create_node(kind, target, args, kwargs, name, type_expr)
         node = _append_node(self.graph, kind, target, args, kwargs, name, type_expr, self._name_candidates)
-        self.node_name_to_scope[node.name] = (self.scope.module_path, self.scope.module_type)
+        # (fx's node_name_to_scope is not filled: nothing reads it, and capture drops it after the trace)
         if self.module_stack:
             node.meta["nn_module_stack"] = self.module_stack.copy()  # copy.copy's result, without its reduce protocol
         return node
@@ -1975,13 +1989,12 @@ class _SharedGuard:
                       t._post_accumulate_grad_hooks) for t in tensors]  # as `changed` reads them
         self.layout = [(t.stride(), t.storage_offset(), t.untyped_storage()) for t in tensors]
         self.groups: dict = {}  # (dtype, device, 1-D) -> indices into `tensors`
-        for i, t in enumerate(tensors):
-            key = (t.dtype, t.device, t.dim() == 1)
-            idx = self.groups.get(key)
-            if idx is None:
-                self.groups[key] = [i]
-            else:
-                idx.append(i)
+        keys = [(t.dtype, t.device, t.dim() == 1) for t in tensors]
+        if keys and keys.count(keys[0]) == len(keys):
+            self.groups[keys[0]] = list(range(len(keys)))
+        else:
+            for i, key in enumerate(keys):
+                self.groups.setdefault(key, []).append(i)
         # 1-D tensors are concatenated as they are (`changed` checks their shapes first)
         self.flat_lists = [[tensors[i] for i in idx] if key[2] else None for key, idx in self.groups.items()]
         self.values = self._flat()

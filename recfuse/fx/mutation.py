@@ -286,14 +286,14 @@ def keeps_node(root: Optional[nn.Module] = None):
     def impure(node: Node) -> bool:
         op = node.op
         if op == "call_module" and root is not None and (
-                root is node.graph.owning_module or node.graph.owning_module is None):
+                (owner := node.graph.owning_module) is root or owner is None):
             # fx's rule reads the module's `_is_impure`; one lookup serves both rules. (A graph
             # without an owning module: `root` owns its modules, as in `transform` before the
             # GraphModule is built, see capture.PendingModule.)
             mod = _module(node, root)
             if mod is not None:
                 return _module_attr(mod, "_is_impure") or _module_attr(mod, "inplace") is True
-            if node.graph.owning_module is None:
+            if owner is None:
                 return True  # fx's rule cannot look it up: kept
         elif op == "call_function" and not isinstance(node.target, torch._ops.HigherOrderOperator):
             # (a higher-order op's verdict depends on its arguments: not cached)
