@@ -149,17 +149,26 @@ def _remove_dead(graph: Graph, candidates: list, impure) -> tuple:
     erased: set = set()
     freed: set = set()
     work = list(candidates)
+    names = _names_of(graph)
+    erase = graph.erase_node
     while work:
         n = work.pop()
         if n in erased or getattr(n, "_erased", False) or n.users or impure(n):
             continue
         inputs = n.all_input_nodes
-        graph.erase_node(n)
-        _forget_name(graph, n)
+        erase(n)
+        if names is not None:
+            names.pop(n, None)  # see `_forget_name`
         erased.add(n)
         freed.update(inputs)
         work.extend(inputs)
     return erased, freed - erased
+
+
+def _names_of(graph: Graph) -> Optional[dict]:
+    """The namespace's node -> name dict (`_forget_name`), or None where fx keeps it otherwise."""
+    names = getattr(getattr(graph, "_graph_namespace", None), "_obj_to_name", None)
+    return names if isinstance(names, dict) else None
 
 
 def _forget_name(graph: Graph, node: Node) -> None:
