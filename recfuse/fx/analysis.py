@@ -26,7 +26,7 @@ from torch import nn
 from torch.fx import Graph, Node
 
 from .patterns import SliceChain, fmt_float, sink_info, walk_chain
-from .plan import GroupPlan, TensorAliases, plan_group
+from .plan import Alone, GroupPlan, TensorAliases, plan_group
 from .report import NearMiss
 
 __all__ = ["GraphAnalysis", "GENERATED"]
@@ -57,9 +57,10 @@ class GraphAnalysis:
         ([], [], 0)
     """
 
-    def __init__(self, graph: Graph, root: Optional[nn.Module]):
+    def __init__(self, graph: Graph, root: Optional[nn.Module], alone: Optional[Alone] = None):
         self.graph = graph
         self.root = root
+        self._alone = alone  # tensors of root TensorAliases need not index (see plan.Alone)
         self.near_misses: list[NearMiss] = []
         self._seen_misses: set = set()
         self._sinks: dict[Node, _SinkResult] = {}
@@ -87,10 +88,19 @@ class GraphAnalysis:
     def attr_uses(self, qualname: str) -> int:
         """How many places read attribute `qualname` of the root: its get_attr nodes' uses, and calls
         of the module owning it (a call reads all of its module's parameters)."""
-        uses = sum(max(len(n.users), 1) for n in self._live(qualname) if n.op == "get_attr")
+        by_target = self._by_target
+        uses = 0
+        if qualname in by_target:
+            for n in self._live(qualname):
+                if n.op == "get_attr":
+                    uses += max(len(n.users), 1)
         dot = qualname.find(".")
         while dot >= 0:  # each owning module's path: "a", "a.b" of "a.b.weight"
-            uses += sum(n.op == "call_module" for n in self._live(qualname[:dot]))
+            path = qualname[:dot]
+            if path in by_target:
+                for n in self._live(path):
+                    if n.op == "call_module":
+                        uses += 1
             dot = qualname.find(".", dot + 1)
         return uses
 
@@ -99,15 +109,17 @@ class GraphAnalysis:
         """The root's tensors by identity and storage, built on first use. Rewrites add only new
         tensors (stacked copies), which alias nothing the plans read."""
         if self._aliases is None and self.root is not None:
-            self._aliases = TensorAliases(self.root)
+            self._aliases = TensorAliases(self.root, self._alone)
         return self._aliases
 
     def _live(self, target: str) -> list:
         nodes = self._by_target.get(target)
         if nodes is None:
             return []
-        if any(getattr(n, "_erased", False) for n in nodes):
-            nodes[:] = [n for n in nodes if not getattr(n, "_erased", False)]
+        for n in nodes:
+            if getattr(n, "_erased", False):
+                nodes[:] = [n for n in nodes if not getattr(n, "_erased", False)]
+                break
         return nodes
 
     def _index_target(self, n: Node) -> None:

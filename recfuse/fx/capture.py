@@ -47,6 +47,7 @@ from torch.fx.node import Node, map_aggregate
 from ..errors import RecfuseError
 from . import deferred, runtime
 from .graph_module import TransformedGraphModule
+from .plan import Alone
 from .values import VAL_KEY, annotate_from_meta, summarise
 
 __all__ = ["capture", "RebuildTracer"]
@@ -433,6 +434,10 @@ def _callee_is_not_a_type_check(code, offset: int) -> bool:
         return False
 
 
+_NEW_VALUE_PROXY = object.__new__
+_OBJECT_SETATTR = object.__setattr__
+
+
 class _TracedTypeMeta(type):
     """Metaclass of `_TracedType`: calls and isinstance/issubclass checks behave as `type`'s."""
 
@@ -477,8 +482,8 @@ def _namespaces_naming_type(root: nn.Module, fn: Any) -> list:
     through user code (not torch, recfuse.fx or the standard library). A namespace that binds
     `type` itself is left alone."""
     stack: list = [fn] if fn is not None else []
-    for m in root.modules():
-        stack.extend(builtins.type(m).__mro__)
+    for cls in {builtins.type(m) for m in root.modules()}:  # 10,000 LayerNorms: one class to follow
+        stack.extend(cls.__mro__)
     seen: set = set()
     found: dict = {}
     while stack:
@@ -602,13 +607,13 @@ class _ModeTracer(Tracer):
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):
         out = super().create_args_for_root(root_fn, is_module, concrete_args)
         if is_module:
-            leaves: set[str] = set()
+            inside: set[str] = set()  # leaf modules and what they contain
             for path, m in self.root.named_modules():
-                parts = path.split(".")
-                if any(".".join(parts[:i]) in leaves for i in range(1, len(parts))):
+                if path and path.rpartition(".")[0] in inside:
+                    inside.add(path)  # (named_modules gives each module's parent before it)
                     continue  # inside a leaf module
                 if path and not self.proxy_every_flag and self.is_leaf_module(m, path):
-                    leaves.add(path)
+                    inside.add(path)
                     continue  # leaf modules read their own flag when they run
                 target = f"{path}.training" if path else "training"
                 proxy = self.create_proxy("get_attr", target, (), {})
@@ -669,6 +674,9 @@ class RebuildTracer(_ModeTracer):
 TransformedGraphModule.rebuild_tracer = RebuildTracer
 
 
+_LEAF_CLASSES: dict = {}  # module class -> fx's Tracer.is_leaf_module verdict
+
+
 class _ValueTracer(_ModeTracer):
     def __init__(self, placeholder_values: Optional[dict[str, Any]] = None):
         super().__init__()
@@ -680,6 +688,8 @@ class _ValueTracer(_ModeTracer):
         self._module_at: Optional[dict] = None  # qualified name -> submodule, built on first use
         self.value_guards: list = []  # (node, how, value, what, where): see `_specialise`
         self._specialised: set = set()
+        self._shared: set = set()  # ids of the original's tensors the traced model holds (`copy_sharing_leaves`)
+        self._privates: dict = {}  # id of one of them -> the copy the graph's reads of it get
 
     # Leave values of per-slice ops uncomputed when only their metadata is needed (see `deferred`).
     defer_values = True
@@ -692,9 +702,20 @@ class _ValueTracer(_ModeTracer):
         if self._executing:
             return forward(*args, **kwargs)
         path = self.path_of_module(m)
-        if not self.is_leaf_module(m, path):
+        if not self._is_leaf(m, path):
             return super().call_module(m, forward, args, kwargs)
         return self._call_leaf_module(m, path, args, kwargs)
+
+    def _is_leaf(self, m: nn.Module, path: str) -> bool:
+        """``self.is_leaf_module(m, path)``; fx's own rule reads only the module's class (its
+        ``__module__``) and is answered once per class."""
+        if type(self).is_leaf_module is not Tracer.is_leaf_module or "__module__" in m.__dict__:
+            return self.is_leaf_module(m, path)
+        cls = type(m)
+        leaf = _LEAF_CLASSES.get(cls)
+        if leaf is None:
+            leaf = _LEAF_CLASSES[cls] = self.is_leaf_module(m, path)
+        return leaf
 
     def _call_leaf_module(self, m: nn.Module, path: str, args, kwargs) -> Any:
         """What fx's Tracer.call_module does for a leaf module (the scope and module stack its node
@@ -722,7 +743,11 @@ class _ValueTracer(_ModeTracer):
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def proxy(self, node: Node) -> Proxy:
-        return _ValueProxy(node, self)
+        # Proxy.__init__ sets `tracer` and `node`, each through _ValueProxy.__setattr__'s check
+        p = _NEW_VALUE_PROXY(_ValueProxy)
+        _OBJECT_SETATTR(p, "tracer", self)
+        _OBJECT_SETATTR(p, "node", node)
+        return p
 
     def _can_append_directly(self) -> bool:
         graph = self.graph
@@ -738,7 +763,7 @@ class _ValueTracer(_ModeTracer):
                 or not self._can_append_directly()):
             return super().create_node(kind, target, args, kwargs, name, type_expr)
         node = _append_node(self.graph, kind, target, args, kwargs, name, type_expr, self._name_candidates)
-        self.node_name_to_scope[node.name] = (self.scope.module_path, self.scope.module_type)
+        # (fx's node_name_to_scope is not filled: nothing reads it, and capture drops it after the trace)
         if self.module_stack:
             node.meta["nn_module_stack"] = self.module_stack.copy()  # copy.copy's result, without its reduce protocol
         return node
@@ -778,9 +803,15 @@ class _ValueTracer(_ModeTracer):
                 if target == "values":
                     return [args[0][k] for k in keys]
                 return [(k, args[0][k]) for k in keys]
-        p = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
-        node = p.node
-        for a in node.all_input_nodes:
+        if proxy_factory_fn is None and type(args) is tuple and (not kwargs or type(kwargs) is dict):
+            # fx's Tracer.create_proxy: lower the arguments, create the node, wrap it
+            node = self.create_node(kind, target, self.create_arg(args), self.create_arg(kwargs) if kwargs else {},
+                                    name, type_expr)
+            p = self.proxy(node)
+        else:
+            p = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+            node = p.node
+        for a in (node._input_nodes if type(getattr(node, "_input_nodes", None)) is dict else node.all_input_nodes):
             if _MODE in a.meta:
                 node.meta[_MODE] = a.meta[_MODE]
                 break
@@ -827,12 +858,18 @@ class _ValueTracer(_ModeTracer):
         if op == "get_attr":
             if _MODE in node.meta:
                 return node.meta[_MODE][1]
-            return _resolve_attr(self.root, node.target)
+            v = _resolve_attr(self.root, node.target)
+            if self._shared and id(v) in self._shared:
+                v = self._private(v)
+            return v
         if (op == "call_function" and node.target is builtins.getattr and len(node.args) == 2
                 and node.args[1] == "requires_grad" and isinstance(node.args[0], Node)):
             return self._would_require_grad(node.args[0])
         args = self._live_arg(node.args)
         kwargs = {k: self._live_arg(v) for k, v in node.kwargs.items()} if node.kwargs else {}
+        if (op == "call_function" and node.target is operator.getitem and not kwargs and len(args) == 2
+                and type(args[1]) is int and type(args[0]) in (tuple, list) and -len(args[0]) <= args[1] < len(args[0])):
+            return args[0][args[1]]  # a piece of a split: Python indexing, what `_run` would do, directly
         if op == "call_function" and node.target in _GRAD_MODE_FNS:
             if node.target is runtime.grad_enabled:
                 return torch._C.is_grad_enabled()
@@ -887,6 +924,15 @@ class _ValueTracer(_ModeTracer):
                 n.meta["recfuse_rg"] = r
             stack.pop()
         return node.meta["recfuse_rg"]
+
+    def _private(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of the original's tensor `t` for the graph's reads of it: an in-place update the
+        model's code makes through the graph (``self.w.data.mul_(2)``) changes the copy only."""
+        c = self._privates.get(id(t))
+        if c is None:
+            c = self._privates[id(t)] = nn.Parameter(t.detach().clone(memory_format=torch.preserve_format),
+                                                     t.requires_grad)
+        return c
 
     def _run(self, node: Node, args: tuple, kwargs: dict, errors: bool = True) -> Any:
         """Run `node`'s op on values (never proxies); `errors=False` lets its exception through."""
@@ -1368,7 +1414,8 @@ def _finish_concrete(gm: GraphModule, constants: dict[str, Any]) -> None:
                     gm.graph.call_function(runtime.check_none, (n, _arg_name(n.target, constants)))
 
 
-def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = True) -> tuple[GraphModule, dict]:
+def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = True,
+            share_leaves: bool = False) -> tuple[GraphModule, dict]:
     """Trace `model` (an nn.Module or a function) into a GraphModule annotated with example values.
 
     Returns the GraphModule and a dict of facts for the report (``"how"``: the capture path,
@@ -1386,19 +1433,38 @@ def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = Tr
         >>> gm, facts = capture(lambda x, n: x.view(n, -1).tanh(), (torch.randn(6), 2))
         >>> facts["constants"]
         {'n': 2}
+
+    ``share_leaves=True`` (for `transform`, which calls `unshare` on what it keeps): the plain
+    leaves of an nn.Module model are traced as shallow copies holding the original's parameters
+    (`copy_sharing_leaves`); ``facts["shared"]`` lists those tensors. The original is never
+    changed: if the trace changed one of them, it is put back and the capture is redone on a full
+    copy (then ``facts["shared"]`` is empty).
     """
+    if share_leaves and isinstance(model, nn.Module):
+        try:
+            return _capture(model, example_inputs, codegen, True)
+        except _RetryWithCopy:
+            logger.debug("recfuse: the trace changed a shared tensor of the original (restored); capturing a copy")
+    return _capture(model, example_inputs, codegen, False)
+
+
+def _capture(model, example_inputs, codegen: bool, share: bool) -> tuple[GraphModule, dict]:
     if isinstance(example_inputs, (torch.Tensor, Mapping)) or (
             example_inputs is not None and not isinstance(example_inputs, (tuple, list))):
         raise TypeError(
             f"example_inputs must be a tuple of the model's positional arguments, got a "
             f"{type(example_inputs).__name__}; for a single tensor x pass (x,)")
     example_inputs = tuple(example_inputs) if example_inputs is not None else None
+    shared: list = []
+    alone = None
     if isinstance(model, nn.Module):
-        root = deepcopy_module(model)
-        _copy_tensor_hooks(model, root)
+        root, shared, special, alone = copy_sharing_leaves(model) if share else (deepcopy_module(model), [], True, None)
+        if special:  # copy_sharing_leaves found no tensor hook and no lazy parameter otherwise
+            _copy_tensor_hooks(model, root)
         sig = inspect.signature(root.forward)
         fn_name = type(model).__name__ + ".forward"
     elif callable(model):
+        special = True
         sig = inspect.signature(model)
         fn_name = getattr(model, "__qualname__", repr(model))
         root = None
@@ -1421,7 +1487,8 @@ def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = Tr
                 raise RecfuseError(f"example_inputs gives no value for argument `{p.name}` of {fn_name}")
             values[p.name] = p.default
     constants = {k: v for k, v in values.items() if _is_constant(v)}
-    _refuse_lazy(root, fn_name)
+    if root is not None and special:
+        _refuse_lazy(root, fn_name)
     for v in constants.values():
         if isinstance(v, nn.Module):
             _refuse_lazy(v, fn_name)
@@ -1443,12 +1510,16 @@ def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = Tr
     if example_inputs is None:
         tracer = _ModeTracer()  # no values: plain symbolic tracing, shapes stay unknown
     concrete = {k: (None if isinstance(v, nn.Module) else v) for k, v in constants.items()}
+    if shared:
+        tracer._shared = {id(t) for t in shared}
+    guard = _SharedGuard(shared) if shared else None
     try:
         with warnings.catch_warnings(), _StateSnapshot(root, example_inputs), _one_thread(), \
                 _traced_type_builtin(root, model if not isinstance(model, nn.Module) else None):
             warnings.simplefilter("ignore")
             graph = tracer.trace(root, concrete_args=concrete or None)
     except _DataDependentControlFlow as e:
+        _check_guard(guard)
         raise RecfuseError(
             f"cannot capture {fn_name}: data-dependent control flow: {e}. The fused graph would be "
             f"specialised to the example data. Use torch.where or torch.cond instead of Python control "
@@ -1456,14 +1527,22 @@ def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = Tr
             f"recfuse.FusedFeatureProcessor by hand."
         ) from None
     except RecfuseError:
+        _check_guard(guard)
         raise
     except (torch.fx.proxy.TraceError, TypeError, RuntimeError, NotImplementedError) as e:
+        _check_guard(guard)
+        if shared:
+            raise _RetryWithCopy() from None  # Dynamo runs the model too: only ever on a full copy
         if isinstance(e, torch.fx.proxy.TraceError) and "control flow" in str(e):
             raise RecfuseError(
                 f"cannot capture {fn_name}: data-dependent control flow ({e}). Pass example_inputs, or "
                 f"use torch.where/torch.cond instead of a Python `if` on a tensor."
             ) from None
         return _capture_dynamo(root, values, constants, fn_name, e)
+    except BaseException:
+        _check_guard(guard)
+        raise
+    _check_guard(guard)
     _release_trace_state(tracer)
     graph._tracer_cls = None  # a loaded copy re-traces its code with RebuildTracer
     for n in graph.nodes:
@@ -1471,28 +1550,70 @@ def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = Tr
             # A string annotation (`from __future__ import annotations`) becomes a str-valued
             # global of the generated code, which torch.save cannot write as an import.
             n.type = None
-    gm = TransformedGraphModule(root, graph, class_name=getattr(model, "__name__", type(root).__name__),
-                                codegen=codegen)
-    gm.training = root.training
-    _carry_hooks(root, gm)
+    class_name = getattr(model, "__name__", type(root).__name__)
+    if share:
+        # `transform` fuses first and builds the module after (`PendingModule.build`): built now, the
+        # GraphModule would register every per-feature leaf the graph calls (10,000 of them) only for
+        # fusion to prune them.
+        _carry_hooks(root, types.SimpleNamespace(**{k: {} for k in _MODULE_HOOK_DICTS}))  # refuses as before
+        gm = PendingModule(root, graph, class_name)
+    else:
+        gm = TransformedGraphModule(root, graph, class_name=class_name, codegen=codegen)
+        gm.training = root.training
+        _carry_hooks(root, gm)
     for attr in adopted:
         if attr in gm._modules:
             original = gm._modules[attr]
             gm._modules[attr] = deepcopy_module(original)
             _copy_tensor_hooks(original, gm._modules[attr])
+    infos: dict = {}  # (shape, dtype) -> its ValueInfo (frozen: one serves every node of that metadata)
     for n in gm.graph.nodes:
         live = n.meta.pop(_LIVE, None)
         if example_inputs is not None and n.op != "output":
-            n.meta[VAL_KEY] = live.value_info() if type(live) is deferred.Deferred else summarise(live)
+            t = type(live)
+            if t is deferred.Deferred or t is torch.Tensor:
+                key = (live.shape, live.dtype)
+                info = infos.get(key)
+                if info is None:
+                    info = infos[key] = live.value_info() if t is deferred.Deferred else summarise(live)
+                n.meta[VAL_KEY] = info
+            else:
+                n.meta[VAL_KEY] = summarise(live)
     changed = _insert_guards(gm, tracer)
     changed = _guard_optional_arguments(gm, params, values, constants) or changed
     changed = _separate_grad_regions(gm.graph) or changed
     if constants:
         _finish_concrete(gm, constants)
-    if codegen and (changed or constants):
+    if codegen and (changed or constants) and not share:
         gm.recompile()
     return gm, {"how": "torch.fx", "constants": {k: v for k, v in constants.items() if not isinstance(v, nn.Module)},
-                "shapes": example_inputs is not None, "name": fn_name}
+                "shapes": example_inputs is not None, "name": fn_name, "shared": shared,
+                "alone": alone if shared else None}
+
+
+class PendingModule:
+    """What ``capture(..., share_leaves=True)`` returns instead of a GraphModule: the traced copy
+    `root` (which owns the graph's attributes and modules; the graph has no owning module
+    meanwhile) and the graph, for `transform` to fuse before `build` makes the GraphModule (which
+    then registers only what the fused graph reads)."""
+
+    def __init__(self, root: nn.Module, graph: Graph, class_name: str):
+        self.root, self.graph, self.class_name = root, graph, class_name
+
+    def build(self, codegen: bool = True) -> GraphModule:
+        root, graph = self.root, self.graph
+        gm = TransformedGraphModule(root, graph, class_name=self.class_name, codegen=codegen)
+        gm.training = root.training
+        _carry_hooks(root, gm)
+        return gm
+
+
+def _check_guard(guard: Optional["_SharedGuard"]) -> None:
+    """After a trace of shared leaves: if it changed one of the original's tensors, put it back
+    and ask for a capture on a full copy."""
+    if guard is not None and guard.changed():
+        guard.restore()
+        raise _RetryWithCopy()
 
 
 def _release_trace_state(tracer: Tracer) -> None:
@@ -1509,6 +1630,8 @@ def _release_trace_state(tracer: Tracer) -> None:
         tracer._module_at = None
         tracer._pending = []  # values never needed: capture drops every example value next
         tracer._result_meta = {}
+        tracer._privates = {}
+        tracer._shared = set()
 
 
 def _restore_attr_names(gm: GraphModule, root: nn.Module) -> None:
@@ -1819,6 +1942,8 @@ def _copy_tensor_hooks(model: nn.Module, copied: nn.Module) -> None:
                for t in originals):
         return  # the usual case; walking the copy's tensors too took as long again
     for t, c in zip(originals, itertools.chain(copied.parameters(), copied.buffers())):
+        if c is t:
+            continue  # the original's own tensor (`copy_sharing_leaves`): it has its hooks
         for hook in (getattr(t, "_backward_hooks", None) or {}).values():
             c.register_hook(hook)
         for hook in (getattr(t, "_post_accumulate_grad_hooks", None) or {}).values():
@@ -1857,3 +1982,304 @@ def _keep_state(gm: GraphModule, root: nn.Module) -> None:
             owner.register_parameter(leaf, t)
         else:
             owner.register_buffer(leaf, t)
+
+
+# ---------------------------------------------------------------------------------------------
+# tracing without copying the per-feature leaves
+#
+# `transform` used to trace a deep copy of the whole model. For a per-feature model most of that
+# copy (10,000 LayerNorms and their 20,000 parameters) is pruned by fusion right after the trace,
+# and copying it was a tenth of a 10,000-feature transform. Here plain leaf modules of a few
+# known classes (`_SHAREABLE_LEAVES`, whose forward reads its parameters and changes nothing) are
+# traced as *shallow* copies that hold the original's parameter tensors: new module objects (so
+# nothing the trace does to a module reaches the original), the original's tensors (never
+# cloned). `transform` clones the ones the fused graph still holds once fusion has pruned the
+# rest (`unshare`). Nothing may change those tensors meanwhile:
+#
+# * the trace's reads of them through the graph (`self.lns[0].weight` in the model's code, a
+#   get_attr node) get a private copy (`_ValueTracer._private`), so an in-place update recorded
+#   in the graph (`.data.mul_`, `add_` under no_grad) runs on that copy;
+# * `_SharedGuard` snapshots their values and metadata before the trace and compares after it:
+#   code that reaches the real tensors around the graph (`for p in self.parameters(): ...` in
+#   forward) is detected, the original is put back exactly (values, storage, requires_grad,
+#   grad, hooks, version counter) and the model is traced again as a full deep copy, as before.
+
+_SHAREABLE_LEAVES = frozenset(c for c in (nn.LayerNorm, nn.Linear, getattr(nn, "RMSNorm", None)) if c is not None)
+_EMPTY_STATE_TYPES = (dict, OrderedDict, set)
+
+
+class _RetryWithCopy(Exception):
+    """Capture of a model with shared leaves must be redone on a full copy."""
+
+
+def _atomic_value(v: Any) -> bool:
+    t = type(v)
+    return t in _ATOMIC_TYPES or (t is tuple and all(type(e) in _ATOMIC_TYPES for e in v))
+
+
+def _shallow_leaf(m: nn.Module) -> Optional[nn.Module]:
+    """A shallow copy of `m` that holds `m`'s parameters (not cloned), or None when `m` may not be
+    traced so: `m` must be of an exact class of `_SHAREABLE_LEAVES` with no hooks of any kind, no
+    buffers or submodules, no per-instance forward, nothing but Python atoms (and tuples of them)
+    besides its parameters, which are plain strided `nn.Parameter`s without tensor hooks. The
+    copy is a new module with `m`'s atoms and fresh empty hook dicts."""
+    cls = type(m)
+    if cls not in _SHAREABLE_LEAVES:
+        return None
+    d = m.__dict__
+    layout = _LEAF_LAYOUTS.get(cls)
+    if layout is not None and layout[0] == tuple(d):
+        return _shallow_leaf_like(m, d, layout)
+    state = d.copy()
+    for k, v in d.items():
+        t = type(v)
+        if t in _ATOMIC_TYPES:
+            continue
+        if k == "_parameters" and t is dict:
+            for p in v.values():
+                if p is not None and (type(p) is not nn.Parameter or p.layout is not torch.strided or p.is_meta
+                                      or p._backward_hooks or p._post_accumulate_grad_hooks):
+                    return None
+            state[k] = v.copy()
+        elif t in _EMPTY_STATE_TYPES:
+            if v:
+                return None  # hooks, buffers, submodules
+            state[k] = t()
+        elif t is not tuple or not all(type(e) in _ATOMIC_TYPES for e in v):
+            return None  # `forward` bound per instance, tensors, other objects: copied as before
+    if "_parameters" not in state or "training" not in state:
+        return None
+    _LEAF_LAYOUTS[cls] = (tuple(d), tuple((k, type(v)) for k, v in d.items() if type(v) in _EMPTY_STATE_TYPES
+                                          and k != "_parameters"),
+                          tuple(k for k, v in d.items() if type(v) not in _EMPTY_STATE_TYPES or k == "_parameters"))
+    new = cls.__new__(cls)
+    new.__dict__.update(state)
+    return new
+
+
+_LEAF_LAYOUTS: dict = {}  # class -> (its instances' keys, the empty-container keys and types, the other keys)
+
+
+def _shallow_leaf_like(m: nn.Module, d: dict, layout: tuple) -> Optional[nn.Module]:
+    """`_shallow_leaf` of a module whose `__dict__` has the keys of one it accepted before: the
+    same checks and copy, without working out per key what kind of entry it is."""
+    _, containers, others = layout
+    for k, t in containers:
+        v = d[k]
+        if type(v) is not t or v:
+            return None
+    for k in others:
+        v = d[k]
+        tv = type(v)
+        if tv in _ATOMIC_TYPES:
+            continue
+        if k == "_parameters" and tv is dict:
+            for p in v.values():
+                if p is not None and (type(p) is not nn.Parameter or p.layout is not torch.strided or p.is_meta
+                                      or p._backward_hooks or p._post_accumulate_grad_hooks):
+                    return None
+        elif tv is not tuple or not all(type(e) in _ATOMIC_TYPES for e in v):
+            return None
+    state = d.copy()
+    state["_parameters"] = d["_parameters"].copy()
+    for k, t in containers:
+        state[k] = t()
+    new = type(m).__new__(type(m))
+    new.__dict__.update(state)
+    return new
+
+
+def _storage_key(t: torch.Tensor) -> Any:
+    """The identity of `t`'s storage (None for tensors without one)."""
+    if type(t) not in (torch.Tensor, nn.Parameter) or t.layout is not torch.strided or t.is_meta:
+        return None
+    return torch._C._storage_address(t)
+
+
+def copy_sharing_leaves(model: nn.Module) -> tuple[nn.Module, list, bool, Alone]:
+    """``deepcopy_module(model)``, except that the leaves `_shallow_leaf` accepts are shallow
+    copies holding the original's parameters (returned in the list, each once). A leaf is
+    copied as before when one of its parameters shares storage with another tensor of the model,
+    when the model is its own leaf, or while global module hooks are registered. The bool says
+    whether a parameter or buffer of the model has gradient hooks or is an uninitialized lazy one,
+    or a submodule is scripted (then `_copy_tensor_hooks` and `_refuse_lazy` have work to do). The `plan.Alone` names the
+    shallow copies reached once whose parameters are held nowhere else (tie checks skip them).
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Sequential(torch.nn.LayerNorm(3), torch.nn.BatchNorm1d(3))
+        >>> c, shared, special, alone = copy_sharing_leaves(m)
+        >>> c[0] is m[0], c[0].weight is m[0].weight, c[1].weight is m[1].weight, len(shared), special
+        (False, True, False, 2, False)
+    """
+    from .deferred import _global_module_hooks
+
+    if _global_module_hooks():
+        return deepcopy_module(model), [], True, None
+    shallow: list = []  # (module, its shallow copy, its parameters)
+    first_in: dict = {}  # storage key -> id of the first tensor seen in it
+    crowded: set = set()  # storage keys holding two or more distinct tensors
+    held: set = set()  # ids of the tensors seen
+    held_again: set = set()  # ids of tensors held in two or more places
+    address = torch._C._storage_address
+    special = False
+    seen: set = set()
+    again: set = set()  # modules reached more than once (their tensors have several names)
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            again.add(id(m))
+            continue
+        seen.add(id(m))
+        d = m.__dict__
+        copy_ = _shallow_leaf(m) if m is not model else None
+        if copy_ is not None:  # plain strided parameters (`_shallow_leaf` checked), nothing else
+            tensors = [p for p in d["_parameters"].values() if p is not None]
+            shallow.append((m, copy_, tensors))
+            keys = [address(p) for p in tensors]
+        else:
+            tensors = []
+            if isinstance(m, torch.jit.ScriptModule):
+                special = True  # `_refuse_lazy` refuses it (a copy's parameters leave its compiled code)
+            for t in itertools.chain(d.get("_parameters", {}).values(), d.get("_buffers", {}).values(),
+                                     (v for v in d.values() if isinstance(v, torch.Tensor))):
+                if t is None:
+                    continue
+                if (isinstance(t, nn.parameter.UninitializedTensorMixin) or getattr(t, "_backward_hooks", None)
+                        or getattr(t, "_post_accumulate_grad_hooks", None)):
+                    special = True
+                tensors.append(t)
+            keys = [_storage_key(t) for t in tensors]
+            stack.extend(c for c in d.get("_modules", {}).values() if c is not None)
+        for t, key in zip(tensors, keys):
+            i = id(t)
+            if i in held:
+                held_again.add(i)
+            else:
+                held.add(i)
+            if key is not None:
+                first = first_in.setdefault(key, i)
+                if first != i:
+                    crowded.add(key)
+    memo: dict = {}
+    shared: list = []
+    alone_modules, alone_tensors = set(), set()
+    for m, copy_, tensors in shallow:
+        if crowded and any(address(p) in crowded for p in tensors):
+            continue  # a view or alias of another tensor: copied with it, as before
+        memo[id(m)] = copy_
+        for p in tensors:
+            if id(p) not in memo:
+                memo[id(p)] = p
+                shared.append(p)
+        if id(m) not in again and not any(id(p) in held_again for p in tensors):
+            alone_modules.add(id(copy_))
+            alone_tensors.update(id(p) for p in tensors)
+    if crowded:
+        _share_storage_in_copy(model, memo)  # what deepcopy_module does with its own memo
+    return deepcopy_module(model, memo), shared, special, Alone(frozenset(alone_modules), frozenset(alone_tensors))
+
+
+class _SharedGuard:
+    """What could change the original's tensors that a trace shares (see the section comment),
+    checked after the trace: `changed()` says whether anything did, `restore()` puts it back
+    (a tensor whose storage was swapped gets its own storage back, holding its old values)."""
+
+    def __init__(self, tensors: list):
+        self.tensors = tensors
+        self.meta = [(t._version, t.requires_grad, t.data_ptr(), t.shape, t.grad, t._backward_hooks,
+                      t._post_accumulate_grad_hooks) for t in tensors]  # as `changed` reads them
+        self.layout = [(t.stride(), t.storage_offset(), t.untyped_storage()) for t in tensors]
+        self.groups: dict = {}  # (dtype, device, 1-D) -> indices into `tensors`
+        keys = [(t.dtype, t.device, t.dim() == 1) for t in tensors]
+        if keys and keys.count(keys[0]) == len(keys):
+            self.groups[keys[0]] = list(range(len(keys)))
+        else:
+            for i, key in enumerate(keys):
+                self.groups.setdefault(key, []).append(i)
+        # 1-D tensors are concatenated as they are (`changed` checks their shapes first)
+        self.flat_lists = [[tensors[i] for i in idx] if key[2] else None for key, idx in self.groups.items()]
+        self.values = self._flat()
+
+    def _flat(self) -> list:
+        ts = self.tensors
+        with torch.no_grad(), _one_thread():  # cat of 20,000 small tensors: 5 ms on one thread, 20 on two
+            return [torch.cat(flat if flat is not None else [ts[i].reshape(-1) for i in idx]).view(torch.uint8)
+                    for idx, flat in zip(self.groups.values(), self.flat_lists)]
+
+    def changed(self) -> bool:
+        try:  # tuples compare their entries by identity first: a replaced grad or hook dict differs
+            if [(t._version, t.requires_grad, t.data_ptr(), t.shape, t.grad, t._backward_hooks,
+                 t._post_accumulate_grad_hooks) for t in self.tensors] != self.meta:
+                return True
+        except Exception:  # a tensor compared with another (a grad replaced): changed
+            return True
+        try:
+            now = self._flat()
+        except Exception:
+            return True
+        return not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(now, self.values))
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for (dtype, device, _), idx, flat in zip(self.groups, self.groups.values(), self.values):
+                start = 0
+                for i in idx:
+                    t = self.tensors[i]
+                    version, requires_grad, ptr, shape, grad, hooks, post = self.meta[i]
+                    stride, offset, storage = self.layout[i]
+                    n = shape.numel()
+                    saved = flat.view(dtype)[start:start + n].view(shape)
+                    start += n
+                    if (t.data_ptr(), t.dtype, t.shape, t.stride(), t.storage_offset()) != (
+                            ptr, dtype, shape, stride, offset):
+                        t.data = torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
+                    t.data.copy_(saved)
+                    if t.requires_grad != requires_grad:
+                        t.requires_grad_(requires_grad)
+                    if t.grad is not grad:
+                        t.grad = grad
+                    if t._backward_hooks is not hooks:
+                        t._backward_hooks = hooks
+                    if t._post_accumulate_grad_hooks is not post:
+                        t._post_accumulate_grad_hooks = post
+                    if t._version != version:
+                        torch._C._autograd._unsafe_set_version_counter((t,), (version,))
+
+
+def unshare(gm: nn.Module, shared: list, extra: Optional[dict] = None) -> None:
+    """Replace, in `gm` (and in `extra`, name -> (tensor, persistent)), every tensor of `shared`
+    (the original's, from `copy_sharing_leaves`) by a copy of its own, as deepcopy would have
+    made it: one copy per tensor (tied parameters stay tied), gradient hooks carried over."""
+    ids = {id(t) for t in shared}
+    copies: dict = {}
+
+    def fresh(t):
+        c = copies.get(id(t))
+        if c is None:
+            c = copies[id(t)] = copy.deepcopy(t)
+            for hook in (getattr(t, "_backward_hooks", None) or {}).values():
+                c.register_hook(hook)
+            for hook in (getattr(t, "_post_accumulate_grad_hooks", None) or {}).values():
+                c.register_post_accumulate_grad_hook(hook)
+        return c
+
+    for m in gm.modules():
+        for store in (m._parameters, m._buffers):
+            for k, t in store.items():
+                if t is not None and id(t) in ids:
+                    store[k] = fresh(t)
+        for k, v in m.__dict__.items():
+            if isinstance(v, torch.Tensor) and id(v) in ids:
+                m.__dict__[k] = fresh(v)
+    if extra:
+        for name, (t, persistent) in extra.items():
+            if id(t) in ids:
+                extra[name] = (fresh(t), persistent)
+    # No tensor of the result may alias one of the original's: fusion only adds stacked copies.
+    keys = {_storage_key(t) for t in shared} - {None}
+    for m in gm.modules():
+        for t in itertools.chain(m._parameters.values(), m._buffers.values()):
+            if t is not None and (id(t) in ids or _storage_key(t) in keys):
+                raise RecfuseError("internal: the transformed module still shares a tensor with the original model")

@@ -169,6 +169,9 @@ def op_key(op: str, target: Any, args: tuple, kwargs: dict, submodule: Callable[
             return None
     else:
         return None
+    if len(args) == 1 and type(args) is tuple and type(args[0]) is Deferred and not kwargs:
+        a = args[0]  # the usual case (an op on a deferred per-slice value): `_arg_key`'s key, inline
+        return (head, (tuple, ((a.shape, a.stride, a.dtype, a.device),)))
     tensors: list = []
     keys = _arg_key(args, tensors)
     if keys is _NO or not tensors:

@@ -27,14 +27,17 @@ __all__ = ["fuse_graph"]
 
 
 def fuse_graph(graph: Graph, root: Optional[nn.Module] = None, *, stack_params_once: bool = True,
-               report: Optional[FusionReport] = None, fusions: Optional[Sequence[str]] = None) -> FusionReport:
+               report: Optional[FusionReport] = None, fusions: Optional[Sequence[str]] = None,
+               alone=None) -> FusionReport:
     """Run the registered fusions (or those named in `fusions`, in registry order) on `graph`
     until none applies; returns the report.
 
     Nodes must carry example values (``capture`` or Dynamo's ``example_value``). With
     ``stack_params_once`` per-slice parameters that are attributes of `root` are stacked into new
     parameters of `root`; otherwise they are stacked in the graph (Dynamo graphs, whose
-    parameters are inputs). Dead nodes are removed; `root` is not recompiled.
+    parameters are inputs). Dead nodes are removed; `root` is not recompiled. `alone` (a
+    `plan.Alone`, from capture) names tensors of `root` known to be tensors of their own, which
+    the tie checks then need not index.
 
     Raises:
         ValueError: `fusions` names a fusion that is not registered.
@@ -59,7 +62,7 @@ def fuse_graph(graph: Graph, root: Optional[nn.Module] = None, *, stack_params_o
                          f"view; fusing around it could change what is read, so the graph is left as it is")
         report.near_misses.append(NearMiss("graph", report.reason))
         return report
-    analysis = GraphAnalysis(graph, root)
+    analysis = GraphAnalysis(graph, root, alone)
     verdicts: dict = {}
     impure = keeps_node(root)
     while True:
@@ -146,17 +149,26 @@ def _remove_dead(graph: Graph, candidates: list, impure) -> tuple:
     erased: set = set()
     freed: set = set()
     work = list(candidates)
+    names = _names_of(graph)
+    erase = graph.erase_node
     while work:
         n = work.pop()
         if n in erased or getattr(n, "_erased", False) or n.users or impure(n):
             continue
         inputs = n.all_input_nodes
-        graph.erase_node(n)
-        _forget_name(graph, n)
+        erase(n)
+        if names is not None:
+            names.pop(n, None)  # see `_forget_name`
         erased.add(n)
         freed.update(inputs)
         work.extend(inputs)
     return erased, freed - erased
+
+
+def _names_of(graph: Graph) -> Optional[dict]:
+    """The namespace's node -> name dict (`_forget_name`), or None where fx keeps it otherwise."""
+    names = getattr(getattr(graph, "_graph_namespace", None), "_obj_to_name", None)
+    return names if isinstance(names, dict) else None
 
 
 def _forget_name(graph: Graph, node: Node) -> None:

@@ -228,11 +228,25 @@ def functionalize_inplace(graph: Graph, root: Optional[nn.Module] = None) -> lis
         >>> functionalize_inplace(gm.graph, gm), [n.target for n in gm.graph.nodes if n.op == "call_method"]
         ([], ['relu'])
     """
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = None  # node -> position, built at the first in-place node (most graphs have none)
+    by_target: dict = {}  # call_function target -> is_inplace, for nodes whose verdict is the target's alone
     kept = []
     for n in list(graph.nodes):
-        if not is_inplace(n, root):
+        if n.op == "call_function" and not n.kwargs:
+            try:
+                inplace = by_target.get(n.target) if n.target not in INPLACE_POS else None
+                if inplace is None:
+                    inplace = is_inplace(n, root)
+                    if n.target not in INPLACE_POS:
+                        by_target[n.target] = inplace
+            except TypeError:  # an unhashable target
+                inplace = is_inplace(n, root)
+        else:
+            inplace = is_inplace(n, root)
+        if not inplace:
             continue
+        if order is None:
+            order = {m: i for i, m in enumerate(graph.nodes)}
         y = n.args[0] if n.args else None
         if not isinstance(y, Node):
             kept.append(f"`{n.name}`: {n.format_node()}")
@@ -271,11 +285,16 @@ def keeps_node(root: Optional[nn.Module] = None):
 
     def impure(node: Node) -> bool:
         op = node.op
-        if op == "call_module" and root is not None and root is node.graph.owning_module:
-            # fx's rule reads the module's `_is_impure`; one lookup serves both rules
+        if op == "call_module" and root is not None and (
+                (owner := node.graph.owning_module) is root or owner is None):
+            # fx's rule reads the module's `_is_impure`; one lookup serves both rules. (A graph
+            # without an owning module: `root` owns its modules, as in `transform` before the
+            # GraphModule is built, see capture.PendingModule.)
             mod = _module(node, root)
             if mod is not None:
                 return _module_attr(mod, "_is_impure") or _module_attr(mod, "inplace") is True
+            if owner is None:
+                return True  # fx's rule cannot look it up: kept
         elif op == "call_function" and not isinstance(node.target, torch._ops.HigherOrderOperator):
             # (a higher-order op's verdict depends on its arguments: not cached)
             try:

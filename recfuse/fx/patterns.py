@@ -148,14 +148,46 @@ def _has_hooks(mod: nn.Module) -> bool:
                 or getattr(_m, "_global_backward_pre_hooks", None))
 
 
+_TORCH_FORWARD: dict = {}  # (class, its forward) -> whether that is torch's own forward of the class
+
+
 def _own_forward(mod: nn.Module) -> bool:
     """The module computes what its torch class says: no `forward` assigned on the instance
     (monkeypatching, wrappers), and the class's forward is still torch's own (not replaced)."""
     if "forward" in mod.__dict__:
         return False
-    fwd = type(mod).__dict__.get("forward")
-    return fwd is not None and getattr(fwd, "__module__", "").startswith("torch.nn.modules.") and \
-        getattr(fwd, "__qualname__", "") == f"{type(mod).__name__}.forward"
+    cls = type(mod)
+    fwd = cls.__dict__.get("forward")
+    try:
+        return _TORCH_FORWARD[cls, fwd]
+    except (KeyError, TypeError):
+        pass
+    own = fwd is not None and getattr(fwd, "__module__", "").startswith("torch.nn.modules.") and \
+        getattr(fwd, "__qualname__", "") == f"{cls.__name__}.forward"
+    try:
+        _TORCH_FORWARD[cls, fwd] = own
+    except TypeError:  # an unhashable forward
+        pass
+    return own
+
+
+_CLASS_HAS_INPLACE: dict = {}  # module class -> whether the class (or a base) defines `inplace`
+
+
+def _inplace_flag(mod: nn.Module) -> Any:
+    """``getattr(mod, "inplace", False)`` without the AttributeError nn.Module.__getattr__ raises
+    (and getattr catches) for the modules that have no such flag (LayerNorm, Linear)."""
+    cls = type(mod)
+    found = _CLASS_HAS_INPLACE.get(cls)
+    if found is None:
+        found = _CLASS_HAS_INPLACE[cls] = any("inplace" in vars(k) for k in cls.__mro__)
+    d = mod.__dict__
+    if found or "inplace" in d or cls.__getattr__ is not nn.Module.__getattr__:
+        return getattr(mod, "inplace", False)
+    for store in ("_parameters", "_buffers", "_modules"):  # where nn.Module.__getattr__ looks
+        if "inplace" in d.get(store, ()):
+            return d[store]["inplace"]
+    return False
 
 
 def _normalized_shape(shape) -> Optional[tuple]:
@@ -193,7 +225,7 @@ def classify(node: Node, root: Optional[nn.Module]) -> Optional[OpInfo]:
             return None  # a batched rewrite would never call the module, so its hooks would not run
         if not _own_forward(mod):
             return None  # a patched forward: the module's type no longer says what it computes
-        if getattr(mod, "inplace", False) is True:
+        if _inplace_flag(mod) is True:
             return None  # changes its input (mutation.py makes the known ones functions first)
         x = node.args[0]
         if type(mod) is nn.LayerNorm:
@@ -340,7 +372,7 @@ def slice_info(node: Node) -> Optional[SliceInfo]:
         if not isinstance(parent, Node):
             return None
         pv = value_of(parent)
-        if isinstance(pv, Mapping):
+        if type(pv) is not tuple and type(pv) is not list and isinstance(pv, Mapping):
             return SliceInfo(parent, "dict", key=idx) if not isinstance(idx, Node) else None
         if isinstance(pv, (tuple, list)) and isinstance(idx, int):
             split = _split_kind(parent)

@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -92,6 +92,8 @@ class ParamPlan:
     how: str
     refs: tuple
     tied: Optional[str] = None
+    # the tensors the refs named when planned (None: look them up); not part of the plan's identity
+    tensors: Optional[tuple] = field(default=None, compare=False, repr=False)
 
     @property
     def shared(self) -> bool:
@@ -213,12 +215,16 @@ class TensorAliases:
         True
     """
 
-    def __init__(self, root):
+    def __init__(self, root, alone: Optional["Alone"] = None):
         self.names: dict = {}  # id(tensor) -> qualified names
         self.storages: dict = {}  # (device, storage address) -> {id(tensor): name}
         self._storage_of: dict = {}  # id(tensor) -> its key in `storages` (None: no storage)
         self._keep: list = []  # the tensors themselves, so that ids stay valid
+        self._alone = alone.tensors if alone is not None else frozenset()
+        skip = alone.modules if alone is not None else frozenset()
         for prefix, mod in root.named_modules(remove_duplicate=False):
+            if id(mod) in skip:
+                continue
             pre = prefix + "." if prefix else ""
             for d in (mod._parameters, mod._buffers):
                 for k, t in d.items():
@@ -241,6 +247,8 @@ class TensorAliases:
 
     def tie(self, name: str, t: torch.Tensor) -> Optional[str]:
         """Why `t` (read as `name`) is not a tensor of its own, or None."""
+        if id(t) in self._alone:
+            return None
         others = [n for n in self.names.get(id(t), ()) if n != name]
         if others:
             return f"`{name}` is the same tensor as `{others[0]}` (tied)"
@@ -252,12 +260,24 @@ class TensorAliases:
         return None
 
 
+@dataclass(frozen=True)
+class Alone:
+    """Tensors of a root known to be tensors of their own (one name, no other tensor in their
+    storage), and the modules holding only such tensors: `TensorAliases` need not index them.
+    `capture.copy_sharing_leaves` finds them while it walks the model anyway."""
+
+    modules: frozenset  # ids of modules whose parameters, buffers and tensor attributes are all alone
+    tensors: frozenset  # ids of those tensors
+
+
 def _storage_key(t: torch.Tensor):
     try:
-        st = t.untyped_storage()
-        if st.nbytes() == 0 or t.device.type == "meta":
+        if t.is_meta:
             return None
-        return (str(t.device), st.data_ptr())
+        st = t.untyped_storage()
+        if st.nbytes() == 0:
+            return None
+        return (t.device, st.data_ptr())
     except Exception:  # tensor subclasses without storage
         return None
 
@@ -370,7 +390,7 @@ def _param_plans(chains: list, root, attr_uses, aliases=None):
                             if tied is not None:
                                 tied = f"{op.kind} {name} {tied}"
                                 break
-                specs[name] = ParamPlan("stacked", tuple(refs), tied)
+                specs[name] = ParamPlan("stacked", tuple(refs), tied, tuple(tensors))
             else:
                 return f"{op.kind} {name} is shared by some slices but not all; batching would untie it"
         plans.append(specs)

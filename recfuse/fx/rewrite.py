@@ -64,7 +64,8 @@ class Rewriter:
             ref = spec.refs[0]
             return self.graph.get_attr(ref.attr) if ref.attr is not None else ref.node
         refs, root = spec.refs, self.root
-        tensors = [attr_tensor(root, r.attr) if r.attr is not None else None for r in refs]
+        tensors = list(spec.tensors) if spec.tensors is not None else [
+            attr_tensor(root, r.attr) if r.attr is not None else None for r in refs]
         # One stacked tensor has one requires_grad: with frozen and trainable rows mixed, the
         # originals stay the parameters and are stacked in the graph on each call.
         mixed = len({t.requires_grad for t in tensors if t is not None}) > 1

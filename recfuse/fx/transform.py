@@ -14,7 +14,7 @@ from torch.fx import Graph, GraphModule
 from torch.utils._pytree import tree_flatten
 
 from ..errors import RecfuseError
-from .capture import _StateSnapshot, capture
+from .capture import PendingModule, _StateSnapshot, capture, unshare
 from .fuse import fuse_graph
 from .plan import attr_tensor
 from .registry import FUSIONS, select_fusions
@@ -66,21 +66,22 @@ def _submodule_or_none(gm: nn.Module, path: str) -> Optional[nn.Module]:
         return None
 
 
-def _adopt_original_state(gm: GraphModule, model: nn.Module) -> dict:
+def _adopt_original_state(gm: GraphModule, model: nn.Module, skip: frozenset = frozenset()) -> dict:
     """Make `gm` hold every parameter and buffer of `model` under its original name, with its
     persistence: the graph reads only some (GraphModule keeps those); the rest (a head used by
     another method, a step counter) are deep copies, tied to gm's tensors where the model's are.
     Tensor attributes that are not in the model's state_dict (plain tensor attributes, which
     GraphModule registers as buffers) are made non-persistent. Returns name -> (tensor,
-    persistent) for every name, so that `_finish_module` can put back what fusion pruned."""
+    persistent) for every name, so that `_finish_module` can put back what fusion pruned. Names in
+    `skip` (the per-slice tensors fusion stacked, when it runs after fusion) are left out."""
     entries = []  # (name, original tensor, persistent)
     for prefix, mod in model.named_modules(remove_duplicate=False):
         pre = prefix + "." if prefix else ""
         for k, t in mod._parameters.items():
-            if t is not None:
+            if t is not None and (not skip or pre + k not in skip):
                 entries.append((pre + k, t, True))
         for k, t in mod._buffers.items():
-            if t is not None:
+            if t is not None and (not skip or pre + k not in skip):
                 entries.append((pre + k, t, k not in mod._non_persistent_buffers_set))
     memo: dict = {}
     present = {}
@@ -159,12 +160,23 @@ def _assign(gm: nn.Module, name: str, t: torch.Tensor, persistent: bool) -> None
         owner.register_buffer(leaf, t, persistent=persistent)
 
 
-def _finish_module(gm: GraphModule, report: FusionReport, kept: Optional[dict] = None) -> GraphModule:
+def _stacked_olds(report: FusionReport) -> set:
+    """The per-slice attributes that fusion stacked into new parameters (the graph reads none)."""
+    return {k for g in report.groups for v in g.stacked_params.values() for k in v}
+
+
+def _finish_module(gm: GraphModule, report: FusionReport, kept: Optional[dict] = None,
+                   shared: Sequence[torch.Tensor] = ()) -> GraphModule:
     stacked = {}
     for g in report.groups:
         stacked.update(g.stacked_params)
     olds = {k for v in stacked.values() for k in v}
     _prune(gm, list(olds))
+    if shared:
+        # The original's tensors the trace shared: what fusion did not prune gets its own copy now.
+        if kept:
+            kept = {k: v for k, v in kept.items() if k not in olds}
+        unshare(gm, shared, kept)
     for name, (t, persistent) in (kept or {}).items():
         if name not in olds and attr_tensor(gm, name) is not t:
             _assign(gm, name, t, persistent)  # not read by the fused graph, still the model's state
@@ -194,17 +206,26 @@ def _cyclic_gc_paused():
 def _run(model, example_inputs, fusions) -> tuple[GraphModule, FusionReport]:
     t0 = time.perf_counter()
     with _cyclic_gc_paused():
-        gm, facts = capture(model, example_inputs, codegen=False)  # _finish_module recompiles
-        kept = _adopt_original_state(gm, model) if isinstance(model, nn.Module) else None
+        # _finish_module recompiles, and copies the original's tensors that the trace shared and the
+        # result keeps (the per-feature ones fusion stacks are never copied)
+        gm, facts = capture(model, example_inputs, codegen=False, share_leaves=True)
+        # A PendingModule: fusion works on the traced copy and the graph, the GraphModule is built
+        # after it (holding only what the fused graph reads).
+        pending = isinstance(gm, PendingModule)
+        kept = _adopt_original_state(gm, model) if isinstance(model, nn.Module) and not pending else None
         report = FusionReport(model=facts["name"], capture=facts["how"])
         if not facts["shapes"]:
             report.reason = "no example_inputs: shapes are unknown, so slices cannot be matched"
             report.near_misses.append(NearMiss("model", report.reason))
         else:
-            fuse_graph(gm.graph, gm, stack_params_once=True, report=report, fusions=fusions)
+            fuse_graph(gm.graph, gm.root if pending else gm, stack_params_once=True, report=report, fusions=fusions,
+                       alone=facts.get("alone") if pending else None)
             if facts["constants"]:
                 report.capture += " (constants: " + ", ".join(f"{k}={v!r}" for k, v in facts["constants"].items()) + ")"
-        gm = _finish_module(gm, report, kept)
+        if pending:
+            gm = gm.build(codegen=False)
+            kept = _adopt_original_state(gm, model, skip=_stacked_olds(report))
+        gm = _finish_module(gm, report, kept, facts.get("shared", ()))
         kept = None  # the per-slice copies fusion pruned are freed now, not walked by the collection that
         # turning the collector back on starts
     report.seconds = time.perf_counter() - t0

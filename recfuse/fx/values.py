@@ -121,8 +121,10 @@ def tensor_shape(node: Any) -> Optional[tuple]:
     """
     if not isinstance(node, Node):
         return None
-    v = value_of(node)
-    if isinstance(v, ValueInfo) and all(s is not None for s in v.shape):
+    v = node.meta.get(VAL_KEY)
+    if v is None:
+        v = value_of(node)
+    if isinstance(v, ValueInfo) and None not in v.shape:
         return v.shape
     return None
 
