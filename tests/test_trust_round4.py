@@ -12,7 +12,7 @@ from torch import nn
 import recfuse
 from recfuse.errors import RecfuseError
 
-from fx_cases import assert_same_tensor, randomized
+from fx_cases import assert_same_tensor, count_recfuse, randomized
 
 F_, D, H = 4, 8, 3
 rnd, assert_close = randomized, assert_same_tensor
@@ -502,3 +502,33 @@ def test_a_branch_on_requires_grad_follows_the_example(where):
         else:
             with torch.no_grad():
                 g(x)
+
+
+# -- a constant argument could not be passed by keyword ------------------------------------------
+# symbolic_trace names a concrete argument's placeholder `scale_1`, so the transformed forward's
+# signature had `scale_1`: `g(x, scale=2.0)`, which the original accepts, raised "unexpected keyword
+# argument 'scale'". The signature keeps the original's names now (another value still raises).
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lns = nn.ModuleList([nn.LayerNorm(D) for _ in range(F_)])
+        self.lin = nn.Linear(D, H)
+        rnd(self)
+
+    def forward(self, x, scale=1.0):
+        return torch.relu(self.lin(torch.stack([torch.tanh(n(t)) for n, t in zip(self.lns, x.split(D, 1))], 1))) * scale
+
+
+def test_a_constant_argument_passed_by_keyword():
+    m = Scaled()
+    x = torch.randn(5, F_ * D)
+    g = recfuse.transform(copy.deepcopy(m), (x, 2.0))
+    assert count_recfuse(g) == 1
+    for call in (lambda f: f(x, scale=2.0), lambda f: f(x, 2.0)):
+        assert_close(call(g), call(m))
+    reloaded_g = reloaded(g)
+    assert_close(reloaded_g(x, scale=2.0), m(x, scale=2.0))
+    with pytest.raises(AssertionError, match="scale has been specialized to have value 2.0"):
+        g(x, scale=3.0)

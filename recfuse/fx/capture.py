@@ -1412,6 +1412,15 @@ def _finish_concrete(gm: GraphModule, constants: dict[str, Any]) -> None:
                         gm.graph.erase_node(u)
                 with gm.graph.inserting_after(n):
                     gm.graph.call_function(runtime.check_none, (n, _arg_name(n.target, constants)))
+    # symbolic_trace names a concrete argument's placeholder `scale_1`: give the signature back its
+    # name, so that the argument can be passed by keyword (`g(x, scale=2.0)`) as to the original.
+    taken = {n.name for n in gm.graph.nodes} | {n.target for n in gm.graph.nodes if n.op == "placeholder"}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and n.target not in constants:
+            name = _arg_name(n.target, constants)
+            if name in constants and name not in taken:
+                n.target = name
+                taken.add(name)
 
 
 def capture(model, example_inputs: Optional[tuple] = None, *, codegen: bool = True,
