@@ -675,6 +675,7 @@ TransformedGraphModule.rebuild_tracer = RebuildTracer
 
 
 _LEAF_CLASSES: dict = {}  # module class -> fx's Tracer.is_leaf_module verdict
+_CLASS_LEAF_RULES = (Tracer.is_leaf_module, _ModeTracer.is_leaf_module)
 
 
 class _ValueTracer(_ModeTracer):
@@ -709,7 +710,8 @@ class _ValueTracer(_ModeTracer):
     def _is_leaf(self, m: nn.Module, path: str) -> bool:
         """``self.is_leaf_module(m, path)``; fx's own rule reads only the module's class (its
         ``__module__``) and is answered once per class."""
-        if type(self).is_leaf_module is not Tracer.is_leaf_module or "__module__" in m.__dict__:
+        # fx's rule and `_ModeTracer`'s (recfuse's FusedFeatureProcessor) read only the class.
+        if type(self).is_leaf_module not in _CLASS_LEAF_RULES or "__module__" in m.__dict__:
             return self.is_leaf_module(m, path)
         cls = type(m)
         leaf = _LEAF_CLASSES.get(cls)
