@@ -12,10 +12,18 @@ from torch import nn
 import recfuse
 from recfuse.errors import RecfuseError
 
-from fx_cases import assert_same_tensor, count_recfuse, randomized
+from fx_cases import PerFeatureBase, assert_same_tensor, count_recfuse, randomized
 
 F_, D, H = 4, 8, 3
 rnd, assert_close = randomized, assert_same_tensor
+
+
+class RandomizedBase(PerFeatureBase):
+    """`fx_cases.PerFeatureBase` (lns, lin: 4 features of 8 to 3) with randomized parameters."""
+
+    def __init__(self):
+        super().__init__()
+        rnd(self)
 
 
 def reloaded(m):
@@ -261,13 +269,7 @@ def test_state_dict_of_another_feature_order_is_refused(dims):
 # -- an optional argument given a tensor at transform time, None at call time ---------------------
 
 
-class OptionalMask(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lns = nn.ModuleList([nn.LayerNorm(D) for _ in range(F_)])
-        self.lin = nn.Linear(D, H)
-        rnd(self)
-
+class OptionalMask(RandomizedBase):
     def forward(self, x, mask=None):
         y = torch.relu(self.lin(torch.stack([torch.tanh(n(t)) for n, t in zip(self.lns, x.split(D, 1))], 1)))
         if mask is None:
@@ -323,13 +325,10 @@ def test_keyed_tensor_argument_on_the_dynamo_path_is_refused_clearly():
 # with a Scalar parameter it then unpacked the proxy as a tensor (SIGSEGV).
 
 
-class WhereRelu(nn.Module):
+class WhereRelu(RandomizedBase):
     def __init__(self, spelling):
         super().__init__()
         self.spelling = spelling
-        self.lns = nn.ModuleList([nn.LayerNorm(D) for _ in range(F_)])
-        self.lin = nn.Linear(D, H)
-        rnd(self)
 
     def forward(self, x):
         y = self.lin(torch.stack([torch.tanh(n(t)) for n, t in zip(self.lns, x.split(D, 1))], 1))
@@ -467,13 +466,10 @@ def test_scripted_submodules_are_refused():
 # every training call of the model was refused.
 
 
-class RequiresGradBranch(nn.Module):
+class RequiresGradBranch(RandomizedBase):
     def __init__(self, where):
         super().__init__()
         self.where = where
-        self.lns = nn.ModuleList([nn.LayerNorm(D) for _ in range(F_)])
-        self.lin = nn.Linear(D, H)
-        rnd(self)
 
     def forward(self, x):
         y = torch.relu(self.lin(torch.stack([torch.tanh(n(t)) for n, t in zip(self.lns, x.split(D, 1))], 1)))
@@ -510,13 +506,7 @@ def test_a_branch_on_requires_grad_follows_the_example(where):
 # argument 'scale'". The signature keeps the original's names now (another value still raises).
 
 
-class Scaled(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lns = nn.ModuleList([nn.LayerNorm(D) for _ in range(F_)])
-        self.lin = nn.Linear(D, H)
-        rnd(self)
-
+class Scaled(RandomizedBase):
     def forward(self, x, scale=1.0):
         return torch.relu(self.lin(torch.stack([torch.tanh(n(t)) for n, t in zip(self.lns, x.split(D, 1))], 1))) * scale
 

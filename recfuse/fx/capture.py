@@ -177,6 +177,11 @@ def _traced_function_apply(cls, *args, **kwargs):
     # torch.fx; the caller falls back to Dynamo, which keeps the backward or fails loudly.
     if _tracing_user_code() is not None and any(
             isinstance(a, Proxy) for a in itertools.chain(args, kwargs.values())):
+        if cls.__module__ == "torch.utils.checkpoint" and cls.__name__ == "_NoopSaveInputs":
+            # torch < 2.13's non-reentrant checkpoint saves its inputs through this no-op Function
+            # and skips its saved-tensor hooks when the result has no grad_fn: the body is then
+            # traced as plain ops, as in newer torch (the H100 image's torch 2.11 refused it).
+            return torch.empty((0,))
         if cls.__module__ == "torch.utils.checkpoint":
             # Dynamo would capture it as a non-reentrant checkpoint, which also gives parameters
             # gradients when no input requires grad (the reentrant one gives them none).
@@ -2028,6 +2033,15 @@ def _atomic_value(v: Any) -> bool:
     return t in _ATOMIC_TYPES or (t is tuple and all(type(e) in _ATOMIC_TYPES for e in v))
 
 
+def _plain_parameters(params: dict) -> bool:
+    """Every parameter a plain strided, materialised `nn.Parameter` without tensor hooks."""
+    for p in params.values():
+        if p is not None and (type(p) is not nn.Parameter or p.layout is not torch.strided or p.is_meta
+                              or p._backward_hooks or p._post_accumulate_grad_hooks):
+            return False
+    return True
+
+
 def _shallow_leaf(m: nn.Module) -> Optional[nn.Module]:
     """A shallow copy of `m` that holds `m`'s parameters (not cloned), or None when `m` may not be
     traced so: `m` must be of an exact class of `_SHAREABLE_LEAVES` with no hooks of any kind, no
@@ -2047,10 +2061,8 @@ def _shallow_leaf(m: nn.Module) -> Optional[nn.Module]:
         if t in _ATOMIC_TYPES:
             continue
         if k == "_parameters" and t is dict:
-            for p in v.values():
-                if p is not None and (type(p) is not nn.Parameter or p.layout is not torch.strided or p.is_meta
-                                      or p._backward_hooks or p._post_accumulate_grad_hooks):
-                    return None
+            if not _plain_parameters(v):
+                return None
             state[k] = v.copy()
         elif t in _EMPTY_STATE_TYPES:
             if v:
@@ -2085,10 +2097,8 @@ def _shallow_leaf_like(m: nn.Module, d: dict, layout: tuple) -> Optional[nn.Modu
         if tv in _ATOMIC_TYPES:
             continue
         if k == "_parameters" and tv is dict:
-            for p in v.values():
-                if p is not None and (type(p) is not nn.Parameter or p.layout is not torch.strided or p.is_meta
-                                      or p._backward_hooks or p._post_accumulate_grad_hooks):
-                    return None
+            if not _plain_parameters(v):
+                return None
         elif tv is not tuple or not all(type(e) in _ATOMIC_TYPES for e in v):
             return None
     state = d.copy()
