@@ -84,11 +84,15 @@ def rel_err(out, ref):
     return (out - ref).norm().item() / denom
 
 
-def check_against_float64(case: Case, dtype, device="cpu", fn=None, chain=None):
+def check_against_float64(case: Case, dtype, device="cpu", fn=None, chain=None, conditioned=False):
     """Assert fn (default: the fused op) matches the float64 per-slice reference, fwd and bwd.
 
     ``chain``: a `recfuse.chain.Chain`: the op is `recfuse.feature_mlp` with that chain (unless
     ``fn`` is given) and the reference `recfuse.reference.feature_mlp`.
+    ``conditioned``: each bound is also at least twice the error of the per-slice reference run
+    in ``dtype`` (PyTorch's own rounding), for drawn cases that may be ill-conditioned: a norm over
+    3 elements leaves x.grad a one-dimensional projection that can cancel to ~0, where any fp32
+    path is ~1e-5 off (CI's property test drew one: 1.9e-5).
     """
     reference = recfuse.reference.ln_tanh_linear_relu
     if chain is not None:
@@ -108,13 +112,18 @@ def check_against_float64(case: Case, dtype, device="cpu", fn=None, chain=None):
     y, grads = run_op(fn, tensors, dtype, case)
     assert y.dtype == dtype and y.shape == y_ref.shape
     tol = TOLERANCE[dtype]
+    own = [0.0] * 6
+    if conditioned:
+        y_own, g_own = run_op(reference, tensors, dtype, case, keep_view=False)
+        own = [2 * rel_err(o, r) for o, r in zip([y_own] + g_own, [y_ref] + g_ref)]
     names = ["y", "x.grad", "weight.grad", "bias.grad", "ln_weight.grad", "ln_bias.grad"]
     present = [True, True, True, tensors[2] is not None, tensors[3] is not None, tensors[4] is not None]
     names = [n for n, p in zip(names, present) if p]
-    for name, out, ref in zip(names, [y] + grads, [y_ref] + g_ref):
+    for name, out, ref, bound in zip(names, [y] + grads, [y_ref] + g_ref, own):
         assert out.shape == ref.shape, f"{case} {name}: shape {tuple(out.shape)} vs {tuple(ref.shape)}"
         err = rel_err(out, ref)
-        assert err < tol, f"{case} {dtype} {name}: relative error {err:.2e} >= {tol:.0e}"
+        bound = max(tol, bound)
+        assert err < bound, f"{case} {dtype} {name}: relative error {err:.2e} >= {bound:.1e}"
 
 
 def check_nan_parity(shape=(3, 4, 8), const_row=(1, 2)):
