@@ -215,6 +215,22 @@ def assert_same_tensor(got, want, tol=1e-5):
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+def forward_backward(model, x):
+    """Output and d(sum(y^2))/dx of `model` on a fresh leaf copy of `x`."""
+    x = x.detach().clone().requires_grad_()
+    y = model(x)
+    (y.float() ** 2).sum().backward()
+    return y.detach(), x.grad
+
+
+def assert_same_forward_backward(g, ref, x):
+    """The transformed `g` and the untouched `ref`: the same output and input gradient on `x`."""
+    yg, gg = forward_backward(g, x)
+    yr, gr = forward_backward(ref, x)
+    assert_same_tensor(yg, yr)
+    assert_same_tensor(gg, gr, 1e-4)
+
+
 # The small per-feature model the trust tests subclass: F_ features of width D_ (4 x 8), one
 # LayerNorm each, a shared Linear to H_ (3) outputs; `ln_tanh_chain` is its plain forward.
 F_, D_, H_ = 4, 8, 3

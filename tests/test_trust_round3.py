@@ -12,26 +12,10 @@ from torch import nn
 import recfuse
 from recfuse.errors import RecfuseError
 
-from fx_cases import assert_same_tensor, randomized
+from fx_cases import assert_same_forward_backward, assert_same_tensor, forward_backward, randomized
 
 F_, D, H = 4, 8, 3
 rnd, assert_close = randomized, assert_same_tensor
-
-
-def forward_backward(model, x):
-    """Output and d(sum(y^2))/dx and the parameter gradients (by original-or-stacked name order)."""
-    x = x.clone().requires_grad_()
-    y = model(x)
-    (y.float() ** 2).sum().backward()
-    return y.detach(), x.grad
-
-
-def assert_same_forward_backward(g, ref, x):
-    """The transformed `g` and the untouched `ref`: the same output and input gradient on `x`."""
-    yg, gg = forward_backward(g, x)
-    yr, gr = forward_backward(ref, x)
-    assert_close(yg, yr)
-    assert_close(gg, gr, 1e-4)
 
 
 def sgd_steps(model, xs):

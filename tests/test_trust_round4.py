@@ -12,7 +12,7 @@ from torch import nn
 import recfuse
 from recfuse.errors import RecfuseError
 
-from fx_cases import PerFeatureBase, assert_same_tensor, count_recfuse, randomized
+from fx_cases import PerFeatureBase, assert_same_forward_backward, assert_same_tensor, count_recfuse, randomized
 
 F_, D, H = 4, 8, 3
 rnd, assert_close = randomized, assert_same_tensor
@@ -157,13 +157,7 @@ def test_constant_slices_of_a_wider_input_read_the_same_columns(how, act):
     g = recfuse.transform(m, (torch.randn(3, F_ * D),))
     assert g.recfuse_report.groups
     for width in (F_ * D, F_ * D + D, F_ * D + 3):
-        x = torch.randn(5, width, requires_grad=True)
-        xr = x.detach().clone().requires_grad_()
-        y, yr = g(x), ref(xr)
-        assert_close(y, yr)
-        (y ** 2).sum().backward()
-        (yr ** 2).sum().backward()
-        assert_close(x.grad, xr.grad, 1e-4)
+        assert_same_forward_backward(g, ref, torch.randn(5, width))
 
 
 def test_split_by_a_batch_size_still_follows_the_batch():
@@ -346,14 +340,7 @@ def test_torch_where_with_a_scalar_is_captured(spelling):
     ref = copy.deepcopy(m)
     g = recfuse.transform(m, (torch.randn(3, F_ * D),))
     assert g.recfuse_report.groups
-    x = torch.randn(5, F_ * D)
-    x.requires_grad_()
-    xr = x.detach().clone().requires_grad_()
-    y, yr = g(x), ref(xr)
-    assert_close(y, yr)
-    (y ** 2).sum().backward()
-    (yr ** 2).sum().backward()
-    assert_close(x.grad, xr.grad, 1e-4)
+    assert_same_forward_backward(g, ref, torch.randn(5, F_ * D))
 
 
 # -- a model that already uses FusedFeatureProcessor on a KeyedTensor ----------------------------
@@ -486,12 +473,7 @@ def test_a_branch_on_requires_grad_follows_the_example(where):
     ref = copy.deepcopy(m)
     g = recfuse.transform(m, (torch.randn(3, F_ * D, requires_grad=True),))
     x = torch.randn(5, F_ * D, requires_grad=True)
-    xr = x.detach().clone().requires_grad_()
-    y, yr = g(x), ref(xr)
-    assert_close(y, yr)
-    (y ** 2).sum().backward()
-    (yr ** 2).sum().backward()
-    assert_close(x.grad, xr.grad, 1e-4)
+    assert_same_forward_backward(g, ref, x)
     with pytest.raises(RecfuseError, match=r"requires_grad to True"):  # the original takes the other branch
         if where == "input":
             g(x.detach())
