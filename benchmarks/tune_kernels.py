@@ -58,6 +58,10 @@ def shapes(args) -> list[dict]:
     return out
 
 
+# Row tiles of up to this many elements are tried for narrow rows (more bytes in flight).
+NARROW_TILE = 8192
+
+
 def forward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.ForwardConfig]:
     full = D == triton.next_power_of_2(D)
     base = configs.heuristic_forward(D, H, dtype, full)
@@ -72,6 +76,8 @@ def forward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Forwa
         block_h = configs.dot_block_h(H)
         chunk = min(32 if block_h <= 16 else 64, block_d // 2) if full and H <= block_h else 0
         shapes = [(64, 4, 0), (32, 4, 0)] + ([(64, 4, 1), (64, 8, 1)] if H > 4 else [])
+        # Narrow rows: longer row tiles keep more bytes of x in flight per program.
+        shapes += [(rows, warps, 0) for rows in (128, 256) for warps in (4, 8) if rows * block_d <= NARROW_TILE]
         for (block_b, warps, persistent), block_k in itertools.product(shapes, dict.fromkeys((0, chunk))):
             if block_b * block_d <= 4 * configs.TILE_BUDGET:
                 out.append(configs.ForwardConfig(block_b, block_d, block_h, True, warps, persistent=persistent,
@@ -89,8 +95,13 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
     if 2 <= H <= 4 and D >= 16:
         paths.append(True)  # the tensor-core product, H padded to 16, against the broadcast sum
     for use_dot in dict.fromkeys(paths):
-        rows = ((16, 32) if H > 4 else (16,)) if use_dot else (4, 8, 16)
-        for block_b, warps, stages, pps in itertools.product(rows, (4, 8), (1, 2), (2, 4, 8, 16)):
+        rows = (16, 32) if use_dot else (4, 8, 16)
+        # Narrow rows: a 16-row tile of 32 bf16 columns is 1 KB in flight per program, far from
+        # what an SM needs to cover HBM latency; longer tiles up to NARROW_TILE elements.
+        rows += tuple(r for r in (32, 64, 128, 256) if r > rows[-1] and r * base.block_d <= NARROW_TILE)
+        # programs per SM: 2 never won a tl.dot shape on the H100 (0 of 49 table entries)
+        pps_range = (4, 8, 16) if use_dot else (2, 4, 8, 16)
+        for block_b, warps, stages, pps in itertools.product(rows, (4, 8), (1, 2), pps_range):
             cfg = configs.heuristic_backward(D, H, dtype, use_dot=use_dot, block_b=block_b, num_warps=warps,
                                              num_stages=stages, programs_per_sm=pps, block_k=0)
             if cfg is not None and configs.backward_fits(cfg, D, H) and cfg.block_b == block_b:

@@ -29,7 +29,7 @@ CASES = [
     Case(2, 2, 1000, 1, ln="per_feature"),
     # Full tiles (D == BLOCK_D, B a multiple of the row tile): the maskless EVEN_D/EVEN_B kernels.
     EVEN_ROW_CASE := Case(2, 128, 16, 1, ln="per_feature", bias="per_feature"),
-    EVEN_DOT_CASE := Case(2, 64, 16, 16, ln="shared", eps=0.0),
+    EVEN_DOT_CASE := Case(2, 128, 16, 16, ln="shared", eps=0.0),  # B: a whole 128-row backward tile
     # Default configs of the tl.dot forward with full tiles (the interpreter counts 2 SMs):
     # 16-bit H in (16, 32]: persistent whole rows, 3 tiles of 64 rows in one program;
     # 16-bit H > 32: persistent and K-chunked (64 of 128 columns), 3 tiles over 2 programs;

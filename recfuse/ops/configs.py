@@ -153,7 +153,13 @@ def chunk_width(D: int, widest: int) -> int:
 def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> ForwardConfig:
     block_d = triton.next_power_of_2(D)
     # tl.dot needs K >= 16 on the GPU (D < 16 failed to compile on the H100): rows below that.
-    use_dot = H >= DOT_MIN_H and 16 <= block_d and 16 * block_d <= TILE_BUDGET
+    # H = 2-4 as a 16-wide tl.dot where the tuner found it faster than the broadcast sum (H100:
+    # bf16 D=32-160 H=4 2.2-4.3x, fp32 D=32-64 1.2-1.7x; recfuse/ops/tuned/h100-80gb-hbm3.txt).
+    small_h_dot = 2 <= H < DOT_MIN_H and (
+        (dtype == torch.float32 and D <= 64) or (dtype == torch.bfloat16 and D <= 160))
+    use_dot = (H >= DOT_MIN_H or small_h_dot) and 16 <= block_d and 16 * block_d <= TILE_BUDGET
+    if use_dot and small_h_dot:
+        return ForwardConfig(64, block_d, dot_block_h(H), True, 4, block_k=chunk_width(D, 32) if full_tiles else 0)
     if use_dot:
         block_h = dot_block_h(H)
         block_b = 32 if 32 * block_d <= TILE_BUDGET else 16
@@ -213,7 +219,10 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
     """
     # fp32 2 <= H <= 4 at D <= 64: the broadcast-sum path's gradients came out ~1e-3 off float64 at
     # B = 32768 on the H100 (every row config the tuner tried), the tl.dot path's within 1e-4.
-    small_h_dot = dtype == torch.float32 and 2 <= H < DOT_MIN_H and 16 <= D <= 64
+    # H = 2-4 padded to a 16-wide tl.dot also beat the broadcast sum at narrower rows on the H100
+    # (tuned table): bf16 D=32 H=4 1149 vs 6427 us, D=256 776 vs 954; fp32 D=128 620 vs 713.
+    small_h_dot = 2 <= H < DOT_MIN_H and 16 <= D and (
+        (dtype == torch.float32 and D <= 128) or (dtype == torch.bfloat16 and D <= 256))
     use_dot = knobs.get("use_dot", H >= DOT_MIN_H or small_h_dot)
     block_d = triton.next_power_of_2(D)
     use_dot = use_dot and block_d >= 16  # tl.dot needs K >= 16 on the GPU
@@ -224,6 +233,12 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
         # with 32 rows / 4 warps against 839 with 16); fp32's 3xTF32 operands need 16 rows.
         block_b = 32 if dtype == torch.bfloat16 else 16
         num_warps = 8 if block_h * block_d > 4096 or dtype == torch.float32 else 4
+        if block_d <= 128 and block_h <= 16:
+            # Narrow rows: a 16-row tile of 32 columns keeps 1-2 KB of x in flight per program,
+            # far from what an SM needs to cover HBM latency. Tiles of 4096 elements, 4 warps:
+            # H100 fp32 backward D=32 H=4 1869 -> 618 us (128 rows), D=64 H=16 1778 -> 571 (64
+            # rows) (benchmarks/results/tune_kernels_h100.json).
+            block_b, num_warps = max(block_b, min(128, 4096 // block_d)), 4
         x_evict = ""
         # bf16 weights of up to [64, 512] still fit the whole-row kernel with 16-row tiles: H100
         # bf16 D=512 H=64 1950 us against 2702 chunked (results/checks/ab_bf16_chunked_h100.json).
