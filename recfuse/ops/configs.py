@@ -233,12 +233,17 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
         # with 32 rows / 4 warps against 839 with 16); fp32's 3xTF32 operands need 16 rows.
         block_b = 32 if dtype == torch.bfloat16 else 16
         num_warps = 8 if block_h * block_d > 4096 or dtype == torch.float32 else 4
-        if block_d <= 128 and block_h <= 16:
+        programs_per_sm = 0  # 0: from the final num_warps (WARPS_PER_SM in flight)
+        if block_d <= 128:
             # Narrow rows: a 16-row tile of 32 columns keeps 1-2 KB of x in flight per program,
-            # far from what an SM needs to cover HBM latency. Tiles of 4096 elements, 4 warps:
-            # H100 fp32 backward D=32 H=4 1869 -> 618 us (128 rows), D=64 H=16 1778 -> 571 (64
-            # rows) (benchmarks/results/tune_kernels_h100.json).
-            block_b, num_warps = max(block_b, min(128, 4096 // block_d)), 4
+            # far from what an SM needs to cover HBM latency. Tiles of 4096 elements (2048 beside
+            # an H=64 weight), 4 warps; 16 programs per SM for bf16 and H=64. H100 tuner, fp32:
+            # D=32 H=4 1869 -> 618 us (128 rows), D=64 H=16 1778 -> 571 (64 rows), D=32 H=64
+            # 3973 -> 1076 (64 rows); bf16 D=32 H=64 1911 -> 1064 (recfuse/ops/tuned/).
+            rows = min(128, 4096 // block_d) if block_h <= 16 else max(32, min(64, 2048 // block_d))
+            block_b = max(block_b, rows)
+            num_warps = 8 if dtype == torch.float32 and block_h * block_d > 4096 else 4
+            programs_per_sm = 16 if dtype == torch.bfloat16 or block_h > 16 else 8
         x_evict = ""
         # bf16 weights of up to [64, 512] still fit the whole-row kernel with 16-row tiles: H100
         # bf16 D=512 H=64 1950 us against 2702 chunked (results/checks/ab_bf16_chunked_h100.json).
@@ -267,12 +272,13 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
         block_h = triton.next_power_of_2(H)
         if block_h * block_d > BWD_MAX_WEIGHT_TILE:
             return None
+        programs_per_sm = 0
         rows = 16 if dtype == torch.float32 and block_h == 1 else 8
         block_b = max(1, min(rows, TILE_BUDGET // (4 * block_d * block_h)))
         num_warps = 8 if block_b * block_d >= 2048 else 4
         x_evict = "evict_first" if dtype == torch.float32 else ""
     cfg = BackwardConfig(block_b, block_d, block_h, use_dot, num_warps, x_evict,
-                         programs_per_sm=max(1, WARPS_PER_SM // num_warps), block_k=block_k)
+                         programs_per_sm=programs_per_sm or max(1, WARPS_PER_SM // num_warps), block_k=block_k)
     knobs = {k: v for k, v in knobs.items() if k != "use_dot"}
     cfg = dataclasses.replace(cfg, **knobs) if knobs else cfg
     if not cfg.use_dot and dtype == torch.float32 and 2 <= cfg.block_h <= 4 and cfg.block_b > 8:
