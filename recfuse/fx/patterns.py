@@ -518,6 +518,42 @@ def _ref_shape(r: ParamRef, op: OpInfo):
     return "const"
 
 
+def view_sizes(n: Node) -> Optional[list]:
+    """The sizes a view/reshape node asks for, as written (ints, -1, or graph values), else None.
+
+    Example:
+        >>> import torch, torch.fx
+        >>> gm = torch.fx.symbolic_trace(lambda x: x.view(-1, 4))
+        >>> view_sizes([n for n in gm.graph.nodes if n.op == "call_method"][0])
+        [-1, 4]
+    """
+    if n.op == "call_method" and n.target in ("view", "reshape") and len(n.args) >= 2 and not n.kwargs:
+        sizes = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else n.args[1:]
+    elif n.op == "call_function" and n.target is torch.reshape and len(n.args) == 2 and not n.kwargs:
+        sizes = n.args[1]
+    else:
+        return None
+    return list(sizes) if isinstance(sizes, (list, tuple)) else None
+
+
+def keeps_shape(o: OpInfo) -> bool:
+    """Whether the view op `o` keeps its input's shape at every batch size, judged from its code:
+    the example may keep it by coincidence (``h.squeeze()`` or ``h.squeeze(0)`` when B > 1 drop the
+    batch dim of a call with B == 1; ``h.reshape(H, -1)`` of [B, H] when B == H). Sizes must be -1,
+    computed in the graph (``h.shape[0]``) or, for the row width (the last dim), a literal."""
+    n = o.node
+    if n.op == "call_module" or (n.op == "call_method" and n.target == "contiguous"):
+        return True
+    shape = tensor_shape(o.data)
+    if shape is None or shape != tensor_shape(n):
+        return False
+    sizes = view_sizes(n)
+    if sizes is None or len(sizes) != len(shape):
+        return False
+    last = len(sizes) - 1
+    return all(isinstance(v, Node) or (type(v) is int and (v == -1 or i == last)) for i, v in enumerate(sizes))
+
+
 def walk_chain(end: Node, root) -> SliceChain:
     """Walk back from a sink input through per-slice ops to where the slice starts.
 
@@ -543,7 +579,7 @@ def walk_chain(end: Node, root) -> SliceChain:
     for i, o in enumerate(seq):
         if o.kind == "view":
             inner = any(p.kind != "view" for p in seq[:i]) and any(p.kind != "view" for p in seq[i + 1:])
-            if inner and tensor_shape(o.node) != tensor_shape(o.data):
+            if inner and not keeps_shape(o):
                 last_view = i
     if last_view >= 0:
         seq = seq[last_view + 1:]
