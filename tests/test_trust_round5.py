@@ -120,3 +120,19 @@ def test_a_per_slice_value_read_through_view(spelling):
         sum((o ** 2).sum() for o in outs[0]).backward()
         sum((o ** 2).sum() for o in outs[1]).backward()
         torch.testing.assert_close(xs[0].grad, xs[1].grad, atol=1e-4, rtol=1e-4)
+
+
+# -- A normalized_shape computed from the slice's shape ------------------------------------------
+
+
+@pytest.mark.parametrize("shape", ["t.shape", "t.shape[-2:]"])
+def test_a_layer_norm_over_the_batch_too_keeps_following_the_batch(shape):
+    """Before: `F.layer_norm(t, t.shape)` (normalized over B and D, each slice as a whole) was
+    batched with the example's [3, 8] as its normalized_shape: a call with B == 5 raised 'Given
+    normalized_shape=[3, 8], expected input with shape [*, 3, 8]' where the original runs."""
+    def forward(m, x):
+        ts = x.split(D, 1)
+        hs = [torch.tanh(torch.nn.functional.layer_norm(t, t.shape if shape == "t.shape" else t.shape[-2:]))
+              for t in ts]
+        return torch.relu(m.lin(torch.stack(hs, 1)))
+    assert_same_at(per_feature(forward), 3, [5, 1, 3])

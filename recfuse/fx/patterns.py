@@ -191,10 +191,15 @@ def _inplace_flag(mod: nn.Module) -> Any:
 
 
 def _normalized_shape(shape) -> Optional[tuple]:
-    if isinstance(shape, Node):  # e.g. s.shape[-1:], known from the example
+    computed = isinstance(shape, Node)
+    if computed:  # e.g. s.shape[-1:], known from the example
         shape = value_of(shape)
     shape = (shape,) if isinstance(shape, int) else tuple(shape) if isinstance(shape, (list, tuple, torch.Size)) else None
     if shape is None or not all(isinstance(s, int) for s in shape):
+        return None
+    if computed and len(shape) > 1:
+        # ``F.layer_norm(t, t.shape)`` normalizes over the batch too: a batched norm would keep
+        # the example's batch size in its normalized_shape. Only the row width is taken as fixed.
         return None
     return shape
 
