@@ -136,3 +136,30 @@ def test_a_layer_norm_over_the_batch_too_keeps_following_the_batch(shape):
               for t in ts]
         return torch.relu(m.lin(torch.stack(hs, 1)))
     assert_same_at(per_feature(forward), 3, [5, 1, 3])
+
+
+# -- Slices counted from the end -------------------------------------------------------------------
+# Rows of a [F*B, D] input taken with negative indices follow the input's size on every call; they
+# were resolved to offsets from the start at the example's size.
+
+ROW_SLICES = {
+    "from_the_end": lambda x: [x[-(F_ - i) * 3:(-(F_ - i - 1) * 3) or None] for i in range(F_)],
+    "narrow_from_the_end": lambda x: [x.narrow(0, -(F_ - i) * 3, 3) for i in range(F_)],
+    "mixed": lambda x: [x[0:3], x[3:6], x[-6:-3], x[-3:]],
+    "select_from_the_end": lambda x: [x.view(-1, 3, D)[i - F_] for i in range(F_)],
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(ROW_SLICES))
+def test_slices_counted_from_the_end_of_a_growing_dim(spelling):
+    """Before: `x[-12:-9], ..., x[-3:]` of the example's [12, 8] became the zero-copy view of rows
+    0..12; a call with a [24, 8] input read rows 0..12 where the original reads rows 12..24
+    (max abs diff 1.4), silently."""
+    def forward(m, x):
+        hs = [torch.tanh(n(t)) for n, t in zip(m.lns, ROW_SLICES[spelling](x))]
+        return torch.relu(m.lin(torch.stack(hs, 0)))
+    m = per_feature(forward)
+    ref = copy.deepcopy(m)
+    g = recfuse.transform(m, (torch.randn(F_ * 3, D),))
+    for rows in (24, 12, 15):
+        assert_same_forward_backward(g, ref, torch.randn(rows, D))

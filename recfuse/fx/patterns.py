@@ -350,10 +350,22 @@ def _parse_index(idx, shape) -> Optional[tuple]:
                 continue
             if i.step not in (None, 1) or isinstance(i.start, Node) or isinstance(i.stop, Node):
                 return None
-            start, stop, _ = i.indices(shape[d])
-            cand = ("range", d, start, max(stop - start, 0))
+            neg_start = i.start is not None and i.start < 0
+            if neg_start or (i.stop is not None and i.stop < 0):
+                # Counted from the end (``x[-6:-3]``): the offset follows the dim's size on each call,
+                # so it is kept negative (narrow takes it so); a length that depends on the size
+                # (``x[2:-2]``, ``x[-6:4]``) is not a slice of fixed place.
+                stop = 0 if i.stop is None else i.stop
+                if not neg_start or stop > 0 or -i.start > shape[d] or stop <= i.start:
+                    return None
+                cand = ("range", d, i.start, stop - i.start)
+            else:
+                start, stop, _ = i.indices(shape[d])
+                cand = ("range", d, start, max(stop - start, 0))
         elif isinstance(i, int) and not isinstance(i, bool):
-            cand = ("index", d, i % shape[d], 1)
+            if not -shape[d] <= i < shape[d]:
+                return None
+            cand = ("index", d, i, 1)  # negative: counted from the end on each call
         else:
             return None
         if found is not None:
@@ -423,14 +435,15 @@ def slice_info(node: Node) -> Optional[SliceInfo]:
         d = _norm_dim(_arg(node, 1, "dim"), len(shape))
         if d is None:
             return None
+        # A negative start or index counts from the end on each call: it is kept negative.
         if name == "narrow":
             start, length = _arg(node, 2, "start"), _arg(node, 3, "length")
-            if isinstance(start, int) and isinstance(length, int):
-                return SliceInfo(src, "range", d, start % shape[d] if start < 0 else start, length)
+            if isinstance(start, int) and isinstance(length, int) and (start >= 0 or start + length <= 0):
+                return SliceInfo(src, "range", d, start, length)
         else:
             i = _arg(node, 2, "index")
             if isinstance(i, int):
-                return SliceInfo(src, "index", d, i % shape[d], 1)
+                return SliceInfo(src, "index", d, i, 1)
     return None
 
 

@@ -446,7 +446,9 @@ def _source_plan(chains: list) -> tuple:
         L = i0.length
         starts = [i.start for i in infos]
         base = min(starts)
-        if src_shape is not None and L > 0 and all((s - base) % L == 0 for s in starts):
+        # Offsets counted from the end (negative) and from the start only agree at one size.
+        same_end = all(s < 0 for s in starts) or all(s >= 0 for s in starts)
+        if src_shape is not None and L > 0 and same_end and all((s - base) % L == 0 for s in starts):
             idx = [(s - base) // L for s in starts]
             length = L if i0.kind == "range" else None
             # Slices that tile the whole dim are sized from the source at run time (-1): the
