@@ -2,12 +2,14 @@
 the untouched original, or checks the error that refuses the case. Each docstring says what the
 case did before its fix."""
 import copy
+import io
 
 import pytest
 import torch
 from torch import nn
 
 import recfuse
+from recfuse.errors import RecfuseError
 
 from fx_cases import PerFeatureBase, assert_same_forward_backward, count_recfuse, randomized
 
@@ -19,6 +21,13 @@ def per_feature(forward):
     randomized parameters."""
     cls = type("M", (PerFeatureBase,), {"forward": forward})
     return randomized(cls())
+
+
+def reloaded(m):
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
 
 
 def chain(m, x):
@@ -163,3 +172,28 @@ def test_slices_counted_from_the_end_of_a_growing_dim(spelling):
     g = recfuse.transform(m, (torch.randn(F_ * 3, D),))
     for rows in (24, 12, 15):
         assert_same_forward_backward(g, ref, torch.randn(rows, D))
+
+
+def test_a_slice_to_the_end_of_a_growing_dim_is_guarded():
+    """Before: rows `x[0:3], x[3:6], x[6:9], x[9:]` of the example's [12, 8], each normalized and
+    concatenated, were batched as four slices of 3: a call with a [20, 8] input returned [12, 3]
+    where the original's last slice has 11 rows and its result is [20, 3], silently."""
+    def forward(m, x):
+        hs = [torch.tanh(n(t)) for n, t in zip(m.lns, [x[0:3], x[3:6], x[6:9], x[9:]])]
+        return torch.relu(m.lin(torch.cat(hs, 0)))
+    m = per_feature(forward)
+    ref = copy.deepcopy(m)
+    g = recfuse.transform(m, (torch.randn(12, D),))
+    assert g.recfuse_report.groups
+    assert_same_forward_backward(g, ref, torch.randn(12, D))
+    for h in (g, reloaded(g)):
+        with pytest.raises(RecfuseError, match=r"x\[9:\] along dim 0.*size 12.*this call's size is 20"):
+            h(torch.randn(20, D))
+
+
+def test_columns_to_the_end_stay_a_zero_copy_view():
+    def forward(m, x):
+        ts = [x[:, 0:8], x[:, 8:16], x[:, 16:24], x[:, 24:]]
+        return torch.relu(m.lin(torch.stack([torch.tanh(n(t)) for n, t in zip(m.lns, ts)], 1)))
+    g = assert_same_at(per_feature(forward), 3, [5, 1])
+    assert count_recfuse(g) == 1 and "zero-copy view" in str(g.recfuse_report)

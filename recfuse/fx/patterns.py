@@ -314,6 +314,7 @@ class SliceInfo:
     start: int = 0
     length: int = 1
     key: Any = None
+    open_end: bool = False  # ``x[9:]``: its length is the example's size of `dim` less `start`
 
     def label(self) -> str:
         if self.kind == "dict":
@@ -334,7 +335,7 @@ def _norm_dim(d, ndim) -> Optional[int]:
 
 
 def _parse_index(idx, shape) -> Optional[tuple]:
-    """x[idx] selecting along exactly one dim -> ('range'|'index', dim, start, length)."""
+    """x[idx] selecting along exactly one dim -> ('range'|'index', dim, start, length[, open_end])."""
     if not isinstance(idx, tuple):
         idx = (idx,)
     if any(i is Ellipsis for i in idx):
@@ -361,7 +362,7 @@ def _parse_index(idx, shape) -> Optional[tuple]:
                 cand = ("range", d, i.start, stop - i.start)
             else:
                 start, stop, _ = i.indices(shape[d])
-                cand = ("range", d, start, max(stop - start, 0))
+                cand = ("range", d, start, max(stop - start, 0), i.stop is None)
         elif isinstance(i, int) and not isinstance(i, bool):
             if not -shape[d] <= i < shape[d]:
                 return None
@@ -424,8 +425,8 @@ def slice_info(node: Node) -> Optional[SliceInfo]:
         parsed = _parse_index(idx, shape)
         if parsed is None:
             return None
-        kind, d, start, length = parsed
-        return SliceInfo(parent, kind, d, start, length)
+        kind, d, start, length, *open_end = parsed
+        return SliceInfo(parent, kind, d, start, length, open_end=bool(open_end and open_end[0]))
     if node.op in ("call_method", "call_function") and node.args and isinstance(node.args[0], Node):
         name = node.target if node.op == "call_method" else {torch.narrow: "narrow", torch.select: "select"}.get(node.target)
         src = node.args[0]

@@ -51,6 +51,10 @@ class BatchedSource:
     count: int = 0
     length: Optional[int] = None
     index: Optional[tuple] = None
+    # A slice runs to the end (``x[9:]``): the size of `dim` the plan holds (checked on each call,
+    # where the original's slice would grow with it), and that slice's text.
+    size: Optional[int] = None
+    open_slice: str = ""
 
     def describe(self) -> str:
         if self.kind == "view":
@@ -462,10 +466,12 @@ def _source_plan(chains: list) -> tuple:
                 slice_shape = tuple(src_shape[:d]) + (L,) + tuple(src_shape[d + 1:])
             else:
                 slice_shape = tuple(src_shape[:d]) + tuple(src_shape[d + 1:])
+            opened = next((i for i in infos if i.open_end), None)
+            guard = {} if opened is None else {"size": src_shape[d], "open_slice": f"{i0.source.name}[{opened.start}:] along dim {d}"}
             if idx == list(range(n)):
-                return BatchedSource("view", i0.source, d, base, n, length), d, slice_shape
+                return BatchedSource("view", i0.source, d, base, n, length, **guard), d, slice_shape
             if len(set(idx)) == n:
-                return BatchedSource("gather", i0.source, d, base, count, length, tuple(idx)), d, slice_shape
+                return BatchedSource("gather", i0.source, d, base, count, length, tuple(idx), **guard), d, slice_shape
     return BatchedSource("stack"), 0, tensor_shape(chains[0].start)
 
 

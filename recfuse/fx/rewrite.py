@@ -99,6 +99,8 @@ class Rewriter:
     def batched_input(self, layout: int) -> Node:
         """The group's slices as one tensor with the feature dim at `layout`."""
         plan, src = self.plan, self.plan.source
+        if src.size is not None:
+            self.fn(runtime.check_slice_end, [src.node, src.dim, src.size, src.open_slice])
         if src.kind == "stack":
             x = self.fn(torch.stack, [[c.start for c in plan.chains], 0])
             fd = 0
