@@ -191,10 +191,15 @@ def _inplace_flag(mod: nn.Module) -> Any:
 
 
 def _normalized_shape(shape) -> Optional[tuple]:
-    if isinstance(shape, Node):  # e.g. s.shape[-1:], known from the example
+    computed = isinstance(shape, Node)
+    if computed:  # e.g. s.shape[-1:], known from the example
         shape = value_of(shape)
     shape = (shape,) if isinstance(shape, int) else tuple(shape) if isinstance(shape, (list, tuple, torch.Size)) else None
     if shape is None or not all(isinstance(s, int) for s in shape):
+        return None
+    if computed and len(shape) > 1:
+        # ``F.layer_norm(t, t.shape)`` normalizes over the batch too: a batched norm would keep
+        # the example's batch size in its normalized_shape. Only the row width is taken as fixed.
         return None
     return shape
 
@@ -309,6 +314,7 @@ class SliceInfo:
     start: int = 0
     length: int = 1
     key: Any = None
+    open_end: bool = False  # ``x[9:]``: its length is the example's size of `dim` less `start`
 
     def label(self) -> str:
         if self.kind == "dict":
@@ -329,7 +335,7 @@ def _norm_dim(d, ndim) -> Optional[int]:
 
 
 def _parse_index(idx, shape) -> Optional[tuple]:
-    """x[idx] selecting along exactly one dim -> ('range'|'index', dim, start, length)."""
+    """x[idx] selecting along exactly one dim -> ('range'|'index', dim, start, length[, open_end])."""
     if not isinstance(idx, tuple):
         idx = (idx,)
     if any(i is Ellipsis for i in idx):
@@ -345,10 +351,22 @@ def _parse_index(idx, shape) -> Optional[tuple]:
                 continue
             if i.step not in (None, 1) or isinstance(i.start, Node) or isinstance(i.stop, Node):
                 return None
-            start, stop, _ = i.indices(shape[d])
-            cand = ("range", d, start, max(stop - start, 0))
+            neg_start = i.start is not None and i.start < 0
+            if neg_start or (i.stop is not None and i.stop < 0):
+                # Counted from the end (``x[-6:-3]``): the offset follows the dim's size on each call,
+                # so it is kept negative (narrow takes it so); a length that depends on the size
+                # (``x[2:-2]``, ``x[-6:4]``) is not a slice of fixed place.
+                stop = 0 if i.stop is None else i.stop
+                if not neg_start or stop > 0 or -i.start > shape[d] or stop <= i.start:
+                    return None
+                cand = ("range", d, i.start, stop - i.start)
+            else:
+                start, stop, _ = i.indices(shape[d])
+                cand = ("range", d, start, max(stop - start, 0), i.stop is None)
         elif isinstance(i, int) and not isinstance(i, bool):
-            cand = ("index", d, i % shape[d], 1)
+            if not -shape[d] <= i < shape[d]:
+                return None
+            cand = ("index", d, i, 1)  # negative: counted from the end on each call
         else:
             return None
         if found is not None:
@@ -407,8 +425,8 @@ def slice_info(node: Node) -> Optional[SliceInfo]:
         parsed = _parse_index(idx, shape)
         if parsed is None:
             return None
-        kind, d, start, length = parsed
-        return SliceInfo(parent, kind, d, start, length)
+        kind, d, start, length, *open_end = parsed
+        return SliceInfo(parent, kind, d, start, length, open_end=bool(open_end and open_end[0]))
     if node.op in ("call_method", "call_function") and node.args and isinstance(node.args[0], Node):
         name = node.target if node.op == "call_method" else {torch.narrow: "narrow", torch.select: "select"}.get(node.target)
         src = node.args[0]
@@ -418,14 +436,15 @@ def slice_info(node: Node) -> Optional[SliceInfo]:
         d = _norm_dim(_arg(node, 1, "dim"), len(shape))
         if d is None:
             return None
+        # A negative start or index counts from the end on each call: it is kept negative.
         if name == "narrow":
             start, length = _arg(node, 2, "start"), _arg(node, 3, "length")
-            if isinstance(start, int) and isinstance(length, int):
-                return SliceInfo(src, "range", d, start % shape[d] if start < 0 else start, length)
+            if isinstance(start, int) and isinstance(length, int) and (start >= 0 or start + length <= 0):
+                return SliceInfo(src, "range", d, start, length)
         else:
             i = _arg(node, 2, "index")
             if isinstance(i, int):
-                return SliceInfo(src, "index", d, i % shape[d], 1)
+                return SliceInfo(src, "index", d, i, 1)
     return None
 
 
@@ -518,6 +537,42 @@ def _ref_shape(r: ParamRef, op: OpInfo):
     return "const"
 
 
+def view_sizes(n: Node) -> Optional[list]:
+    """The sizes a view/reshape node asks for, as written (ints, -1, or graph values), else None.
+
+    Example:
+        >>> import torch, torch.fx
+        >>> gm = torch.fx.symbolic_trace(lambda x: x.view(-1, 4))
+        >>> view_sizes([n for n in gm.graph.nodes if n.op == "call_method"][0])
+        [-1, 4]
+    """
+    if n.op == "call_method" and n.target in ("view", "reshape") and len(n.args) >= 2 and not n.kwargs:
+        sizes = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else n.args[1:]
+    elif n.op == "call_function" and n.target is torch.reshape and len(n.args) == 2 and not n.kwargs:
+        sizes = n.args[1]
+    else:
+        return None
+    return list(sizes) if isinstance(sizes, (list, tuple)) else None
+
+
+def keeps_shape(o: OpInfo) -> bool:
+    """Whether the view op `o` keeps its input's shape at every batch size, judged from its code:
+    the example may keep it by coincidence (``h.squeeze()`` or ``h.squeeze(0)`` when B > 1 drop the
+    batch dim of a call with B == 1; ``h.reshape(H, -1)`` of [B, H] when B == H). Sizes must be -1,
+    computed in the graph (``h.shape[0]``) or, for the row width (the last dim), a literal."""
+    n = o.node
+    if n.op == "call_module" or (n.op == "call_method" and n.target == "contiguous"):
+        return True
+    shape = tensor_shape(o.data)
+    if shape is None or shape != tensor_shape(n):
+        return False
+    sizes = view_sizes(n)
+    if sizes is None or len(sizes) != len(shape):
+        return False
+    last = len(sizes) - 1
+    return all(isinstance(v, Node) or (type(v) is int and (v == -1 or i == last)) for i, v in enumerate(sizes))
+
+
 def walk_chain(end: Node, root) -> SliceChain:
     """Walk back from a sink input through per-slice ops to where the slice starts.
 
@@ -543,7 +598,7 @@ def walk_chain(end: Node, root) -> SliceChain:
     for i, o in enumerate(seq):
         if o.kind == "view":
             inner = any(p.kind != "view" for p in seq[:i]) and any(p.kind != "view" for p in seq[i + 1:])
-            if inner and tensor_shape(o.node) != tensor_shape(o.data):
+            if inner and not keeps_shape(o):
                 last_view = i
     if last_view >= 0:
         seq = seq[last_view + 1:]

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 from torch.fx import Node
 
-from .patterns import ParamRef, SliceChain, _split_kind, classify, submodule
+from .patterns import ParamRef, SliceChain, _split_kind, classify, keeps_shape, submodule, view_sizes
 from .values import tensor_shape
 
 __all__ = ["BatchedSource", "SinkReplacement", "ParamPlan", "SideUse", "GroupPlan", "plan_group",
@@ -51,6 +51,10 @@ class BatchedSource:
     count: int = 0
     length: Optional[int] = None
     index: Optional[tuple] = None
+    # A slice runs to the end (``x[9:]``): the size of `dim` the plan holds (checked on each call,
+    # where the original's slice would grow with it), and that slice's text.
+    size: Optional[int] = None
+    open_slice: str = ""
 
     def describe(self) -> str:
         if self.kind == "view":
@@ -330,11 +334,20 @@ def plan_group(sink: Node, sink_kind: str, sink_dim: int, positions: list, chain
             ns = op.attr("shape")
             if tuple(core[len(core) - len(ns):]) != tuple(ns):
                 return f"{op.kind} normalized_shape {list(ns)} does not match the slice shape {list(core)}"
+    squeezed = next((c.start for c in chains if _is_squeeze(c.start)), None)
+    if squeezed is not None:
+        return (f"the slices come from `{squeezed.name}` (a squeeze), whose result's rank depends on the "
+                "batch size; left per slice")
     source, fd, slice_shape = _source_plan(chains)
     if slice_shape != start_shape:
         return f"internal: slice shape {start_shape} vs planned {slice_shape}"
     reshape_rows = False
-    if c0.pre and tuple(core) != tuple(start_shape):
+    kept = tuple(core) == tuple(start_shape)
+    if kept and any(not keeps_shape(p) for c in chains for p in c.pre):
+        bad = next(p for c in chains for p in c.pre if not keeps_shape(p))
+        return (f"per-slice view `{bad.node.name}` keeps the slice shape {list(start_shape)} only at the "
+                "example's sizes; left per slice")
+    if c0.pre and not kept:
         if len(core) != 2:
             return f"per-slice reshape from {list(start_shape)} to {list(core)} is not supported (only to [rows, D])"
         reshape_rows, fd = True, 0
@@ -437,7 +450,9 @@ def _source_plan(chains: list) -> tuple:
         L = i0.length
         starts = [i.start for i in infos]
         base = min(starts)
-        if src_shape is not None and L > 0 and all((s - base) % L == 0 for s in starts):
+        # Offsets counted from the end (negative) and from the start only agree at one size.
+        same_end = all(s < 0 for s in starts) or all(s >= 0 for s in starts)
+        if src_shape is not None and L > 0 and same_end and all((s - base) % L == 0 for s in starts):
             idx = [(s - base) // L for s in starts]
             length = L if i0.kind == "range" else None
             # Slices that tile the whole dim are sized from the source at run time (-1): the
@@ -451,10 +466,12 @@ def _source_plan(chains: list) -> tuple:
                 slice_shape = tuple(src_shape[:d]) + (L,) + tuple(src_shape[d + 1:])
             else:
                 slice_shape = tuple(src_shape[:d]) + tuple(src_shape[d + 1:])
+            opened = next((i for i in infos if i.open_end), None)
+            guard = {} if opened is None else {"size": src_shape[d], "open_slice": f"{i0.source.name}[{opened.start}:] along dim {d}"}
             if idx == list(range(n)):
-                return BatchedSource("view", i0.source, d, base, n, length), d, slice_shape
+                return BatchedSource("view", i0.source, d, base, n, length, **guard), d, slice_shape
             if len(set(idx)) == n:
-                return BatchedSource("gather", i0.source, d, base, count, length, tuple(idx)), d, slice_shape
+                return BatchedSource("gather", i0.source, d, base, count, length, tuple(idx), **guard), d, slice_shape
     return BatchedSource("stack"), 0, tensor_shape(chains[0].start)
 
 
@@ -462,22 +479,54 @@ def _sink_replacement(sink: Node, kind: str, dim: int, chains: list, root) -> Op
     c0 = chains[0]
     out = c0.core_out
     end_shape = tensor_shape(c0.end)
-    no_post_reshape = end_shape == tuple(out)
+    no_post_reshape = end_shape == tuple(out) and all(keeps_shape(p) for c in chains for p in c.post)
     if kind == "stack":
         return SinkReplacement(sink, dim % (len(out) + 1), "stack") if no_post_reshape else None
     cd = dim % len(end_shape)
+    fixed_rows = any(o.kind in ("layer_norm", "rms_norm", "linear") for o in c0.ops)
     if not no_post_reshape:
-        if end_shape == tuple(out[:cd]) + (1,) + tuple(out[cd:]):
+        if end_shape == tuple(out[:cd]) + (1,) + tuple(out[cd:]) and all(
+                len(c.post) == 1 and _inserts_dim(c.post[0].node, len(out), cd, 1, fixed_rows) for c in chains):
             return SinkReplacement(sink, cd, "stack")
         return None
     # cat -> view to 3D is a stack; other users may only read the cat's shape
     # (``y.view(y.shape[0], F, -1)``), which dies with it.
     want = tuple(out[:cd]) + (len(chains),) + tuple(out[cd:])
-    views = [u for u in sink.users if _is_view_op(u, root) and tensor_shape(u) == want]
+    views = [u for u in sink.users if _is_view_op(u, root) and tensor_shape(u) == want
+             and _inserts_dim(u, len(out), cd, len(chains), fixed_rows)]
     others = [u for u in sink.users if u not in views]
     if len(views) == 1 and all(_is_shape_query(u) and _feeds_only(u, views) for u in others):
         return SinkReplacement(views[0], cd, "stack")
     return SinkReplacement(sink, cd, "cat")
+
+
+def _is_squeeze(n: Node) -> bool:
+    return (n.op == "call_method" and n.target == "squeeze") or (n.op == "call_function" and n.target is torch.squeeze)
+
+
+def _inserts_dim(n: Node, nd: int, cd: int, size: int, fixed_rows: bool) -> bool:
+    """Whether the view `n` of an `nd`-dim value (a cat of per-slice results, or one slice's result
+    when `size` is 1) yields a new dim `cd` of `size` for every batch size, judged from its code:
+    the example's shape may match by coincidence (``cat(dim=0).view(-1, F, D)`` when B == F;
+    ``.view(-1, 1, D)`` when B == 1). The new dim must be the literal `size` (``unsqueeze(cd)``
+    when 1); other sizes must be -1 or computed in the graph (``x.shape[0]``), except the row
+    width (the last dim, when a norm or Linear fixes it), whose literal cannot depend on the batch.
+    """
+    if size == 1 and n.op in ("call_method", "call_function") and n.target in ("unsqueeze", torch.unsqueeze):
+        d = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+        return isinstance(d, int) and not isinstance(d, bool) and d % (nd + 1) == cd
+    sizes = view_sizes(n)
+    if sizes is None or len(sizes) != nd + 1:
+        return False
+    for i, v in enumerate(sizes):
+        if i == cd:
+            if type(v) is not int or v != size:
+                return False
+        elif type(v) is int and v != -1 and not (i == nd and fixed_rows):
+            return False
+        elif not (type(v) is int or isinstance(v, Node)):
+            return False
+    return True
 
 
 def _followers(node: Node, root) -> tuple:

@@ -99,6 +99,8 @@ class Rewriter:
     def batched_input(self, layout: int) -> Node:
         """The group's slices as one tensor with the feature dim at `layout`."""
         plan, src = self.plan, self.plan.source
+        if src.size is not None:
+            self.fn(runtime.check_slice_end, [src.node, src.dim, src.size, src.open_slice])
         if src.kind == "stack":
             x = self.fn(torch.stack, [[c.start for c in plan.chains], 0])
             fd = 0
@@ -141,14 +143,44 @@ class Rewriter:
         else:
             # The stack is not ours to replace: serve each slice's result as a view.
             for i, c in enumerate(plan.chains):
-                self.replace_all_uses(c.ops[last].node, self.fn(torch.select, [out, layout, i]))
+                self.replace_all_uses(c.ops[last].node, self._slice(out, i, c.ops[last].node))
         for use in plan.side_uses:
             if intermediates is None or use.op == last and plan.replaces is None:
                 continue
-            sel = self.fn(torch.select, [intermediates[use.op], layout, use.slice])
+            sel = self._slice(intermediates[use.op], use.slice, use.node)
             for u in use.users:
                 u.replace_input_with(use.node, sel)
             self.replaced.append(use.node)
+
+
+    def _slice(self, batched: Node, i: int, old: Node) -> Node:
+        """Slice `i` of a batched value, standing for the per-slice value `old`. A select of a
+        batched tensor is strided where `old` (an op's fresh result) was contiguous: when `old` is
+        read through ``.view`` (which needs compatible strides), the slice is made contiguous."""
+        sel = self.fn(torch.select, [batched, self.plan.layout, i])
+        if _viewed(old):
+            sel = self.graph.call_method("contiguous", (sel,))
+        return sel
+
+
+_ALIASING_METHODS = {"unsqueeze", "squeeze", "transpose", "permute", "t", "expand", "select", "narrow",
+                     "__getitem__", "unflatten", "movedim"}
+
+
+def _viewed(n: Node, depth: int = 4) -> bool:
+    """Whether `n` is read by ``.view`` / ``.view_as``, directly or through ops that return views."""
+    import operator
+    if depth == 0:
+        return False
+    for u in n.users:
+        if u.op == "call_method" and u.target in ("view", "view_as"):
+            return True
+        aliasing = (u.op == "call_method" and u.target in _ALIASING_METHODS) or (
+            u.op == "call_function" and (u.target is operator.getitem or getattr(u.target, "__name__", None)
+                                         in _ALIASING_METHODS) and u.args and u.args[0] is n)
+        if aliasing and _viewed(u, depth - 1):
+            return True
+    return False
 
 
 def _persistent(root, qualname: str, t) -> bool:

@@ -21,6 +21,7 @@ __all__ = [
     "check_module_argument",
     "check_specialized",
     "check_none",
+    "check_slice_end",
     "check_not_none",
     "check_dynamo_guards",
     "grad_enabled",
@@ -185,6 +186,24 @@ def check_specialized(value, how: str, expected, what: str, where: str) -> None:
             f"original would run different code than the captured graph holds. Transform with example inputs "
             f"for which it is {actual!r} (one transformed module per case), or compute with torch ops instead "
             f"of Python control flow on it.")
+
+
+@has_side_effect
+@_graph_leaf
+def check_slice_end(src: torch.Tensor, dim: int, size: int, what: str) -> None:
+    """Guard of a batched group one of whose slices runs to the end of `src` (``x[9:]``): the
+    batch holds that slice at the example's length, the original's grows with the size.
+
+    Example:
+        >>> import torch
+        >>> check_slice_end(torch.zeros(12, 8), 0, 12, "x[9:] along dim 0")
+    """
+    if src.shape[dim] != size:
+        raise RecfuseError(
+            f"recfuse.transform batched the slice {what}, which runs to the end of a dim of size {size} on "
+            f"example_inputs and keeps that slice's length; this call's size is {src.shape[dim]}, with which the "
+            f"original's slice changes length. Transform with inputs of this size, or slice with an explicit "
+            f"end (x[a:b]).")
 
 
 @has_side_effect
