@@ -217,3 +217,38 @@ def test_ffp_buffer_view_matches_reference(buffer):
     y = fp(values)
     assert y.shape == (values.shape[0], F * 3)
     assert torch.allclose(y, fp.forward_reference(values), rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# transformed graphs' helpers
+
+
+@pytest.mark.parametrize("source", ["contiguous", "transposed", "column_stride_2", "window", "empty"])
+def test_slices_view_matches_stacked_split(source):
+    from recfuse.fx.runtime import slices_view
+
+    wide = torch.randn(40, 7)
+    src = {"contiguous": torch.randn(7, 24), "transposed": torch.randn(24, 7).t(),
+           "column_stride_2": torch.randn(7, 48)[:, ::2], "window": wide.t()[:, 3:27],
+           "empty": torch.randn(0, 24)}[source]
+    start, count, length = (0, 4, 6) if source != "window" else (6, 3, 4)
+    expected = torch.stack(src.narrow(1, start, count * length).split(length, 1), 1)
+    out = slices_view(src, 1, start, count, length)
+    assert out.shape == expected.shape and torch.equal(out, expected)
+
+
+def test_helpers_record_nodes_for_proxies():
+    """With a Proxy (directly or inside check_specialized's tuple) the helpers record a node."""
+    from recfuse.fx.runtime import check_specialized, slices_view
+
+    def f(x):
+        check_specialized((x, "split", 4, 1), "pieces", 3, "len(split)", "here")
+        return slices_view(x, 1, 0, 3, 4)
+
+    gm = torch.fx.symbolic_trace(f)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets == [check_specialized, slices_view]
+    x = torch.randn(2, 12)
+    assert torch.equal(gm(x), x.view(2, 3, 4))
+    with pytest.raises(recfuse.errors.RecfuseError, match="specialised len"):
+        gm(torch.randn(2, 16))
