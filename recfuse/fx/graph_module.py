@@ -9,12 +9,15 @@ method of this class, not a hook, and `__deepcopy__` / `__reduce__` carry the re
 from __future__ import annotations
 
 import copy
+import sys
+import traceback
 import types
 from typing import Any
 
 import torch
 from torch.fx import GraphModule
-from torch.fx.graph_module import reduce_graph_module
+from torch.fx.graph_module import _WrappedCall, reduce_graph_module
+from torch.nn.modules import module as _nn_module
 
 __all__ = ["TransformedGraphModule", "map_original_keys", "carry_state"]
 
@@ -101,6 +104,52 @@ def _restoring_grad_mode(forward):
     return wrapped
 
 
+# nn.Module.__call__ as torch defines it: fx's tracers patch it while they trace (to record module
+# calls), and a call made then must go through the patched one.
+_MODULE_CALL = torch.nn.Module.__call__
+_is_compiling = torch.compiler.is_compiling
+_tracing_state = torch._C._get_tracing_state
+
+
+def _plain_call(module: torch.nn.Module) -> bool:
+    """Whether ``module(...)`` is just ``module.forward(...)`` now: no hooks of the module or global
+    ones, no ``module.compile()``, no TorchScript trace, no fx tracer patching nn.Module.__call__,
+    no Dynamo trace (which reads the hooks itself). nn.Module._call_impl's own fast-path test."""
+    d = module.__dict__
+    return not (d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]
+                or _nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks
+                or _nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks
+                or d.get("_compiled_call_impl") is not None or torch.nn.Module.__call__ is not _MODULE_CALL
+                or _tracing_state() or _is_compiling())
+
+
+def _lean_call(self, *args, **kwargs):
+    """``__call__`` of a transformed module: ``forward`` directly when calling it is all that
+    nn.Module.__call__ would do (`_plain_call`), else GraphModule's call. Skipping GraphModule's
+    `_WrappedCall` and nn.Module's `_wrapped_call_impl` / `_call_impl` layers saves ~5 us a call
+    (benchmarks/NOTES.md, "CPU host path"); an error of the generated code is reported as
+    `_WrappedCall` reports it."""
+    if not _plain_call(self):
+        return self._wrapped_call(self, *args, **kwargs)
+    try:
+        return self.forward(*args, **kwargs)
+    except Exception as e:
+        _report_generated_code_error(e)
+        raise
+
+
+def _report_generated_code_error(e: Exception) -> None:
+    """What torch.fx's `_WrappedCall` does with an exception of a GraphModule's call: an error raised
+    by a line of the generated forward is printed with that line in context, and raised without
+    the traceback; any other propagates as it is (the caller re-raises)."""
+    if not e.__traceback__:
+        raise AssertionError("Exception has no traceback") from e
+    topmost = traceback.StackSummary.extract(traceback.walk_tb(e.__traceback__))[-1]
+    if "eval_with_key" in topmost.filename:
+        print(_WrappedCall._generate_error_message(topmost), file=sys.stderr)
+        raise e.with_traceback(None)
+
+
 def _rebuild(cls: type, body: dict, import_block: str) -> "TransformedGraphModule":
     plain = reduce_graph_module(body, import_block)
     gm = cls(plain, plain.graph, class_name=body.get("_graphmodule_cls_name", "GraphModule"))
@@ -159,6 +208,9 @@ class TransformedGraphModule(GraphModule):
 
         if any(n.op == "call_function" and n.target is set_grad_mode for n in self.graph.nodes):
             type(self).forward = _restoring_grad_mode(type(self).forward)
+        # GraphModule.recompile has just set the class's __call__ (each GraphModule has a class of
+        # its own) to its error-reporting wrapper; the lean call keeps that for what it must.
+        type(self).__call__ = _lean_call
         return result
 
     def stacked_parameters(self) -> dict:

@@ -46,17 +46,29 @@ def _graph_leaf(fn, when_rebuilding: bool = False):
     def helper(*args, **kwargs):
         tracer = _REBUILDING[-1] if when_rebuilding and _REBUILDING else None
         if tracer is None:
-            for a in (*args, *kwargs.values()):
-                if isinstance(a, tuple):  # `check_specialized`'s (source, kind, size, dim) of a split
-                    a = next((x for x in a if isinstance(x, Proxy)), None)
-                if isinstance(a, Proxy):
-                    tracer = a.tracer
-                    break
+            # Runs on every call of a transformed model: plain loops, no tuple of all arguments
+            # or generator per call (~0.5 us of a helper's ~1 us).
+            tracer = _proxy_tracer(args)
+            if tracer is None and kwargs:
+                tracer = _proxy_tracer(kwargs.values())
         if tracer is not None:
             return tracer.create_proxy("call_function", helper, args, kwargs)
         return fn(*args, **kwargs)
 
     return helper
+
+
+def _proxy_tracer(values):
+    """The tracer of the first Proxy among `values` (or inside a tuple among them: `check_specialized`'s
+    (source, kind, size, dim) of a split), else None."""
+    for a in values:
+        if isinstance(a, tuple):
+            for x in a:
+                if isinstance(x, Proxy):
+                    return x.tracer
+        elif isinstance(a, Proxy):
+            return a.tracer
+    return None
 
 
 # The tracer re-tracing a saved module's code (torch.load), while it runs: helpers that take no
@@ -330,7 +342,13 @@ def slices_view(src: torch.Tensor, dim: int, start: int, count: int, length: Opt
         return src.reshape(shape)
     x = src if (start == 0 and count * length == shape[dim]) else src.narrow(dim, start, count * length)
     shape[dim:dim + 1] = (count, length)
-    return x.reshape(shape)
+    # view where the strides allow it (the usual case), which is what reshape returns then; sizes
+    # passed as separate ints, which torch parses faster than a list (~1.2 vs ~2 us a call).
+    # reshape's copy otherwise.
+    try:
+        return x.view(*shape)
+    except RuntimeError:
+        return x.reshape(shape)
 
 
 @_graph_leaf

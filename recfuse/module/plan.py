@@ -124,12 +124,14 @@ def _columns_view(offsets: tuple[int, ...], dim: int, width: int) -> Callable[[t
     span = (n - 1) * step + dim
     # No narrow when the window is the whole buffer: narrow's backward zero-fills and copies a
     # gradient of the buffer's size (measured: +1 GB and 2 kernels per H100 training step).
+    # view(B, n, dim), not unflatten(1, (n, dim)): the same aten view, without Tensor.unflatten's
+    # Python wrapper (~2 us of a ~40 us small-shape CPU call).
     if first == 0 and span == width:
         if step == dim:
-            return lambda values: values.unflatten(1, (n, dim))
+            return lambda values: values.view(values.shape[0], n, dim)
         return lambda values: values.unfold(1, dim, step)
     if step == dim:
-        return lambda values: values.narrow(1, first, span).unflatten(1, (n, dim))
+        return lambda values: values.narrow(1, first, span).view(values.shape[0], n, dim)
     return lambda values: values.narrow(1, first, span).unfold(1, dim, step)
 
 

@@ -28,6 +28,15 @@ from Inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torch
 in ~0.5-2.5 s; a new F or B of a compiled variant costs nothing. `INDUCTOR_OPTIONS` keeps it low.
 benchmarks/results/split_stack_vs_combined_cpu.txt has the measured numbers.
 
+Calls without Dynamo (`_DirectCalls`): a ``torch.compile``'d function costs ~33 us of Dynamo's
+frame evaluation, guard check and wrappers per call (F=4 B=8 D=64 on one thread: 50 us a call,
+17 us for the compiled graph itself), more than the kernel at small shapes. So once Dynamo has run
+a call, the graph it ran is kept under the call's exact signature (shapes, strides, dtypes,
+devices of every argument, and the variant), and later calls with that signature call the graph
+directly: the graph Dynamo would pick for them, as its guards are a function of that signature
+(inputs are detached, so requires_grad and the grad mode change nothing the graph computes).
+Inductor's code still checks sizes and strides of its inputs on every call.
+
 When a compile fails (no C++ compiler, an Inductor error) the variant falls back to the eager
 composite for the rest of the process, with one warning; a second backward through a retained
 graph (the saved tensors are consumed by the first) runs the eager composite backward. The
@@ -313,8 +322,7 @@ def _compiled(which: str, key: tuple, dynamo_backend) -> Any:
                 # marked on the first call, D and H (the parameters' shapes) stay static, so the
                 # C++ loops over a row have constant trip counts, as torch.compile of a fixed
                 # shape gives. A new F or B reuses the code.
-                options = dict(INDUCTOR_OPTIONS) if dynamo_backend == "inductor" else None
-                fn = torch.compile(plain, dynamic=None, backend=dynamo_backend, options=options)
+                fn = torch.compile(plain, dynamic=None, backend=_RecordingBackend(dynamo_backend))
                 fn = _FirstCall(fn)
                 _CACHE[full_key] = fn
     return fn
@@ -357,7 +365,12 @@ def _variant(x, weight, bias, ln_weight, ln_bias, eps, feature_dim) -> Optional[
             _kind(ln_weight, 2), _kind(ln_bias, 2), tuple(weight.shape[-2:]))
 
 
-def _run(which: str, key: tuple, args: tuple):
+def _run(which: str, key: tuple, args: tuple, signature=None, transposed: bool = False):
+    """The compiled function's output on `args`, or None where the variant falls back to eager.
+
+    `signature`: the call's exact signature (see `_DirectCalls`); given, the graph Dynamo runs for
+    it is kept, so that the next call with this signature skips Dynamo. `transposed`: `args` hold
+    the caller's x (and grad_y) with dims 0 and 1 swapped (`_swapped`)."""
     fn = _compiled(which, key, _STATE.dynamo_backend)
     if fn is _FAILED:
         return None
@@ -366,7 +379,12 @@ def _run(which: str, key: tuple, args: tuple):
     # inference call must not compile again.
     args = tuple(None if a is None else a.detach() for a in args)
     try:
-        return fn(*args)
+        if signature is None:
+            return fn(*args)
+        with _RecordingBackend.recording() as calls:
+            out = fn(*args)
+        _DIRECT.learn(signature, args, out, calls, transposed)
+        return out
     except Exception as e:  # noqa: BLE001 - any compile failure: the eager composite instead
         _CACHE[(which, _STATE.dynamo_backend, key)] = _FAILED
         warnings.warn(
@@ -375,6 +393,179 @@ def _run(which: str, key: tuple, args: tuple):
             f"composite for this variant. Set {_ENV}=eager to skip compiling.",
             RuntimeWarning, stacklevel=3)
         log.debug("recfuse CPU compile failure", exc_info=True)
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# calling a compiled graph without Dynamo
+
+
+class _RecordingBackend:
+    """The Dynamo backend of the compiled path (Inductor with `INDUCTOR_OPTIONS`, or the backend
+    `set_cpu_backend` names), whose compiled graphs note each call in this thread's recording
+    (`recording`): which graph ran, on which arguments, with which outputs. `_DirectCalls` learns
+    from that how to call the graph without Dynamo."""
+
+    _local = threading.local()
+
+    def __init__(self, backend):
+        if backend == "inductor":
+            # What torch.compile(backend="inductor", options=INDUCTOR_OPTIONS) builds.
+            self.backend = torch._TorchCompileInductorWrapper(None, dict(INDUCTOR_OPTIONS), None)
+        else:
+            from torch._dynamo.backends.registry import lookup_backend
+
+            self.backend = lookup_backend(backend)
+        self.__name__ = getattr(self.backend, "compiler_name", getattr(backend, "__name__", str(backend)))
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        compiled = self.backend(gm, example_inputs)
+        return _RecordedGraph(compiled, _size_sources(gm))
+
+    def get_compiler_config(self):
+        get = getattr(self.backend, "get_compiler_config", None)
+        return get() if get is not None else None
+
+    def reset(self):
+        reset = getattr(self.backend, "reset", None)
+        if reset is not None:
+            reset()
+
+    @classmethod
+    @contextlib.contextmanager
+    def recording(cls):
+        """A list that collects (graph, args, outputs) of every compiled graph called inside."""
+        saved = getattr(cls._local, "calls", None)
+        cls._local.calls = calls = []
+        try:
+            yield calls
+        finally:
+            cls._local.calls = saved
+
+
+def _size_sources(gm: torch.fx.GraphModule) -> Optional[tuple]:
+    """Per placeholder of a Dynamo graph: None for a tensor; for a SymInt (a dynamic F or B, or a
+    stride made of them: a transposed grad_y's), (placeholder index, dim, is_stride) of a tensor
+    whose size or stride it is. None overall where one cannot be found."""
+    values = [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
+    tensors = [(j, t) for j, t in enumerate(values) if isinstance(t, torch.Tensor)]
+    sources = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            sources.append(None)
+            continue
+        if not isinstance(v, torch.SymInt):
+            return None
+        found = next(((j, d, is_stride) for is_stride in (False, True) for j, t in tensors
+                      for d, size in enumerate(t.stride() if is_stride else t.shape)
+                      if isinstance(size, torch.SymInt) and size.node.expr == v.node.expr), None)
+        if found is None:
+            return None
+        sources.append(found)
+    return tuple(sources)
+
+
+class _RecordedGraph:
+    """A compiled graph as Dynamo calls it (positional graph inputs), noting its calls while a
+    `_RecordingBackend.recording` is open in this thread."""
+
+    __slots__ = ("compiled", "size_sources")
+
+    def __init__(self, compiled, size_sources):
+        self.compiled, self.size_sources = compiled, size_sources
+
+    def __call__(self, *args):
+        out = self.compiled(*args)
+        calls = getattr(_RecordingBackend._local, "calls", None)
+        if calls is not None:
+            calls.append((self, args, out))
+        return out
+
+
+class _DirectCall:
+    """One learned call: the graph, where each graph input comes from ((argument index, None, False)
+    for an argument, (index, dim, is_stride) for a size or stride of one), where each element of the function's result is among the graph's outputs, and whether
+    the caller's x is passed transposed (`_swapped`)."""
+
+    __slots__ = ("compiled", "inputs", "outputs", "transposed")
+
+    def __init__(self, compiled, inputs, outputs, transposed):
+        self.compiled, self.inputs, self.outputs, self.transposed = compiled, inputs, outputs, transposed
+
+    def __call__(self, args: tuple):
+        out = self.compiled(*[args[i] if d is None else args[i].stride(d) if is_stride else args[i].shape[d]
+                              for i, d, is_stride in self.inputs])
+        outputs = self.outputs
+        return out[outputs] if type(outputs) is int else tuple(out[k] for k in outputs)
+
+
+class _DirectCalls:
+    """Exact call signature -> `_DirectCall`, learned from the call Dynamo ran for it.
+
+    A signature is kept only when Dynamo ran exactly one compiled graph for the call, every graph
+    input is an argument (by identity) or a size of one (by the graph's symbols), and every tensor
+    the function returned is one of the graph's outputs (by identity); otherwise that signature
+    keeps going through Dynamo. Bounded: past `limit` signatures it starts over."""
+
+    def __init__(self, limit: int = 4096):
+        self.limit = limit
+        self.calls: dict = {}
+
+    def get(self, signature):
+        return self.calls.get(signature)
+
+    def learn(self, signature, args: tuple, result, calls: list, transposed: bool) -> None:
+        if len(calls) != 1:
+            return
+        graph, graph_args, graph_out = calls[0]
+        if graph.size_sources is None or not isinstance(graph_out, (tuple, list)):
+            return
+        position = {id(a): i for i, a in enumerate(args) if a is not None}
+        inputs = []
+        for a, source in zip(graph_args, graph.size_sources):
+            if source is None:
+                if id(a) not in position:
+                    return
+                inputs.append((position[id(a)], None, False))
+            else:
+                tensor = graph_args[source[0]]
+                if id(tensor) not in position:
+                    return
+                j, d, is_stride = position[id(tensor)], source[1], source[2]
+                if (args[j].stride(d) if is_stride else args[j].shape[d]) != a:  # as Dynamo passed it
+                    return
+                inputs.append((j, d, is_stride))
+        produced = {id(t): k for k, t in enumerate(graph_out)}
+        if isinstance(result, torch.Tensor):
+            outputs = produced.get(id(result))
+        elif isinstance(result, tuple) and all(id(t) in produced for t in result):
+            outputs = tuple(produced[id(t)] for t in result)
+        else:
+            outputs = None
+        if outputs is None:
+            return
+        if len(self.calls) >= self.limit:
+            self.calls.clear()
+        self.calls[signature] = _DirectCall(graph.compiled, tuple(inputs), outputs, transposed)
+
+    def forget(self, signature) -> None:
+        self.calls.pop(signature, None)
+
+    def clear(self) -> None:
+        self.calls.clear()
+
+
+_DIRECT = _DirectCalls()
+
+
+def _direct(signature, call: _DirectCall, args: tuple):
+    """The learned graph's output on `args` (already transposed where `call.transposed`), or None
+    (then the caller goes through Dynamo)."""
+    try:
+        return call(args)
+    except Exception:  # noqa: BLE001 - not expected (Inductor checks sizes/strides): back to Dynamo
+        log.debug("recfuse direct call failed; going through Dynamo", exc_info=True)
+        _DIRECT.forget(signature)
         return None
 
 
@@ -392,53 +583,91 @@ def _swapped(x: torch.Tensor) -> bool:
     return x.dim() == 3 and x.shape[0] > 1 and x.shape[1] > 1 and x.stride(0) < x.stride(1)
 
 
-def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save=False):
+def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save=False, key=None):
     """The compiled composite's y, or None where the caller should run the eager composite.
 
     With ``save``: (y, saved) where saved is a `Saved` (the float32 tanh output and the rows'
     LayerNorm statistics) for `backward`, or None (then `backward` recomputes everything).
     y is contiguous, as the eager composite and the kernels give it.
+
+    ``key``: the op's call signature (`recfuse._checks.call_signature`: every argument's shape,
+    strides, dtype and device, eps and feature_dim); with it, a call seen before skips Dynamo.
     """
+    signature = None
+    if key is not None and _STATE.backend == "compiled":
+        signature = ("fwd", save, _STATE.dynamo_backend, key)
+        call = _DIRECT.get(signature)
+        if call is not None:
+            out = _direct(signature, call, (x.transpose(0, 1) if call.transposed else x,
+                                            weight, bias, ln_weight, ln_bias))
+            if out is not None:
+                return (out[0], Saved(out[1:])) if save else out
     transposed = _swapped(x)
     if transposed:  # computed on the view in memory order; y written back in x's dims
         x, feature_dim = x.transpose(0, 1), 1 - feature_dim
-    key = _variant(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
-    if key is None:
+    variant = _variant(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    if variant is None:
         return None
     which = ("fwd_save" if save else "fwd") + ("_t" if transposed else "")
-    out = _run(which, key, (x, weight, bias, ln_weight, ln_bias))
+    out = _run(which, variant, (x, weight, bias, ln_weight, ln_bias), signature, transposed)
     if out is None or not save:
         return out
     return out[0], Saved(out[1:])
 
 
-def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, saved=None) -> Optional[tuple]:
+def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, saved=None, key=None) -> Optional[tuple]:
     """The five gradients (as `composite_backward` returns them), or None (eager instead).
 
     Needs the `Saved` tensors of the compiled training forward; without them (a second backward
     through a retained graph) the caller runs the eager composite backward.
+    ``key``: the forward's call signature (see `forward`), which fixes the saved tensors' too;
+    with it and grad_y's layout, a call seen before skips Dynamo.
     """
     if not isinstance(saved, Saved):
         return None
+    signature = None
+    if key is not None and _STATE.backend == "compiled":
+        signature = ("bwd", _STATE.dynamo_backend, key, grad_y.shape, grad_y.stride(), grad_y.dtype)
+        call = _DIRECT.get(signature)
+        if call is not None:
+            if call.transposed:
+                out = _direct(signature, call, (grad_y.transpose(0, 1), x.transpose(0, 1), *saved,
+                                                weight, bias, ln_weight, ln_bias))
+                if out is not None:
+                    return (_gradients_in_x_layout(out[0], x.transpose(0, 1)).transpose(0, 1),) + tuple(out[1:])
+            else:
+                out = _direct(signature, call, (grad_y, x, *saved, weight, bias, ln_weight, ln_bias))
+                if out is not None:
+                    return (_gradients_in_x_layout(out[0], x),) + tuple(out[1:])
     if _swapped(x):  # as `forward` ran it
-        out = backward(grad_y.transpose(0, 1), x.transpose(0, 1), weight, bias, ln_weight, ln_bias, eps,
-                       1 - feature_dim, saved)
+        out = _backward_in_order(grad_y.transpose(0, 1), x.transpose(0, 1), weight, bias, ln_weight, ln_bias,
+                                 eps, 1 - feature_dim, saved, signature, True)
         return None if out is None else (out[0].transpose(0, 1),) + tuple(out[1:])
-    key = _variant(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
-    if key is None or grad_y.dtype != x.dtype:
+    return _backward_in_order(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, saved, signature, False)
+
+
+def _backward_in_order(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, saved, signature, transposed):
+    """`backward` on x (and grad_y) in memory order; `transposed`: they are the caller's, swapped."""
+    variant = _variant(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    if variant is None or grad_y.dtype != x.dtype:
         return None
-    out = _run("bwd", key, (grad_y, x, *saved, weight, bias, ln_weight, ln_bias))
+    out = _run("bwd", variant, (grad_y, x, *saved, weight, bias, ln_weight, ln_bias), signature, transposed)
     if out is None:
         return None
-    gx = out[0]
+    return (_gradients_in_x_layout(out[0], x),) + tuple(out[1:])
+
+
+def _gradients_in_x_layout(gx, x):
+    """dx with x's strides, as the eager composite's and the kernel's dx."""
     if not (x.is_contiguous() and gx.is_contiguous()):
-        like_x = torch.empty_like(x)  # x's strides, as the eager composite's and the kernel's dx
+        like_x = torch.empty_like(x)
         if gx.stride() != like_x.stride():
             gx = like_x.copy_(gx)
-    return (gx,) + tuple(out[1:])
+    return gx
 
 
 def clear_cache() -> None:
     """Forget the compiled functions (and failures) of this process (tests)."""
     with _LOCK:
         _CACHE.clear()
+        _DIRECT.clear()

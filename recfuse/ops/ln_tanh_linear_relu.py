@@ -100,7 +100,8 @@ def _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_st
                               chain=chain)
     if eager_entry and x.device.type == "cpu" and chain is DEFAULT:
         # (y, saved tensors) with save_stats, else y; None: run the eager composite.
-        out = _cpu_compiled.forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save=save_stats)
+        out = _cpu_compiled.forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save=save_stats,
+                                    key=key)
         if out is not None:
             return out
     y = batched_feature_mlp(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, chain)
@@ -138,7 +139,8 @@ def _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim
         return launch.backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, key=key,
                                chain=chain)
     if eager_entry and x.device.type == "cpu" and chain is DEFAULT:
-        grads = _cpu_compiled.backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats)
+        grads = _cpu_compiled.backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats,
+                                       key=key)
         if grads is not None:
             return grads
     return composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, chain)
