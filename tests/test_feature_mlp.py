@@ -224,6 +224,11 @@ CUDA_CASES = [
     # bf16's wide whole-row backward at 480 (BLOCK_D 512)
     dict(F=2, B=700, D=480, H=60, feature_dim=1, strided_view=True, ln="per_feature"),
     dict(F=3, B=300, D=96, H=16, feature_dim=0, bias="per_feature"),
+    # Narrow rows: 64-128-row tl.dot tiles in the backward, H=2-4 padded to the 16-wide tl.dot,
+    # full tiles (B a multiple of 128) and masked ones
+    dict(F=4, B=1024, D=32, H=4, feature_dim=1, strided_view=True, ln="per_feature"),
+    dict(F=3, B=1000, D=32, H=64, feature_dim=0, bias="per_feature"),
+    dict(F=2, B=4079, D=64, H=16, feature_dim=1, strided_view=True),
 ]
 
 
