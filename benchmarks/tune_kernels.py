@@ -74,7 +74,10 @@ def forward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Forwa
             out.append(configs.ForwardConfig(block_b, block_d, row_block_h, False, warps))
     if block_d >= 16 and H >= 2 and 16 * block_d <= configs.TILE_BUDGET:
         block_h = configs.dot_block_h(H)
-        chunk = min(32 if block_h <= 16 else 64, block_d // 2) if full and H <= block_h else 0
+        if full:
+            chunk = min(32 if block_h <= 16 else 64, block_d // 2) if H <= block_h else 0
+        else:  # whole chunks of a D that is not a power of two (no padded columns)
+            chunk = configs.chunk_width(D, 32 if block_h <= 16 else 64)
         shapes = [(64, 4, 0), (32, 4, 0)] + ([(64, 4, 1), (64, 8, 1)] if H > 4 else [])
         # Narrow rows: longer row tiles keep more bytes of x in flight per program.
         shapes += [(rows, warps, 0) for rows in (128, 256) for warps in (4, 8) if rows * block_d <= NARROW_TILE]

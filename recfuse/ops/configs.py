@@ -155,11 +155,18 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
     # tl.dot needs K >= 16 on the GPU (D < 16 failed to compile on the H100): rows below that.
     # H = 2-4 as a 16-wide tl.dot where the tuner found it faster than the broadcast sum (H100:
     # bf16 D=32-160 H=4 2.2-4.3x, fp32 D=32-64 1.2-1.7x; recfuse/ops/tuned/h100-80gb-hbm3.txt).
+    # fp32 D not a power of two as well, in whole chunks: the row path pads D=160 to 256 columns
+    # (366 us at H=4 against 179 for the chunked dot at H=16, H100 grid).
     small_h_dot = 2 <= H < DOT_MIN_H and (
-        (dtype == torch.float32 and D <= 64) or (dtype == torch.bfloat16 and D <= 160))
+        (dtype == torch.float32 and (D <= 64 or (D != block_d and chunk_width(D, 32) >= 16)))
+        or (dtype == torch.bfloat16 and D <= 160))
     use_dot = (H >= DOT_MIN_H or small_h_dot) and 16 <= block_d and 16 * block_d <= TILE_BUDGET
     if use_dot and small_h_dot:
-        return ForwardConfig(64, block_d, dot_block_h(H), True, 4, block_k=chunk_width(D, 32) if full_tiles else 0)
+        if dtype == torch.float32 or full_tiles:
+            block_k = chunk_width(D, 32)
+        else:  # 16-bit chunks narrower than 32 columns were slower than padded whole rows
+            block_k = chunk_width(D, 64) if D != block_d and chunk_width(D, 64) >= 32 else 0
+        return ForwardConfig(64, block_d, dot_block_h(H), True, 4, block_k=block_k)
     if use_dot:
         block_h = dot_block_h(H)
         block_b = 32 if 32 * block_d <= TILE_BUDGET else 16
