@@ -70,6 +70,25 @@ def test_dot_forward_defaults_take_the_persistent_and_chunked_paths(case, dtype,
     assert persistent == (dtype != torch.float32) and (case.B // block_b == 3 or not persistent), seen
 
 
+# Small H and narrow rows (defaults from the H100 tuner): H=2-4 on the 16-wide tl.dot, the forward
+# in whole 32-column chunks of D=160 (fp32; its backward keeps the broadcast sum, faster there),
+# the backward in 4096-element row tiles (128 rows of 32 columns).
+SMALL_H_CASES = [
+    (Case(2, 40, 160, 4, feature_dim=1, ln="per_feature"), torch.float32, 32, (False, None)),
+    (Case(2, 256, 32, 3, ln="shared", bias="per_feature"), torch.bfloat16, 32, (True, 128)),
+]
+
+
+@pytest.mark.parametrize("case, dtype, block_k, backward", SMALL_H_CASES, ids=str)
+def test_small_h_defaults_take_the_dot_path_in_chunks_and_long_row_tiles(case, dtype, block_k, backward):
+    with launch.trace_launches() as launches:
+        check_against_float64(case, dtype)
+    seen = {kind: (meta["USE_DOT"], meta.get("BLOCK_K", 0), meta["BLOCK_B"]) for kind, _, meta, _ in launches}
+    assert seen["forward"][:2] == (True, block_k), seen
+    use_dot, rows = backward
+    assert seen["backward"][0] == use_dot and rows in (None, seen["backward"][2]), seen
+
+
 @pytest.mark.parametrize("feature_dim, strided_copy", [(0, True), (1, False)])
 def test_contiguous_y_rows_with_saved_stats_take_the_unspecialised_kernel(feature_dim, strided_copy):
     # H=1 in [F, B, D] layout with a backward to follow: y rows are contiguous (stride 1), which
