@@ -60,3 +60,23 @@ def test_compiled_backward_keeps_nan_for_an_overflowed_variance():
         grads[backend] = x.grad.clone()
     assert grads["compiled"][0, 1].isnan().all()
     assert torch.equal(grads["compiled"].isnan(), grads["eager"].isnan())
+
+
+# -- meta tensors ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chain", [{}, {"activation": "relu"}])
+def test_meta_tensors_give_the_shape(chain):
+    """Before: RuntimeError: unknown device type for autocast in
+    get_autocast_dispatch_key_from_device_type (the entry asked autocast about "meta"), for the
+    op, feature_mlp and a FusedFeatureProcessor built with device="meta"."""
+    x = torch.empty(F_, B, D, device="meta", requires_grad=True)
+    w = torch.empty(H, D, device="meta", requires_grad=True)
+    y = recfuse.feature_mlp(x, w, ln_weight=torch.ones(D, device="meta"), **chain)
+    assert y.shape == (F_, B, H) and y.device.type == "meta"
+    y.sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    fp = recfuse.FusedFeatureProcessor(["a", "b", "c"], D, H, device="meta", **chain)
+    assert fp(torch.empty(B, F_ * D, device="meta")).shape == (B, F_ * H)
+    with pytest.raises(ValueError, match="weight is on cpu but x is on meta"):
+        recfuse.ln_tanh_linear_relu(x, torch.randn(H, D))
