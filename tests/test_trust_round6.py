@@ -80,3 +80,59 @@ def test_meta_tensors_give_the_shape(chain):
     assert fp(torch.empty(B, F_ * D, device="meta")).shape == (B, F_ * H)
     with pytest.raises(ValueError, match="weight is on cpu but x is on meta"):
         recfuse.ln_tanh_linear_relu(x, torch.randn(H, D))
+
+
+# -- feature_dim and eps of other types ----------------------------------------------------------
+
+
+def test_a_float_feature_dim_is_refused_by_name():
+    """Before: TypeError: tuple indices must be integers or slices, not float (1.0 == 1 passed the
+    check, then indexed x.shape)."""
+    x, w = torch.randn(B, F_, D), torch.randn(H, D)
+    with pytest.raises(ValueError, match=r"feature_dim must be 0 .* got 1\.0"):
+        recfuse.ln_tanh_linear_relu(x, w, feature_dim=1.0)
+    fp = recfuse.FusedFeatureProcessor(["a", "b", "c"], D, H)
+    with pytest.raises(ValueError, match=r"feature_dim must be 0 .* got 1\.0"):
+        fp(x, feature_dim=1.0)
+
+
+@pytest.mark.parametrize("fn", [recfuse.ln_tanh_linear_relu, recfuse.feature_mlp])
+@pytest.mark.parametrize("bad", [True, 1.0])
+def test_a_validated_call_does_not_let_an_equal_bad_feature_dim_through(fn, bad):
+    """Before: after a call with feature_dim=1, the same call with feature_dim=True (or 1.0) ran
+    (True == 1 hit the validated signature), where on its own it is refused."""
+    x, w = torch.randn(B, F_, D), torch.randn(H, D)
+    fn(x, w, feature_dim=1)
+    with pytest.raises(ValueError, match="feature_dim must be 0"):
+        fn(x, w, feature_dim=bad)
+
+
+def test_a_validated_call_does_not_let_an_equal_bad_eps_through():
+    """Before: after a call with eps=1, eps=True ran as 1.0 (True == 1 hit the validated
+    signature); on its own a bool eps is refused."""
+    x, w = torch.randn(F_, B, D), torch.randn(H, D)
+    recfuse.ln_tanh_linear_relu(x, w, eps=1)
+    with pytest.raises(ValueError, match="eps must be a float >= 0, got True"):
+        recfuse.ln_tanh_linear_relu(x, w, eps=True)
+
+
+# -- sparse and nested tensors -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["x_sparse", "x_nested", "weight_sparse", "ln_weight_sparse"])
+def test_sparse_and_nested_tensors_are_refused_by_name(which):
+    """Before: RuntimeError: unsupported memory format option Contiguous (sparse x, deep in the
+    compiled path), Internal error: NestedTensorImpl doesn't support sizes (nested x), and for a
+    sparse weight an error from inside the composite."""
+    x, w, b, lw, lb = _inputs()
+    if which == "x_sparse":
+        x = x.to_sparse()
+    elif which == "x_nested":
+        x = torch.nested.nested_tensor(list(x))
+    elif which == "weight_sparse":
+        w = w.to_sparse()
+    else:
+        lw = lw.to_sparse()
+    name = which.rsplit("_", 1)[0]
+    with pytest.raises(TypeError, match=rf"^{name} must be a dense \(strided\) tensor"):
+        recfuse.ln_tanh_linear_relu(x, w, b, ln_weight=lw, ln_bias=lb)
