@@ -45,9 +45,20 @@ def _shape_is(t: torch.Tensor, *shapes: tuple) -> bool:
     return False
 
 
+def _check_strided(name: str, t: torch.Tensor) -> None:
+    """Raise unless t is a dense (strided) tensor: a sparse or nested one has no shape and strides
+    the op could read (it failed deep inside with "unsupported memory format" / "NestedTensorImpl
+    doesn't support sizes")."""
+    if t.is_nested or t.layout != torch.strided:
+        kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a {kind} tensor; convert it first "
+                        f"(.to_dense(), or torch.stack of a nested tensor's components)")
+
+
 def _check_tensor(name: str, t, x: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_strided(name, t)
     if not t.dtype.is_floating_point:
         raise TypeError(f"{name} must be a floating tensor (float32, bfloat16, float16, float64), got {t.dtype}")
     if t.dtype != x.dtype:
@@ -67,7 +78,10 @@ def check_feature_dim(feature_dim) -> None:
         ...
         ValueError: feature_dim must be 0 ([F, B, D]) or 1 ([B, F, D]), got 2
     """
-    if isinstance(feature_dim, bool) or feature_dim not in (0, 1):
+    # An integer (int, numpy or 0-dim integer tensor) 0 or 1: not a bool, and not 1.0, which
+    # compares equal to 1 but cannot index a shape.
+    integral = not isinstance(feature_dim, (bool, float)) and hasattr(type(feature_dim), "__index__")
+    if not integral or feature_dim not in (0, 1):
         raise ValueError(f"feature_dim must be 0 ([F, B, D]) or 1 ([B, F, D]), got {feature_dim!r}")
 
 
@@ -104,6 +118,7 @@ def check_op_args(
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    _check_strided("x", x)
     if not x.dtype.is_floating_point:
         raise TypeError(f"x must be a floating tensor (float32, bfloat16, float16, float64), got {x.dtype}")
     check_feature_dim(feature_dim)
@@ -189,8 +204,10 @@ def call_signature(x, weight, bias, ln_weight, ln_bias, eps, feature_dim) -> tup
         >>> a == call_signature(x[:, :3], torch.randn(1, 8), None, None, None, 1e-5, 0)
         False
     """
+    # The types too: True == 1 and 1.0 == 1 (same hash), but the checks refuse them where they
+    # accept 1, so a call with feature_dim=True must not pass as one validated with 1.
     return (tensor_signature(x), tensor_signature(weight), tensor_signature(bias),
-            tensor_signature(ln_weight), tensor_signature(ln_bias), eps, feature_dim)
+            tensor_signature(ln_weight), tensor_signature(ln_bias), eps, type(eps), feature_dim, type(feature_dim))
 
 
 class ValidatedSignatures:

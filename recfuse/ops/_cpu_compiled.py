@@ -267,9 +267,9 @@ def _make_backward(eps: float, feature_dim: int) -> Callable:
         gy = grad_y.to(compute)
         if feature_dim == 1:
             xf, gy = xf.transpose(0, 1), gy.transpose(0, 1)
-        # NaN where the variance overflowed (rstd = 1/sqrt(inf) = 0), as the kernels and the
-        # eager composite backward give, not a finite dx.
-        rstd = torch.where(rstd == 0, torch.full((), float("nan"), dtype=compute), rstd)
+        # rstd is NaN where the variance overflowed (the forward saved it so), as the kernels and
+        # the eager composite backward give. rstd == 0 is not that: eps=inf gives rstd = 0 and the
+        # reference's finite dx = 0 (it was turned into NaN here).
         xhat = (xf - mean) * rstd
         dz = torch.where(mask, gy, torch.zeros((), dtype=compute))
         dt, gw = _linear_backward(dz, t, weight.to(compute))

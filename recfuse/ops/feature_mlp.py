@@ -18,8 +18,8 @@ from .._checks import ValidatedSignatures, check_chain_args, check_op_args
 from ..chain import DEFAULT, from_schema, to_schema
 from ..reference import batched_feature_mlp
 from .ln_tanh_linear_relu import (
-    _EagerLnTanhLinearRelu, _any_requires_grad, _autocast_call, _backward, _backward_impl, _empty, _forward_impl,
-    _functorch_active, _is_plain_eager, _setup_context, _vmap_rule, ln_tanh_linear_relu,
+    _EagerLnTanhLinearRelu, _any_requires_grad, _autocast_call, _autocast_enabled_for, _backward, _backward_impl,
+    _empty, _forward_impl, _functorch_active, _is_plain_eager, _setup_context, _vmap_rule, ln_tanh_linear_relu,
 )
 
 __all__ = ["feature_mlp"]
@@ -160,7 +160,7 @@ def feature_mlp(
         # eps may be a node too: an RMSNorm's eps=None is the dtype's epsilon, read at run time
         eps = eps if isinstance(eps, torch.fx.Proxy) else float(eps)
         return torch.ops.recfuse.feature_mlp(x, weight, bias, ln_weight, ln_bias, eps, int(feature_dim), *names)
-    if isinstance(x, torch.Tensor) and torch.is_autocast_enabled("cuda" if x.is_cuda else x.device.type):
+    if isinstance(x, torch.Tensor) and _autocast_enabled_for(x):
         return _autocast_call(_public_positional, "cuda" if x.is_cuda else x.device.type,
                               x, weight, bias, ln_weight, ln_bias, eps, feature_dim, *chain)
     if _is_plain_eager(x) and not _functorch_active():

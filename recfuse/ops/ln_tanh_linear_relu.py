@@ -330,6 +330,17 @@ def _vmap_rule(info, in_dims, x, weight, bias, ln_weight, ln_bias, eps, feature_
 torch.library.register_vmap("recfuse::ln_tanh_linear_relu", _vmap_rule)
 
 
+def _autocast_enabled_for(x: torch.Tensor) -> bool:
+    """Whether autocast is on for x's device. A device without autocast (meta: shape inference,
+    a module built with device="meta") has it off; `torch.is_autocast_enabled` raises for it."""
+    if x.is_cuda:
+        return torch.is_autocast_enabled("cuda")
+    device_type = x.device.type
+    if device_type != "cpu" and not torch._C._is_autocast_available(device_type):
+        return False
+    return torch.is_autocast_enabled(device_type)
+
+
 def _any_requires_grad(*tensors) -> bool:
     return any(t is not None and t.requires_grad for t in tensors)
 
@@ -391,7 +402,7 @@ def ln_tanh_linear_relu(
         return torch.ops.recfuse.ln_tanh_linear_relu(
             x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim)
         )
-    if isinstance(x, torch.Tensor) and torch.is_autocast_enabled("cuda" if x.is_cuda else x.device.type):
+    if isinstance(x, torch.Tensor) and _autocast_enabled_for(x):
         return _autocast_call(_public_positional, "cuda" if x.is_cuda else x.device.type,
                               x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
     if _is_plain_eager(x) and not _functorch_active():
