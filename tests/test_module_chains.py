@@ -79,10 +79,10 @@ def test_input_kinds_and_mixed_dims_with_another_chain():
 def test_norm_none_has_no_affine_and_rms_norm_a_weight_only():
     fp = FusedFeatureProcessor(["a", "b"], 4, norm=None, activation="relu")
     assert fp.ln_affine is False and fp.ln_weight is None and fp.ln_bias is None
-    assert sorted(fp.state_dict()) == ["bias", "weight"]
+    assert sorted(fp.state_dict()) == ["_extra_state", "bias", "weight"]  # _extra_state: the feature names
     fp = FusedFeatureProcessor(["a", "b"], 4, norm="rms_norm")
     assert fp.ln_affine is True and fp.ln_weight.shape == (2, 4) and fp.ln_bias is None
-    assert sorted(fp.state_dict()) == ["bias", "ln_weight", "weight"]
+    assert sorted(fp.state_dict()) == ["_extra_state", "bias", "ln_weight", "weight"]
     assert "norm='rms_norm', activation='tanh', out_activation='relu'" in repr(fp)
     assert "activation=" not in repr(FusedFeatureProcessor(["a"], 4))  # the default chain's repr is unchanged
     fp = FusedFeatureProcessor(["a", "b"], 4, norm="rms_norm", ln_affine=False)

@@ -136,3 +136,23 @@ def test_sparse_and_nested_tensors_are_refused_by_name(which):
     name = which.rsplit("_", 1)[0]
     with pytest.raises(TypeError, match=rf"^{name} must be a dense \(strided\) tensor"):
         recfuse.ln_tanh_linear_relu(x, w, b, ln_weight=lw, ln_bias=lb)
+
+
+def test_state_dict_without_metadata_in_another_feature_order_is_refused():
+    # dict(sd) (or a tensor-only format) drops `_metadata`; the feature order travels as a key too.
+    saver = recfuse.FusedFeatureProcessor(["a", "b", "c"], 4, 2)
+    with torch.no_grad():
+        for p in saver.parameters():
+            p.copy_(torch.randn_like(p))
+    plain = dict(saver.state_dict())
+    assert not hasattr(plain, "_metadata")
+    with pytest.raises(RuntimeError, match=r"features in the order \['a', 'b', 'c'\]"):
+        recfuse.FusedFeatureProcessor(["c", "a", "b"], 4, 2).load_state_dict(plain)
+    # the same order loads, and a state_dict saved before the names were a key still loads strictly
+    same = recfuse.FusedFeatureProcessor(["a", "b", "c"], 4, 2)
+    same.load_state_dict(plain)
+    old = recfuse.FusedFeatureProcessor(["a", "b", "c"], 4, 2)
+    old.load_state_dict({k: v for k, v in plain.items() if k != "_extra_state"})
+    x = torch.randn(5, 12)
+    torch.testing.assert_close(same(x), saver(x), rtol=0, atol=0)
+    torch.testing.assert_close(old(x), saver(x), rtol=0, atol=0)

@@ -17,6 +17,7 @@ Example:
 """
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from typing import Optional, Union
@@ -305,6 +306,30 @@ class FusedFeatureProcessor(nn.Module):
 
     _FEATURES_KEY = "recfuse_feature_names"
 
+    def get_extra_state(self) -> torch.Tensor:
+        """The feature names in order, as UTF-8 JSON in a uint8 tensor (state_dict key ``_extra_state``):
+        a state_dict that lost its ``_metadata`` (``dict(sd)``, a safetensors round trip) still says
+        which feature each stacked row is. A tensor, so that tensor-only formats keep it.
+
+        Example:
+            >>> fp = FusedFeatureProcessor(["a", "b"], 4)
+            >>> FusedFeatureProcessor._decode_names(fp.state_dict()["_extra_state"])
+            ['a', 'b']
+        """
+        return torch.tensor(list(json.dumps(list(self.feature_names)).encode()), dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        # The names are the module's construction; `_load_from_state_dict` has compared them.
+        pass
+
+    @staticmethod
+    def _decode_names(state) -> Optional[list]:
+        try:
+            names = json.loads(bytes(state.tolist()).decode()) if isinstance(state, torch.Tensor) else state
+        except (ValueError, TypeError, UnicodeDecodeError):
+            return None
+        return list(names) if isinstance(names, (list, tuple)) else None
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         metadata = getattr(destination, "_metadata", None)
@@ -314,6 +339,9 @@ class FusedFeatureProcessor(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         saved = (local_metadata or {}).get(self._FEATURES_KEY)
+        extra_key = prefix + "_extra_state"
+        if saved is None and extra_key in state_dict:
+            saved = self._decode_names(state_dict[extra_key])
         per_feature = any(p is not None and p.dim() == ndim for names in self._parameter_names
                           for p, ndim in zip((self._parameters.get(n) for n in names), PER_FEATURE_NDIM))
         if (per_feature and saved is not None and tuple(saved) != self.feature_names
@@ -328,6 +356,9 @@ class FusedFeatureProcessor(nn.Module):
             return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        if extra_key in missing_keys:
+            # A state_dict saved before the names travelled as a key still loads (strict or not).
+            missing_keys.remove(extra_key)
 
     # -----------------------------------------------------------------------------------------
     # forward
