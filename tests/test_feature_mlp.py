@@ -251,6 +251,20 @@ def test_chains_on_cuda_match_float64(chain, case_kw, dtype):
     assert (kinds[-1] == "backward") == has_backward and kinds.count("backward") <= 2, kinds
 
 
+# H = 2-4 on the 16-wide tl.dot (forward in whole chunks at D not a power of two, backward in
+# 2048-4096-element row tiles): the GPU compiles these configs differently from the interpreter
+# (an fp32 broadcast-sum tile once gave a wrong dx only on the H100), so they are checked there.
+SMALL_H_CUDA = [dict(F=3, B=B, D=D, H=H, feature_dim=1, strided_view=True, ln="per_feature")
+                for D in (16, 32, 48, 96, 160, 256) for H in (2, 4) for B in (1000, 4096)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case_kw", SMALL_H_CUDA, ids=lambda kw: str(Case(**kw)))
+def test_small_h_paths_on_cuda_match_float64(case_kw, dtype):
+    check_against_float64(Case(**case_kw), dtype, device="cuda")
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize("shape, feature_dim", [((0, 4, 8), 0), ((3, 0, 8), 0), ((4, 0, 8), 1), ((2, 3, 1), 0)])
 @pytest.mark.parametrize("chain", [Chain("rms_norm", "silu", None), Chain(None, None, "gelu_tanh")], ids=chain_id)
