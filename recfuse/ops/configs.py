@@ -211,8 +211,10 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
 
     Programs per SM: enough warps in flight (`WARPS_PER_SM`) to hide HBM latency in the serial
     row loop; `programs_per_feature` trims it where the partial sums would cost too many bytes.
-    fp32 rows with 2 <= H <= 4 take at most 8 rows a tile: 16-row tiles of that product gave a
-    wrong dx on the H100 (Triton 3.6), which the interpreter does not show.
+    The broadcast-sum product (2 <= H <= 4, no tl.dot) takes at most 8 rows a tile, for every
+    dtype: 16-row fp32 tiles gave a wrong dx on the H100 (Triton 3.6), and so did 32-row bf16 ones
+    (an H=1 table entry applied to H=2: D=32 B=1000 dx 3.0 off float64); the interpreter shows
+    neither.
 
     Example:
         >>> heuristic_backward(256, 16, torch.bfloat16).use_dot
@@ -288,7 +290,7 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
                          programs_per_sm=programs_per_sm or max(1, WARPS_PER_SM // num_warps), block_k=block_k)
     knobs = {k: v for k, v in knobs.items() if k != "use_dot"}
     cfg = dataclasses.replace(cfg, **knobs) if knobs else cfg
-    if not cfg.use_dot and dtype == torch.float32 and 2 <= cfg.block_h <= 4 and cfg.block_b > 8:
+    if not cfg.use_dot and 2 <= cfg.block_h <= 4 and cfg.block_b > 8:
         cfg = dataclasses.replace(cfg, block_b=8)
     if cfg.use_dot and not cfg.block_k and cfg.block_d >= 512 and "fp32_dots" not in knobs:
         # whole 512-wide rows: bf16x6 3831 us, fp32 FMA dots 2138 us (H100, D=512 H=16)
