@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import io
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,14 @@ from torch import nn
 
 import recfuse
 from recfuse.ops import ln_tanh_linear_relu as op_fn
+
+
+def reloaded(module):
+    """``module`` after a torch.save / torch.load round trip (weights_only=False: a whole module)."""
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
 
 
 def count_recfuse(gm) -> int:

@@ -10,7 +10,6 @@
 * FusedFeatureProcessor's [B, F*D] view (``view`` instead of ``unflatten``): against its per-feature
   reference on contiguous, strided and empty buffers.
 """
-import io
 import os
 import contextlib
 
@@ -22,6 +21,7 @@ from recfuse.ops import _cpu_compiled
 from recfuse.puzzler import SplitStack
 
 from op_cases import rel_err, TOLERANCE
+from fx_cases import reloaded
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1",
                                 reason="CPU tensors run the Triton interpreter under TRITON_INTERPRET=1")
@@ -180,16 +180,10 @@ def test_lean_call_reports_guard_errors_and_survives_copies():
     model, fused, x, B, D = _split_stack_pair()
     with pytest.raises(AssertionError, match="batch_size has been specialized"):
         fused(x, B + 1, D)
-    for other in (copy.deepcopy(fused), _reloaded(fused)):
+    for other in (copy.deepcopy(fused), reloaded(fused)):
         assert type(other).__call__ is recfuse.fx.graph_module._lean_call
         assert rel_err(other(x, B, D), model(x, B, D)) < 1e-5
 
-
-def _reloaded(module):
-    buf = io.BytesIO()
-    torch.save(module, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
 
 
 def test_lean_call_inside_torch_compile():

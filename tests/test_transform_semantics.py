@@ -2,7 +2,6 @@
 with an untouched deep copy of the original (outputs, gradients, after SGD steps), or checks the
 error / the report."""
 import copy
-import io
 import types
 
 import pytest
@@ -11,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import recfuse
+from fx_cases import reloaded
 
 NF, D, H = 4, 8, 3
 
@@ -188,12 +188,6 @@ class _Plain(nn.Module):
         return torch.relu(self.lin(torch.stack([torch.tanh(n(t)) for n, t in zip(self.lns, x.split(D, 1))], 1)))
 
 
-def _reload(mod):
-    buf = io.BytesIO()
-    torch.save(mod, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
-
 
 def test_forward_hooks_survive_deepcopy_and_save_load():
     m = _Plain()
@@ -202,7 +196,7 @@ def test_forward_hooks_survive_deepcopy_and_save_load():
     gm = recfuse.transform(m, (torch.randn(3, NF * D),))
     x = torch.randn(5, NF * D)
     want = m(x)
-    for mod in (gm, copy.deepcopy(gm), _reload(gm)):
+    for mod in (gm, copy.deepcopy(gm), reloaded(gm)):
         torch.testing.assert_close(mod(x), want)
 
 
@@ -221,7 +215,7 @@ def test_unused_parameters_and_buffers_are_kept():
     m = _Unused()
     gm = recfuse.transform(m, (torch.randn(3, NF * D),))
     assert gm.recfuse_report.groups
-    for mod in (gm, copy.deepcopy(gm), _reload(gm)):
+    for mod in (gm, copy.deepcopy(gm), reloaded(gm)):
         stacked = {k for v in mod._recfuse_stacked.values() for k in v}
         assert set(mod.state_dict()) - set(mod._recfuse_stacked) == set(m.state_dict()) - stacked
         mod.load_state_dict(m.state_dict())  # strict

@@ -7,7 +7,6 @@ Every check compares the transformed model with the untouched original (a deep c
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from torch import nn
 import recfuse
 from recfuse.errors import RecfuseError
 
-from fx_cases import count_recfuse
+from fx_cases import count_recfuse, reloaded
 
 B, NF, D, H = 5, 3, 8, 2
 TOL = 1e-5
@@ -343,12 +342,6 @@ def test_a_buffer_read_in_forward():
 # -- 9 and 12: save/load and deepcopy ------------------------------------------------------------
 
 
-def roundtrip(module):
-    buf = io.BytesIO()
-    torch.save(module, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
-
 
 @pytest.mark.parametrize("cuda_graph", [False, True])
 @pytest.mark.parametrize("how", ["save_load", "deepcopy"])
@@ -356,7 +349,7 @@ def test_saved_and_copied_modules_keep_results_report_and_state_dict_mapping(how
     m = PerFeatureLinear()
     x = x_of(B, NF * D)
     fused = recfuse.transform(m, (x,), cuda_graph=cuda_graph)
-    other = roundtrip(fused) if how == "save_load" else copy.deepcopy(fused)
+    other = reloaded(fused) if how == "save_load" else copy.deepcopy(fused)
     assert type(other).__mro__[1] is type(fused).__mro__[1]
     assert rel(other(x), m(x)) < TOL
     assert other.recfuse_report.groups[0].ops == fused.recfuse_report.groups[0].ops
@@ -372,7 +365,7 @@ def test_save_load_of_a_transformed_function_with_a_module_argument():
     lin = nn.Linear(D, 1)
     x = x_of(B * NF * D)
     fused = recfuse.transform(split_stack, (x, B, D, lin))
-    again = roundtrip(fused)
+    again = reloaded(fused)
     assert rel(again(x), split_stack(x, B, D, lin)) < TOL
 
 
@@ -599,7 +592,7 @@ def test_save_load_of_a_model_with_string_annotations():
 
     m = SplitStack(D, 1)
     x = x_of(B * NF * D)
-    again = roundtrip(recfuse.transform(m, (x, B, D)))
+    again = reloaded(recfuse.transform(m, (x, B, D)))
     assert rel(again(x, B, D), m(x, B, D)) < TOL
 
 

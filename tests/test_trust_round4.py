@@ -12,7 +12,7 @@ from torch import nn
 import recfuse
 from recfuse.errors import RecfuseError
 
-from fx_cases import PerFeatureBase, assert_same_forward_backward, assert_same_tensor, count_recfuse, randomized
+from fx_cases import PerFeatureBase, assert_same_forward_backward, assert_same_tensor, count_recfuse, randomized, reloaded
 
 F_, D, H = 4, 8, 3
 rnd, assert_close = randomized, assert_same_tensor
@@ -25,12 +25,6 @@ class RandomizedBase(PerFeatureBase):
         super().__init__()
         rnd(self)
 
-
-def reloaded(m):
-    buf = io.BytesIO()
-    torch.save(m, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
 
 
 # -- KeyedTensor.keys() was folded into the graph as a constant, unguarded -----------------------

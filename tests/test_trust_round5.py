@@ -2,7 +2,6 @@
 the untouched original, or checks the error that refuses the case. Each docstring says what the
 case did before its fix."""
 import copy
-import io
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from torch import nn
 import recfuse
 from recfuse.errors import RecfuseError
 
-from fx_cases import PerFeatureBase, assert_same_forward_backward, count_recfuse, randomized
+from fx_cases import PerFeatureBase, assert_same_forward_backward, count_recfuse, randomized, reloaded
 
 F_, D, H = 4, 8, 3
 
@@ -22,12 +21,6 @@ def per_feature(forward):
     cls = type("M", (PerFeatureBase,), {"forward": forward})
     return randomized(cls())
 
-
-def reloaded(m):
-    buf = io.BytesIO()
-    torch.save(m, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
 
 
 def chain(m, x):
