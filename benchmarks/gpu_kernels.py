@@ -68,6 +68,13 @@ CHECK_CASES = [
     (Case(4, 512, 512, 32, feature_dim=1, per_feature_weight=True), torch.bfloat16),
     (Case(4, 256, 256, 64, ln="shared"), torch.float16),
     (Case(4, 96, 128, 40, bias="per_feature"), torch.float32),
+    # H = 2-4 and narrow rows: the 16-wide tl.dot, its chunked forward, 64-128-row backward tiles,
+    # and the broadcast sum with masked rows (bf16 D=32 H=2 B=1000 gave a wrong dx with 32-row tiles)
+    (Case(3, 1000, 32, 2, feature_dim=1, strided_view=True), torch.bfloat16),
+    (Case(3, 1000, 32, 2, feature_dim=1, strided_view=True), torch.float32),
+    (Case(3, 4096, 32, 4, feature_dim=1, strided_view=True), torch.bfloat16),
+    (Case(3, 1000, 160, 4, feature_dim=1, strided_view=True), torch.float32),
+    (Case(3, 1000, 64, 3, ln="shared"), torch.bfloat16),
 ]
 
 TIME_SHAPES = [(16, 1024, 256, 1), (128, 8192, 256, 1), (128, 8192, 256, 16), (128, 8192, 256, 64)]
