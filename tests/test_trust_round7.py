@@ -58,3 +58,55 @@ def test_transform_under_inference_mode_gives_a_trainable_model():
     opt.step()
     g.load_state_dict(ref.state_dict())
     torch.testing.assert_close(g(x), ref(x), atol=1e-5, rtol=1e-5)
+
+
+# -- a norm over the batch and the row: the batched norm must keep those dims trailing ------------
+
+
+class NormOverRows(nn.Module):
+    """Each [B, D] slice normalized over (B, D) at once (normalized_shape includes the batch)."""
+
+    def __init__(self, kind, B):
+        super().__init__()
+        self.B = B
+        norm = nn.RMSNorm if kind.startswith("rms") else nn.LayerNorm
+        self.kind = kind
+        self.ns = nn.ModuleList([norm((B, D_)) for _ in range(F_)])
+        self.lin = nn.Linear(D_, H_)
+
+    def forward(self, x):
+        hs = []
+        for n, t in zip(self.ns, x.split(D_, 1)):
+            if self.kind == "layer_norm":
+                h = F.layer_norm(t, (self.B, D_))
+            elif self.kind == "rms_norm":
+                h = F.rms_norm(t, (self.B, D_))
+            else:
+                h = n(t)
+            hs.append(torch.tanh(h))
+        return torch.relu(self.lin(torch.stack(hs, 1)))
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm", "layer_norm_mod", "rms_norm_mod"])
+@pytest.mark.parametrize("B", [F_, 5])
+def test_a_norm_over_batch_and_row_is_batched_with_its_dims_trailing(kind, B):
+    """Before: horizontal_chain batched the slices as [B, F, D] (the stack's layout) and ran the
+    norm over its last two dims, (F, D) instead of each slice's (B, D): at B == F silently wrong
+    (max diff 0.89 for layer_norm, 0.22 for rms_norm), else a shape error at the first call."""
+    model = randomized(NormOverRows(kind, B))
+    ref = copy.deepcopy(model)
+    x = torch.randn(B, F_ * D_)
+    g = recfuse.transform(model, (x,))
+    yg, gg = _grads(g, x)
+    yr, gr = _grads(ref, x)
+    torch.testing.assert_close(yg, yr, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gg, gr, atol=1e-4, rtol=1e-4)
+    g.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    (g(x) ** 2).sum().backward()
+    (ref(x) ** 2).sum().backward()
+    stacked = getattr(g, "_recfuse_stacked", {})
+    refp = dict(ref.named_parameters())
+    for name, p in g.named_parameters():
+        want = torch.stack([refp[o].grad for o in stacked[name]]) if name in stacked else refp[name].grad
+        torch.testing.assert_close(p.grad, want, atol=1e-4, rtol=1e-4)
