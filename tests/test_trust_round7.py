@@ -110,3 +110,38 @@ def test_a_norm_over_batch_and_row_is_batched_with_its_dims_trailing(kind, B):
     for name, p in g.named_parameters():
         want = torch.stack([refp[o].grad for o in stacked[name]]) if name in stacked else refp[name].grad
         torch.testing.assert_close(p.grad, want, atol=1e-4, rtol=1e-4)
+
+
+# -- an activation that writes into `out=` -------------------------------------------------------
+
+
+class ActivationIntoBuffer(nn.Module):
+    """The last feature's tanh writes into a buffer through `out=` (inference only: out= does not
+    support autograd)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ns = nn.ModuleList([nn.LayerNorm(D_) for _ in range(F_)])
+        self.lin = nn.Linear(D_, H_)
+        self.register_buffer("last", torch.zeros(5, D_))
+
+    def forward(self, x):
+        hs = []
+        for i, (n, t) in enumerate(zip(self.ns, x.split(D_, 1))):
+            hs.append(torch.tanh(n(t), out=self.last) if i == F_ - 1 else torch.tanh(n(t)))
+        return torch.relu(self.lin(torch.stack(hs, 1)))
+
+
+def test_an_activation_with_out_is_not_batched():
+    """Before: `torch.tanh(h, out=buf)` was taken for a plain tanh and the group fused, but the
+    out= call (it writes the buffer) stayed in the graph reading the pruned LayerNorm: every call
+    raised AttributeError "'LayerNorm' object has no attribute 'weight'"."""
+    model = randomized(ActivationIntoBuffer())
+    ref = copy.deepcopy(model)
+    x = torch.randn(5, F_ * D_)
+    g = recfuse.transform(model, (x,))
+    with torch.no_grad():
+        y, yr = g(x), ref(x)
+    torch.testing.assert_close(y, yr, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g.last, ref.last, atol=1e-6, rtol=1e-6)
+    assert ref.last.abs().sum() > 0
