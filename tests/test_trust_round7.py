@@ -216,3 +216,44 @@ def _check_forward_ad(chain, grad):
             got.append(fwAD.unpack_dual(torch.func.functional_call(mod, p, (x,))).tangent)
     assert got[0] is not None
     torch.testing.assert_close(got[0], got[1], atol=1e-4, rtol=1e-4)
+
+
+# -- a forward that changes a plain attribute of the module -----------------------------------------
+
+
+class CountingModel(Chain):
+    """Counts its calls in a Python int and scales its result by the count."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x) * self.calls
+
+
+class FlagModel(Chain):
+    """Sets a plain attribute to the same value on every call (harmless: nothing depends on the count)."""
+
+    def forward(self, x):
+        self.ran = True
+        return super().forward(x)
+
+
+def test_a_forward_that_changes_a_plain_attribute_is_refused():
+    """Before: the trace ran `self.calls += 1` once and baked the count into the graph: the
+    transformed model returned y * 1 on every call where the original returns y * 1, y * 2, ...
+    (max diff 2.03 at the third call), and its `calls` never moved."""
+    with pytest.raises(recfuse.RecfuseError, match="calls"):
+        recfuse.transform(CountingModel(), (torch.randn(5, F_ * D_),))
+
+
+def test_a_forward_that_sets_a_plain_attribute_to_the_same_value_is_still_fused():
+    model = randomized(FlagModel())
+    model.ran = True
+    ref = copy.deepcopy(model)
+    x = torch.randn(5, F_ * D_)
+    g = recfuse.transform(model, (x,))
+    assert g.recfuse_report.groups[0].fusion == "vertical_ln_tanh_linear_relu"
+    torch.testing.assert_close(g(x), ref(x), atol=1e-5, rtol=1e-5)
