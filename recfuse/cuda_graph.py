@@ -50,6 +50,7 @@ import logging
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.autograd.forward_ad as _fwAD
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -76,7 +77,14 @@ _is_compiling = torch.compiler.is_compiling
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None) or (
     lambda: _get_current_dispatch_mode() is not None)
 _grad_enabled = torch.is_grad_enabled
-_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None) or (lambda: False)
+_functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None) or (lambda: False)
+
+
+def _functorch_active() -> bool:
+    """A torch.func transform or forward-mode AD (a replay would drop the inputs' tangents)."""
+    return _functorch_transforms_active() or _fwAD._current_level >= 0
+
+
 _autocast_active = getattr(torch._C, "_is_any_autocast_enabled", None) or (
     lambda: torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"))
 _MISS = object()

@@ -141,7 +141,27 @@ def _traced_module_setattr(self, name, value):
             f"{type(self).__name__} inside forward (at {_user_frame()}): the transformed graph would drop it. "
             f"Update the buffer in place instead (`self.{name}.add_(1)`, or `with torch.no_grad(): "
             f"self.{name}.copy_(new_value)`), or return the value from forward.")
+    if (not isinstance(value, (torch.Tensor, nn.Module)) and name in self.__dict__
+            and _tracing_user_code() is not None and _is_user_code(sys._getframe(1))
+            and not _same_plain_value(self.__dict__[name], value)):
+        # `self.calls += 1` on a Python int: the trace runs it once and bakes the value it read
+        # into the graph, so the transformed model would repeat the first call's value forever.
+        raise RecfuseError(
+            f"cannot capture forward changing the plain attribute `{name}` of {type(self).__name__} "
+            f"(from {self.__dict__[name]!r} to {value!r}, at {_user_frame()}): the captured graph runs the "
+            f"assignment once, at capture, so every call of the transformed model would see the value of "
+            f"that one call. Keep the state in a buffer updated in place (`self.{name}.add_(1)`), or "
+            f"compute it outside forward.")
     return _MODULE_SETATTR(self, name, value)
+
+
+def _same_plain_value(old, new) -> bool:
+    if old is new:
+        return True
+    try:
+        return type(old) is type(new) and bool(old == new)
+    except Exception:
+        return False
 
 
 def _refuse_lazy(module: Optional[nn.Module], fn_name: str) -> None:

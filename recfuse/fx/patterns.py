@@ -253,6 +253,8 @@ def classify(node: Node, root: Optional[nn.Module]) -> Optional[OpInfo]:
     if op == "call_function":
         if not node.args or not isinstance(node.args[0], Node):
             return None
+        if "out" in node.kwargs:
+            return None  # torch.tanh(x, out=buf) writes buf, which a batched rewrite would not
         x = node.args[0]
         if t in _LAYER_NORM_FNS:
             shape = _normalized_shape(_arg(node, 1, "normalized_shape"))

@@ -165,9 +165,10 @@ class GroupPlan:
     @property
     def layout(self) -> int:
         """The feature dim of the batched values: the stack's dim when that is a core dim (the
-        result then needs no movedim), else where the source has it."""
+        result then needs no movedim), else where the source has it. Never inside the dims a norm
+        of the chain normalizes over (a LayerNorm over each slice's (B, D)): those stay trailing."""
         nd = len(self.chains[0].core_in)
-        if self.replaces is not None and self.replaces.dim < nd:
+        if self.replaces is not None and self.replaces.dim <= nd - _norm_dims(self.chains[0]):
             return self.replaces.dim
         return self.feature_dim
 
@@ -302,6 +303,11 @@ def ref_shape(r: ParamRef, root) -> Optional[tuple]:
     return None
 
 
+def _norm_dims(chain) -> int:
+    """How many trailing dims of a slice the chain's norms normalize over (1 without a norm)."""
+    return max((len(o.attr("shape")) for o in chain.ops if o.kind in ("layer_norm", "rms_norm")), default=1)
+
+
 def plan_group(sink: Node, sink_kind: str, sink_dim: int, positions: list, chains: list, covers_all: bool,
                root, attr_uses: Callable[[str], int], aliases: Optional["TensorAliases"] = None):
     """Plan one group of identical chains; returns a `GroupPlan`, or the reason (a str) there is none.
@@ -354,8 +360,7 @@ def plan_group(sink: Node, sink_kind: str, sink_dim: int, positions: list, chain
     nd = len(core)  # core dims; batched tensors have nd + 1
     if fd == nd:  # features after the last dim: put them first so row ops stay row ops
         fd = 0
-    ln_dims = max((len(o.attr("shape")) for o in c0.ops if o.kind in ("layer_norm", "rms_norm")), default=1)
-    if fd > nd - ln_dims:
+    if fd > nd - _norm_dims(c0):
         fd = 0
     replaces = _sink_replacement(sink, sink_kind, sink_dim, chains, root) if covers_all else None
     side_uses = _side_uses(sink, chains, replaces)

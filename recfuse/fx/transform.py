@@ -205,7 +205,11 @@ def _cyclic_gc_paused():
 
 def _run(model, example_inputs, fusions) -> tuple[GraphModule, FusionReport]:
     t0 = time.perf_counter()
-    with _cyclic_gc_paused():
+    # Under the caller's inference_mode the stacked parameters and the copies the result owns would
+    # be inference tensors: the result could not be trained, nor its state loaded. Make them
+    # normal tensors; the grad mode the capture sees stays the caller's (off in inference_mode).
+    grad = torch.is_grad_enabled()
+    with _cyclic_gc_paused(), torch.inference_mode(False), torch.set_grad_enabled(grad):
         # _finish_module recompiles, and copies the original's tensors that the trace shared and the
         # result keeps (the per-feature ones fusion stacks are never copied)
         gm, facts = capture(model, example_inputs, codegen=False, share_leaves=True)

@@ -25,6 +25,7 @@ import os
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as _fwAD
 
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -246,7 +247,14 @@ _VALIDATED = ValidatedSignatures()
 
 # torch.func transforms wrap tensors in ways the kernels and the ctx-in-forward autograd.Function
 # cannot take. One C call; torch versions without it (none we support) fall back to "inactive".
-_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+_functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+def _functorch_active() -> bool:
+    """A torch.func transform, or forward-mode AD (inside `torch.autograd.forward_ad.dual_level`:
+    inputs may carry tangents, which the kernels and the autograd.Function, having no jvp, would
+    drop or refuse), is active: the composite computes then."""
+    return _functorch_transforms_active() or _fwAD._current_level >= 0
 
 
 # ---------------------------------------------------------------------------------------------
