@@ -38,6 +38,24 @@ def _grads(model, x):
 # -- transform under torch.inference_mode() --------------------------------------------------------
 
 
+@pytest.mark.parametrize("inside", [True, False], ids=["transform_inside", "transform_outside"])
+def test_a_model_built_under_inference_mode_transforms_and_matches(inside):
+    """Before: parameters created under inference_mode (a model loaded for serving there) made
+    every transform raise "Inference tensors do not track version counter" from the guard that
+    watches the original's tensors during capture."""
+    with torch.inference_mode():
+        model = randomized(Chain())
+        x = torch.randn(4, F_ * D_)
+        if inside:
+            fused = recfuse.transform(model, (x,))
+    if not inside:
+        fused = recfuse.transform(model, (x,))
+    x2 = torch.randn(7, F_ * D_)
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(x2), model(x2), rtol=1e-5, atol=1e-6)
+
+
+
 def test_transform_under_inference_mode_gives_a_trainable_model():
     """Before: the stacked parameters were made inside the caller's inference_mode block, so they
     were inference tensors: the first training call outside raised "Inference tensors cannot be

@@ -2222,6 +2222,12 @@ def copy_sharing_leaves(model: nn.Module) -> tuple[nn.Module, list, bool, Alone]
     return deepcopy_module(model, memo), shared, special, Alone(frozenset(alone_modules), frozenset(alone_tensors))
 
 
+def _version_of(t: torch.Tensor) -> int:
+    """t's version counter, or -1 for an inference tensor (made under torch.inference_mode), which
+    keeps none: its changes show in `_SharedGuard`'s value comparison alone."""
+    return -1 if t.is_inference() else t._version
+
+
 class _SharedGuard:
     """What could change the original's tensors that a trace shares (see the section comment),
     checked after the trace: `changed()` says whether anything did, `restore()` puts it back
@@ -2229,7 +2235,7 @@ class _SharedGuard:
 
     def __init__(self, tensors: list):
         self.tensors = tensors
-        self.meta = [(t._version, t.requires_grad, t.data_ptr(), t.shape, t.grad, t._backward_hooks,
+        self.meta = [(_version_of(t), t.requires_grad, t.data_ptr(), t.shape, t.grad, t._backward_hooks,
                       t._post_accumulate_grad_hooks) for t in tensors]  # as `changed` reads them
         self.layout = [(t.stride(), t.storage_offset(), t.untyped_storage()) for t in tensors]
         self.groups: dict = {}  # (dtype, device, 1-D) -> indices into `tensors`
@@ -2251,7 +2257,7 @@ class _SharedGuard:
 
     def changed(self) -> bool:
         try:  # tuples compare their entries by identity first: a replaced grad or hook dict differs
-            if [(t._version, t.requires_grad, t.data_ptr(), t.shape, t.grad, t._backward_hooks,
+            if [(_version_of(t), t.requires_grad, t.data_ptr(), t.shape, t.grad, t._backward_hooks,
                  t._post_accumulate_grad_hooks) for t in self.tensors] != self.meta:
                 return True
         except Exception:  # a tensor compared with another (a grad replaced): changed
@@ -2285,7 +2291,7 @@ class _SharedGuard:
                         t._backward_hooks = hooks
                     if t._post_accumulate_grad_hooks is not post:
                         t._post_accumulate_grad_hooks = post
-                    if t._version != version:
+                    if version >= 0 and t._version != version:
                         torch._C._autograd._unsafe_set_version_counter((t,), (version,))
 
 
