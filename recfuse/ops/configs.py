@@ -236,13 +236,13 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
     block_d = triton.next_power_of_2(D)
     use_dot = use_dot and block_d >= 16  # tl.dot needs K >= 16 on the GPU
     block_k = 0
+    programs_per_sm = 0  # 0: from the final num_warps (WARPS_PER_SM in flight)
     if use_dot:
         block_h = max(16, triton.next_power_of_2(H))
         # bf16 runs its dots on bf16 tensor cores: 32-row tiles fit (H100: D=256 H=16 758 us
         # with 32 rows / 4 warps against 839 with 16); fp32's 3xTF32 operands need 16 rows.
         block_b = 32 if dtype == torch.bfloat16 else 16
         num_warps = 8 if block_h * block_d > 4096 or dtype == torch.float32 else 4
-        programs_per_sm = 0  # 0: from the final num_warps (WARPS_PER_SM in flight)
         if block_d <= 128:
             # Narrow rows: a 16-row tile of 32 columns keeps 1-2 KB of x in flight per program,
             # far from what an SM needs to cover HBM latency. Tiles of 4096 elements (2048 beside
@@ -281,7 +281,6 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
         block_h = triton.next_power_of_2(H)
         if block_h * block_d > BWD_MAX_WEIGHT_TILE:
             return None
-        programs_per_sm = 0
         rows = 16 if dtype == torch.float32 and block_h == 1 else 8
         block_b = max(1, min(rows, TILE_BUDGET // (4 * block_d * block_h)))
         num_warps = 8 if block_b * block_d >= 2048 else 4
