@@ -9,11 +9,12 @@ import itertools
 
 import pytest
 import torch
+import triton
 from hypothesis import given, settings, strategies as st
 
 import recfuse
 from recfuse.chain import ACTIVATIONS, DEFAULT, NORMS, Chain
-from recfuse.ops import launch
+from recfuse.ops import configs, launch
 from op_cases import Case, check_against_float64, rel_err
 
 ALL_CHAINS = [Chain(n, a, o) for n, a, o in itertools.product(NORMS, ACTIVATIONS, ACTIVATIONS)]
@@ -256,6 +257,8 @@ def test_chains_on_cuda_match_float64(chain, case_kw, dtype):
 # (an fp32 broadcast-sum tile once gave a wrong dx only on the H100), so they are checked there.
 SMALL_H_CUDA = [dict(F=3, B=B, D=D, H=H, feature_dim=1, strided_view=True, ln="per_feature")
                 for D in (16, 32, 48, 96, 160, 256) for H in (2, 4) for B in (1000, 4096)]
+SMALL_H_CUDA += [dict(F=3, B=1000, D=D, H=3, feature_dim=1, strided_view=True, ln="per_feature")
+                 for D in (16, 32, 48, 96, 160, 256)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -263,6 +266,25 @@ SMALL_H_CUDA = [dict(F=3, B=B, D=D, H=H, feature_dim=1, strided_view=True, ln="p
 @pytest.mark.parametrize("case_kw", SMALL_H_CUDA, ids=lambda kw: str(Case(**kw)))
 def test_small_h_paths_on_cuda_match_float64(case_kw, dtype):
     check_against_float64(Case(**case_kw), dtype, device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H", [2, 3, 4])
+@pytest.mark.parametrize("D", [16, 32, 64, 256])
+def test_small_h_broadcast_sum_on_cuda_matches_float64(D, H, dtype):
+    """The broadcast-sum product (no tl.dot), forward and backward, forced where the defaults
+    would take the dot: the construct whose longer row tiles miscompiled on the H100."""
+    def row_forward(D, H, dtype, full_tiles):
+        block_d, block_h = triton.next_power_of_2(D), min(triton.next_power_of_2(H), 4)
+        return configs.ForwardConfig(max(1, 2048 // (block_d * block_h)), block_d, block_h, False, 4)
+
+    def row_backward(D, H, dtype):
+        return configs.heuristic_backward(D, H, dtype, use_dot=False)
+
+    case = Case(F=3, B=1000, D=D, H=H, feature_dim=1, strided_view=True, ln="per_feature")
+    with configs.override(forward=row_forward, backward=row_backward):
+        check_against_float64(case, dtype, device="cuda")
 
 
 @pytest.mark.interpret

@@ -504,6 +504,28 @@ def test_configs_avoid_the_gpu_failures():
                     assert cfg.use_dot or cfg.block_b <= 8, (D, H, dtype, cfg)
 
 
+def test_small_h_never_borrows_an_h1_entry():
+    """H = 1 entries are tuned for the row reduction; H = 2-3 borrow only small-H (H = 4) entries."""
+    from recfuse.ops import configs
+
+    table = configs.load_table("h100-80gb-hbm3")
+    assert table, "the shipped H100 table is missing"
+    borrowed = 0
+    for kind in ("forward", "backward"):
+        for (k, D, H, dtype_name, full_tiles), entry in table.items():
+            if k != kind or H != 4:
+                continue
+            for small_h in (2, 3):
+                got = configs._nearest_entry(table, kind, D, small_h, dtype_name, full_tiles)
+                h1 = table.get((kind, D, 1, dtype_name, full_tiles))
+                assert got is not None and (h1 is None or got is not h1), (kind, D, small_h, dtype_name)
+                borrowed += 1
+    assert borrowed > 0
+    # and with no small-H entry of that width, none at all (the heuristic decides)
+    only_h1 = {key: e for key, e in table.items() if key[2] == 1}
+    assert configs._nearest_entry(only_h1, "backward", 32, 2, "bfloat16", True) is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA kernels")
 @pytest.mark.parametrize("per_feature_ln", [False, True])
 def test_a_training_step_launches_only_the_ops_kernels(per_feature_ln):

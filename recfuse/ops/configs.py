@@ -360,9 +360,18 @@ def device_slug(device: Union[str, int]) -> str:
     return gpu_slug(torch.cuda.get_device_name(device))
 
 
+def _h_class(H: int) -> int:
+    """Which product a tuned entry of this H was measured on: a row reduction (H = 1), the small-H
+    products (2 <= H < DOT_MIN_H: broadcast sum or a 16-wide tl.dot), or the tl.dot proper."""
+    return 0 if H <= 1 else (1 if H < DOT_MIN_H else 2)
+
+
 def _nearest_entry(table: dict, kind: str, D: int, H: int, dtype_name: str, full_tiles: bool) -> Optional[dict]:
-    """The tuned entry of exactly (D, H), else of the nearest tuned shape of the same dtype and
-    BLOCK_D (log-distance in H), else None."""
+    """The tuned entry of exactly (D, H), else of the nearest tuned shape of the same dtype, BLOCK_D
+    and product class (`_h_class`; log-distance in H), else None.
+
+    An H=1 entry is never borrowed for H = 2-3: its tiles were tuned for the row reduction, and
+    applied to the broadcast sum (bf16 D=32 H=2, 32-row tiles) they gave a wrong dx on the H100."""
     exact = table.get((kind, D, H, dtype_name, full_tiles))
     if exact is not None:
         return exact
@@ -371,7 +380,7 @@ def _nearest_entry(table: dict, kind: str, D: int, H: int, dtype_name: str, full
     for (k, d, h, dt, ft), cfg in table.items():
         if k != kind or dt != dtype_name or ft != full_tiles or triton.next_power_of_2(d) != block_d:
             continue
-        if (h >= DOT_MIN_H) != (H >= DOT_MIN_H):
+        if _h_class(h) != _h_class(H):
             continue
         dist = abs((h.bit_length()) - (H.bit_length())) + abs(d - D) / max(D, 1)
         if best_dist is None or dist < best_dist:
