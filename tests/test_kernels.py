@@ -372,3 +372,59 @@ def test_fp32_default_backward_keeps_relu_masks_of_near_ties():
     assert cfg.fp32_dots == "bf16x6" and launch._bwd_splits(torch.float32, cfg.fp32_dots, "relu")["SPLIT_Z"] == 3
     torch.manual_seed(0)
     check_against_float64(Case(F=4, B=1024, D=256, H=64, feature_dim=0, ln="shared"), torch.float32)
+
+
+PREFETCH_CASES = [
+    # (case, dtype, chain, use_dot): the row reduction (H=1), the broadcast sum (H=3), the tl.dot
+    # path; masked columns (D=40, 48) and rows (B not a multiple of the tile), saved stats or not.
+    (Case(2, 37, 32, 1, ln="per_feature"), torch.float32, None, False),
+    (Case(2, 29, 40, 3, feature_dim=1, strided_view=True, ln="shared"), torch.float32, None, False),
+    (Case(2, 45, 48, 16, ln="per_feature", bias="per_feature", per_feature_weight=True), torch.float32, None, True),
+    (Case(1, 64, 64, 4, ln="none", eps=0.0), torch.bfloat16, None, True),
+    (Case(2, 33, 32, 6, feature_dim=1, ln="per_feature"), torch.float32, chain_of("layer_norm", "gelu", "tanh"), True),
+    (Case(2, 40, 32, 5, ln="none"), torch.float32, chain_of("rms_norm", "silu", None), True),
+    (Case(1, 36, 16, 2, ln="none", bias="none"), torch.float32, chain_of(None, "sigmoid", "relu"), False),
+]
+
+
+@pytest.mark.parametrize("saved_stats", [True, False], ids=["saved-stats", "recomputed-stats"])
+@pytest.mark.parametrize("case, dtype, chain, use_dot", PREFETCH_CASES, ids=str)
+def test_prefetching_backward_matches_float64_and_the_plain_loop(case, dtype, chain, use_dot, saved_stats):
+    # `prefetch=1`: the next row tile is loaded before this one is computed, and rows past a
+    # program's last one re-read it (no row masks on the loads). 8-row tiles and one program per
+    # SM (the interpreter counts 2), so programs walk several tiles, the last one partly padded.
+    chain = chain or DEFAULT_CHAIN
+    x, w, b, lw, lb, gy = make_inputs(case, generator=torch.Generator().manual_seed(3))
+    if chain.norm != "layer_norm":
+        lb = None
+    args = [None if t is None else t.to(dtype) for t in (x, w, b, lw, lb)]
+    gy = gy.to(dtype)
+    x64, w64, b64, lw64, lb64 = (None if t is None else t.double() for t in args)
+    if chain.out_activation == "relu":  # relu ties: rounding decides the mask on any path
+        z = recfuse.reference.feature_mlp(x64, w64, b64, ln_weight=lw64, ln_bias=lb64, eps=case.eps,
+                                          feature_dim=case.feature_dim, norm=chain.norm,
+                                          activation=chain.activation, out_activation=None)
+        gy = gy.masked_fill(z.abs() < 1e-3, 0)
+    stats = launch.forward(*args, case.eps, case.feature_dim, save_stats=True, chain=chain)[1] if saved_stats else None
+
+    def run(prefetch):
+        forced = lambda D, H, dt: configs.heuristic_backward(  # noqa: E731
+            D, H, dt, use_dot=use_dot, block_b=16 if use_dot else 8, programs_per_sm=1, block_k=0, prefetch=prefetch)
+        with configs.override(backward=forced), launch.trace_launches() as seen:
+            grads = launch.backward(gy, *args, case.eps, case.feature_dim, stats, chain=chain)
+        meta = [m for kind, _, m, _ in seen if kind == "backward"][0]
+        return grads, meta
+
+    fetched, meta = run(1)
+    plain, plain_meta = run(0)
+    assert meta.get("PREFETCH") and not plain_meta.get("PREFETCH") and meta["USE_DOT"] == use_dot
+    reference = composite_backward(gy.double(), x64, w64, b64, lw64, lb64, case.eps, case.feature_dim, chain)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    for name, g, gp, r in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), fetched, plain, reference):
+        if r is None or not g.numel():
+            continue
+        assert g.shape == r.shape
+        err = ((g.double() - r).norm() / r.norm().clamp_min(1e-12)).item()
+        assert err < tol, f"{name}: {err:.2e}"
+        # the same arithmetic on the same values: padded rows add exact zeros either way
+        assert torch.equal(g, gp), name

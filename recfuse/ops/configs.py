@@ -104,6 +104,9 @@ class BackwardConfig(TileConfig):
     # tl.dot path only: columns of a row tile handled at a time by `ln_tanh_linear_relu_bwd_chunked`
     # (0: the whole-row kernel).
     block_k: int = 0
+    # Whole-row kernel only: 1 loads the next row tile (x, grad_y, stats) before computing this
+    # one, so that the loads' latency overlaps the tile's arithmetic.
+    prefetch: int = 0
 
 
 KernelConfig = ForwardConfig  # the name launch-level code and older tests use
@@ -111,7 +114,7 @@ KernelConfig = ForwardConfig  # the name launch-level code and older tests use
 _FORWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "persistent", "tile_stages", "block_k")
 _BACKWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "programs_per_sm", "num_stages")
 # Knobs an older table's entries may lack: the heuristic's value stands.
-_OPTIONAL_BACKWARD_KNOBS = ("block_k",)
+_OPTIONAL_BACKWARD_KNOBS = ("block_k", "prefetch")
 
 # ---------------------------------------------------------------------------------------------
 # the heuristic

@@ -156,17 +156,33 @@ def _normalize_activate(
         x = tl.load(x_ptrs, eviction_policy=X_EVICT).to(tl.float32)
     else:
         x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy=X_EVICT).to(tl.float32)
-    if NORM == 0:
-        mean = tl.zeros([x.shape[0]], dtype=tl.float32)
-        rstd = tl.full([x.shape[0]], 1.0, tl.float32)
-        xc = x
-    elif LOAD_STATS:
+    mean = tl.zeros([x.shape[0]], dtype=tl.float32)
+    rstd = tl.full([x.shape[0]], 1.0, tl.float32)
+    if NORM != 0 and LOAD_STATS:
         if EVEN_B:
             mean = tl.load(mean_ptrs)
             rstd = tl.load(rstd_ptrs)
         else:
             mean = tl.load(mean_ptrs, mask=rmask, other=0.0)
             rstd = tl.load(rstd_ptrs, mask=rmask, other=0.0)
+    return _norm_act_tile(x, mean, rstd, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
+                          HAS_LNW, HAS_LNB, FAST_TANH, LOAD_STATS, EVEN_D, EVEN_B, NORM, ACT)
+
+
+@triton.jit
+def _norm_act_tile(
+    x, mean, rstd, mask, cmask, f, cols, D, eps,
+    LNW, LNB, stride_lnw_f, stride_lnb_f,
+    HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr, FAST_TANH: tl.constexpr, LOAD_STATS: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
+):
+    """`_normalize_activate` of a tile of x already loaded (fp32, padded lanes 0), with the rows'
+    saved mean and rstd when LOAD_STATS."""
+    if NORM == 0:
+        mean = tl.zeros([x.shape[0]], dtype=tl.float32)
+        rstd = tl.full([x.shape[0]], 1.0, tl.float32)
+        xc = x
+    elif LOAD_STATS:
         xc = x - mean[:, None]
         if not EVEN_D:
             xc = tl.where(cmask[None, :], xc, 0.0)
@@ -526,6 +542,36 @@ ln_tanh_linear_relu_fwd_y_strided = triton.jit(do_not_specialize=["stride_y_b"])
 
 
 @triton.jit
+def _load_bwd_tile(
+    X, GY, STATS, f, rows, last_row, cols, cmask, hs, hmask, B, stats_half,
+    stride_x_f, stride_x_b, stride_x_d, stride_gy_f, stride_gy_b, stride_gy_h,
+    LOAD_STATS: tl.constexpr, EVEN_D: tl.constexpr, X_EVICT: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """The backward's loads of one row tile, in their own dtypes: x (padded columns 0), grad_y
+    (padded columns 0), and the rows' saved mean and rstd (LOAD_STATS; else 0 and 1). Rows past
+    `last_row` read `last_row` again: no row masks, and the prefetch past a program's last tile
+    stays in bounds; the caller zeroes what padded rows contribute."""
+    rows64 = tl.minimum(rows, last_row).to(tl.int64)
+    x_ptrs = X + f * stride_x_f + rows64[:, None] * stride_x_b + cols[None, :] * stride_x_d
+    if EVEN_D:
+        x = tl.load(x_ptrs, eviction_policy=X_EVICT)
+    else:
+        x = tl.load(x_ptrs, mask=cmask[None, :], other=0.0, eviction_policy=X_EVICT)
+    gy_ptrs = GY + f * stride_gy_f + rows64[:, None] * stride_gy_b + hs[None, :] * stride_gy_h
+    if BLOCK_H == 1:
+        gy = tl.load(gy_ptrs)
+    else:
+        gy = tl.load(gy_ptrs, mask=hmask[None, :], other=0.0)
+    if LOAD_STATS:
+        mean = tl.load(STATS + f * B + rows64)
+        rstd = tl.load(STATS + stats_half + f * B + rows64)
+    else:
+        mean = tl.zeros([rows.shape[0]], dtype=tl.float32)
+        rstd = tl.full([rows.shape[0]], 1.0, tl.float32)
+    return x, gy, mean, rstd
+
+
+@triton.jit
 def ln_tanh_linear_relu_bwd(
     GY, X, W, BIAS, LNW, LNB, DX, PARTIAL, STATS,
     B, D, H, rows_per_program, stats_half,
@@ -542,10 +588,12 @@ def ln_tanh_linear_relu_bwd(
     SPLIT_Z: tl.constexpr, SPLIT_DT: tl.constexpr, SPLIT_DW: tl.constexpr,
     FAST_TANH: tl.constexpr,
     LOAD_STATS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
     # EVEN_B: every program's rows are all < B (B is a multiple of rows_per_program).
     # LOAD_STATS: STATS holds the forward's per-row mean and rstd ([2, F, B] fp32).
+    # PREFETCH: the next row tile's x, grad_y (and stats) are loaded before this tile is computed,
+    # so that their HBM latency overlaps the tile's arithmetic (B > 0).
     # PARTIAL row of this program: [H*D weight | H bias | D ln_weight | D ln_bias], fp32.
     pid_p = tl.program_id(0)
     f = tl.program_id(1).to(tl.int64)
@@ -591,26 +639,45 @@ def ln_tanh_linear_relu_bwd(
     acc_lnw_rows = tl.zeros([ACC_ROWS, BLOCK_D], dtype=tl.float32)
     acc_lnb_rows = tl.zeros([ACC_ROWS, BLOCK_D], dtype=tl.float32)
     row_start = pid_p * rows_per_program
+    if PREFETCH:
+        last_row = tl.minimum(row_start + rows_per_program, B) - 1
+        x_next, gy_next, mean_next, rstd_next = _load_bwd_tile(
+            X, GY, STATS, f, row_start + tl.arange(0, BLOCK_B), last_row, cols, cmask, hs, hmask, B, stats_half,
+            stride_x_f, stride_x_b, stride_x_d, stride_gy_f, stride_gy_b, stride_gy_h,
+            LOAD_STATS and NORM != 0, EVEN_D, X_EVICT, BLOCK_H)
     for r0 in range(row_start, row_start + rows_per_program, BLOCK_B):
         rows = r0 + tl.arange(0, BLOCK_B)
         rmask = rows < B
         rows64 = rows.to(tl.int64)
         mask = rmask[:, None] & cmask[None, :]
-        x_ptrs = X + f * stride_x_f + rows64[:, None] * stride_x_b + cols[None, :] * stride_x_d
-        stat_ptrs = STATS + f * B + rows64
-        xhat, a, t, _, rstd, g = _normalize_activate(
-            x_ptrs, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
-            stat_ptrs, stat_ptrs + stats_half, rmask, HAS_LNW, HAS_LNB, FAST_TANH, LOAD_STATS,
-            EVEN_D, EVEN_B, X_EVICT, NORM, ACT,
-        )
+        if PREFETCH:
+            x_cur, gy_cur, mean_cur, rstd_cur = x_next, gy_next, mean_next, rstd_next
+            x_next, gy_next, mean_next, rstd_next = _load_bwd_tile(
+                X, GY, STATS, f, rows + BLOCK_B, last_row, cols, cmask, hs, hmask, B, stats_half,
+                stride_x_f, stride_x_b, stride_x_d, stride_gy_f, stride_gy_b, stride_gy_h,
+                LOAD_STATS and NORM != 0, EVEN_D, X_EVICT, BLOCK_H)
+            xhat, a, t, _, rstd, g = _norm_act_tile(
+                x_cur.to(tl.float32), mean_cur, rstd_cur, mask, cmask, f, cols, D, eps, LNW, LNB,
+                stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, LOAD_STATS, EVEN_D, EVEN_B, NORM, ACT)
+            gy = gy_cur.to(tl.float32)
+            if not EVEN_B:
+                gy = tl.where(rmask[:, None], gy, 0.0)  # padded rows re-read the last row
+        else:
+            x_ptrs = X + f * stride_x_f + rows64[:, None] * stride_x_b + cols[None, :] * stride_x_d
+            stat_ptrs = STATS + f * B + rows64
+            xhat, a, t, _, rstd, g = _normalize_activate(
+                x_ptrs, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
+                stat_ptrs, stat_ptrs + stats_half, rmask, HAS_LNW, HAS_LNB, FAST_TANH, LOAD_STATS,
+                EVEN_D, EVEN_B, X_EVICT, NORM, ACT,
+            )
+            # Any strides: the gradient of `y.sum()` is an expanded scalar (all strides 0), read as it is.
+            gy_ptrs = GY + f * stride_gy_f + rows64[:, None] * stride_gy_b + hs[None, :] * stride_gy_h
+            if EVEN_B and BLOCK_H == 1:
+                gy = tl.load(gy_ptrs).to(tl.float32)
+            else:
+                gy = tl.load(gy_ptrs, mask=rmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
         if SPLIT16:
             t0, t1, t2 = _split16(t, BWD_DOT_DTYPE, T_PARTS)
-        # Any strides: the gradient of `y.sum()` is an expanded scalar (all strides 0), read as it is.
-        gy_ptrs = GY + f * stride_gy_f + rows64[:, None] * stride_gy_b + hs[None, :] * stride_gy_h
-        if EVEN_B and BLOCK_H == 1:
-            gy = tl.load(gy_ptrs).to(tl.float32)
-        else:
-            gy = tl.load(gy_ptrs, mask=rmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
         # out_act'(z) from z recomputed in fp32 (one small dot): the relu mask is that of the
         # exact function even where a bf16 forward rounded z across zero, and y need not be kept.
         if OUT_ACT == 0:
