@@ -37,43 +37,54 @@ log = logging.getLogger("recfuse.bench")
 
 @dataclass(frozen=True)
 class Case(Shape):
-    """One op configuration; str() is the id recorded in the JSON."""
+    """One op configuration: the `op_inputs` options of its arguments, the op's eps and whether x
+    is passed as the view of the [B, F*D] buffer; str() is the id recorded in the JSON."""
 
-    feature_dim: int = 0
-    per_feature_weight: bool = False
+    layout: str = "FBD"           # "FBD" ([F, B, D], feature_dim=0) | "BFD" ([B, F*D] as [B, F, D], feature_dim=1)
+    weight: str = "shared"        # "shared" | "per_feature"
     bias: str = "shared"          # "none" | "shared" | "per_feature"
     ln: str = "per_feature"       # "none" | "shared" | "per_feature" (affine weight and bias)
     eps: float = 1e-5
-    strided_view: bool = False    # x is a [B, F*D] buffer viewed as [B, F, D] (feature_dim=1)
+    x_is_view: bool = False       # "BFD": the op reads x as a view of the buffer (else a copy of x)
+
+    @property
+    def feature_dim(self) -> int:
+        return 1 if self.layout == "BFD" else 0
+
+    def inputs(self, dtype, device):
+        """The op's arguments (`op_inputs`): a small positive bias keeps most relus open."""
+        return op_inputs(self.F, self.B, self.D, self.H, dtype, device, layout=self.layout, weight=self.weight,
+                         bias=self.bias, ln=self.ln, bias_mean=0.1, ln_scale=0.2)
 
     def __str__(self):
+        # the ids of the recorded results: fd<feature_dim>, "-Wf" for a per-feature weight
         return (f"F{self.F}B{self.B}D{self.D}H{self.H}fd{self.feature_dim}"
-                f"{'-Wf' if self.per_feature_weight else ''}-b{self.bias}-ln{self.ln}-eps{self.eps}"
-                f"{'-view' if self.strided_view else ''}")
+                f"{'-Wf' if self.weight == 'per_feature' else ''}-b{self.bias}-ln{self.ln}-eps{self.eps}"
+                f"{'-view' if self.x_is_view else ''}")
 
 
 CHECK_CASES = [
-    (Case(16, 1024, 256, 1, feature_dim=1, strided_view=True, ln="none", eps=0.0), torch.float32),
-    (Case(128, 8192, 256, 1, feature_dim=1, strided_view=True, ln="none", eps=0.0), torch.float32),
-    (Case(128, 8192, 256, 1, feature_dim=1, strided_view=True, ln="none", eps=0.0), torch.bfloat16),
+    (Case(16, 1024, 256, 1, layout="BFD", x_is_view=True, ln="none", eps=0.0), torch.float32),
+    (Case(128, 8192, 256, 1, layout="BFD", x_is_view=True, ln="none", eps=0.0), torch.float32),
+    (Case(128, 8192, 256, 1, layout="BFD", x_is_view=True, ln="none", eps=0.0), torch.bfloat16),
     (Case(16, 1024, 100, 1, ln="per_feature"), torch.float32),
-    (Case(16, 1024, 256, 16, feature_dim=1, ln="per_feature"), torch.float32),
-    (Case(16, 1024, 256, 16, feature_dim=1, ln="per_feature"), torch.bfloat16),
-    (Case(16, 1024, 256, 64, per_feature_weight=True, bias="per_feature"), torch.float32),
+    (Case(16, 1024, 256, 16, layout="BFD", ln="per_feature"), torch.float32),
+    (Case(16, 1024, 256, 16, layout="BFD", ln="per_feature"), torch.bfloat16),
+    (Case(16, 1024, 256, 64, weight="per_feature", bias="per_feature"), torch.float32),
     (Case(8, 333, 4096, 1, ln="shared"), torch.float32),
     (Case(8, 333, 1000, 3, ln="shared", eps=0.0), torch.bfloat16),
-    (Case(3, 5, 7, 3, feature_dim=1, per_feature_weight=True, bias="per_feature"), torch.float16),
+    (Case(3, 5, 7, 3, layout="BFD", weight="per_feature", bias="per_feature"), torch.float16),
     (Case(1, 1, 1, 1, ln="shared"), torch.float32),
     # Persistent forward configs: D=512 (64-row 16-bit tiles), fp16, fp32 H < BLOCK_H.
-    (Case(4, 512, 512, 32, feature_dim=1, per_feature_weight=True), torch.bfloat16),
+    (Case(4, 512, 512, 32, layout="BFD", weight="per_feature"), torch.bfloat16),
     (Case(4, 256, 256, 64, ln="shared"), torch.float16),
     (Case(4, 96, 128, 40, bias="per_feature"), torch.float32),
     # H = 2-4 and narrow rows: the 16-wide tl.dot, its chunked forward, 64-128-row backward tiles,
     # and the broadcast sum with masked rows (bf16 D=32 H=2 B=1000 gave a wrong dx with 32-row tiles)
-    (Case(3, 1000, 32, 2, feature_dim=1, strided_view=True), torch.bfloat16),
-    (Case(3, 1000, 32, 2, feature_dim=1, strided_view=True), torch.float32),
-    (Case(3, 4096, 32, 4, feature_dim=1, strided_view=True), torch.bfloat16),
-    (Case(3, 1000, 160, 4, feature_dim=1, strided_view=True), torch.float32),
+    (Case(3, 1000, 32, 2, layout="BFD", x_is_view=True), torch.bfloat16),
+    (Case(3, 1000, 32, 2, layout="BFD", x_is_view=True), torch.float32),
+    (Case(3, 4096, 32, 4, layout="BFD", x_is_view=True), torch.bfloat16),
+    (Case(3, 1000, 160, 4, layout="BFD", x_is_view=True), torch.float32),
     (Case(3, 1000, 64, 3, ln="shared"), torch.bfloat16),
 ]
 
@@ -86,7 +97,7 @@ NAMES = ["y", "x.grad", "weight.grad", "bias.grad", "ln_weight.grad", "ln_bias.g
 def run_case(fn, case: Case, inp, dtype, negate: bool = False):
     """Forward and backward of `fn` on leaves cast to `dtype`: (y, [grads of x and present params])."""
     B, F, D = case.B, case.F, case.D
-    if case.strided_view:
+    if case.x_is_view:
         xleaf = inp.buf.detach().to(dtype).clone().requires_grad_(True)
         xin = xleaf.view(B, F, D)
     else:
@@ -101,10 +112,7 @@ def run_case(fn, case: Case, inp, dtype, negate: bool = False):
 
 def check_case(case: Case, dtype, device) -> str:
     """'ok', or 'FAIL: ...' naming the first tensor whose error vs float64 is over TOLERANCE."""
-    inp = op_inputs(case.F, case.B, case.D, case.H, dtype, device,
-                    layout="BFD" if case.feature_dim == 1 else "FBD",
-                    weight="per_feature" if case.per_feature_weight else "shared",
-                    bias=case.bias, ln=case.ln, bias_mean=0.1, ln_scale=0.2)
+    inp = case.inputs(dtype, device)
     negate = False
     y_ref, g_ref = run_case(recfuse.reference.ln_tanh_linear_relu, case, inp, torch.float64)
     if y_ref.abs().sum() == 0:  # every relu closed (tiny cases): negating the Linear opens them all

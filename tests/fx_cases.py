@@ -240,17 +240,48 @@ def assert_same_forward_backward(g, ref, x):
     assert_same_tensor(gg, gr, 1e-4)
 
 
+def train_side_by_side(fused, ref_fn, ref_params, width, steps=2, lr=0.3):
+    """`steps` SGD steps (loss sum(y^2)) of `fused` and of `ref_fn` (x -> y, trained through
+    `ref_params`) on the same random [4, width] batches; then both agree on a fresh [5, width] one."""
+    opt_f = torch.optim.SGD([p for p in fused.parameters() if p.requires_grad], lr=lr)
+    opt_r = torch.optim.SGD([p for p in ref_params if p.requires_grad], lr=lr)
+    for _ in range(steps):
+        x = torch.randn(4, width)
+        opt_f.zero_grad()
+        opt_r.zero_grad()
+        (fused(x) ** 2).sum().backward()
+        (ref_fn(x) ** 2).sum().backward()
+        opt_f.step()
+        opt_r.step()
+    x = torch.randn(5, width)
+    with torch.no_grad():
+        assert_same_tensor(fused(x), ref_fn(x), 1e-4)
+
+
 # The small per-feature model the trust tests subclass: F_ features of width D_ (4 x 8), one
 # LayerNorm each, a shared Linear to H_ (3) outputs; `ln_tanh_chain` is its plain forward.
 F_, D_, H_ = 4, 8, 3
 
 
-def ln_tanh_chain(lns, lin, x):
-    return torch.relu(lin(torch.stack([torch.tanh(n(t)) for n, t in zip(lns, x.split(D_, 1))], 1)))
+def ln_tanh_chain(lns, lin, x, D=D_):
+    return torch.relu(lin(torch.stack([torch.tanh(n(t)) for n, t in zip(lns, x.split(D, 1))], 1)))
 
 
 class PerFeatureBase(nn.Module):
-    def __init__(self):
+    """`F` LayerNorms of width `D` (``lns``) and a Linear(D, H) shared by all features (``lin``), or
+    with ``per_feature_linear`` one Linear(D, H) a feature (``lins``); subclasses add the forward."""
+
+    def __init__(self, F=F_, D=D_, H=H_, per_feature_linear=False):
         super().__init__()
-        self.lns = nn.ModuleList([nn.LayerNorm(D_) for _ in range(F_)])
-        self.lin = nn.Linear(D_, H_)
+        self.lns = nn.ModuleList([nn.LayerNorm(D) for _ in range(F)])
+        if per_feature_linear:
+            self.lins = nn.ModuleList([nn.Linear(D, H) for _ in range(F)])
+        else:
+            self.lin = nn.Linear(D, H)
+
+
+class PerFeatureChain(PerFeatureBase):
+    """`PerFeatureBase` computing `ln_tanh_chain`: slices -> LayerNorm -> tanh -> stack -> Linear -> relu."""
+
+    def forward(self, x):
+        return ln_tanh_chain(self.lns, self.lin, x, self.lin.in_features)

@@ -139,3 +139,13 @@ def check_nan_parity(shape=(3, 4, 8), const_row=(1, 2)):
     assert torch.equal(torch.isnan(y), torch.isnan(y_ref))
     assert rel_err(y[~torch.isnan(y)], y_ref[~torch.isnan(y_ref)]) < 1e-5
     return y
+
+
+def randomized_ln_affine(fp):
+    """`fp` (a `recfuse.FusedFeatureProcessor`) with a non-trivial LayerNorm affine, drawn from the
+    global RNG, so that a wrong feature -> parameter mapping shows."""
+    with torch.no_grad():
+        for name, p in fp.named_parameters():
+            if name.startswith("ln_"):
+                p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "weight" in name else 0.0))
+    return fp

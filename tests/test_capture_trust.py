@@ -58,14 +58,18 @@ def test_shape_branch_is_guarded():
             assert err is None
 
 
-class Meta(Base):
-    def __init__(self, kind):
-        super().__init__()
-        self.kind = kind
+class Variant(Base):
+    """`Base` whose forward has variants: `how` picks one."""
 
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+
+class Meta(Variant):
     def forward(self, x):
         y = chain(self.lns, self.lin, x)
-        k = self.kind
+        k = self.how
         if k == "is_grad_enabled":
             return y * 2 if torch.is_grad_enabled() else y
         if k == "requires_grad":
@@ -255,11 +259,7 @@ def test_autocast_in_forward_is_refused():
 # -- 6: data-dependent branches ----------------------------------------------------------------
 
 
-class DataBranch(Base):
-    def __init__(self, how):
-        super().__init__()
-        self.how = how
-
+class DataBranch(Variant):
     def forward(self, x):
         y = chain(self.lns, self.lin, x)
         if self.how == "item":
@@ -294,11 +294,7 @@ def test_item_as_a_number_stays_in_the_graph():
 # -- 7: autograd flags in forward ---------------------------------------------------------------
 
 
-class AutogradFlags(Base):
-    def __init__(self, how):
-        super().__init__()
-        self.how = how
-
+class AutogradFlags(Variant):
     def forward(self, x):
         outs = []
         for ln, t in zip(self.lns, x.split(D, 1)):

@@ -5,24 +5,13 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 import recfuse
+from fx_cases import PerFeatureChain
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 F, B, D, H = 8, 64, 32, 4
-
-
-class PerFeature(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lns = nn.ModuleList([nn.LayerNorm(D) for _ in range(F)])
-        self.lin = nn.Linear(D, H)
-
-    def forward(self, x):
-        parts = x.split(D, dim=1)
-        return torch.relu(self.lin(torch.stack([torch.tanh(ln(p)) for ln, p in zip(self.lns, parts)], 1)))
 
 
 def rel(a, b):
@@ -32,7 +21,7 @@ def rel(a, b):
 def models():
     torch.manual_seed(0)
     x = torch.randn(B, F * D, device="cuda")
-    per_feature = PerFeature().cuda()
+    per_feature = PerFeatureChain(F, D, H).cuda()
     with torch.no_grad():
         for ln in per_feature.lns:
             ln.weight.uniform_(0.5, 1.5)

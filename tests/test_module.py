@@ -14,6 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import recfuse
 from recfuse import FusedFeatureProcessor
 
+from op_cases import randomized_ln_affine
+
 FP32_TOL = 1e-5  # DESIGN.md: ||out - ref|| / ||ref|| for float32
 BF16_TOL = 1e-2
 
@@ -36,15 +38,6 @@ class OpRecorder(TorchDispatchMode):
         if func is torch.ops.recfuse.ln_tanh_linear_relu.default:
             self.calls.append(args)
         return func(*args, **(kwargs or {}))
-
-
-def randomize(fp: FusedFeatureProcessor) -> FusedFeatureProcessor:
-    """Make LayerNorm affine non-trivial so a wrong feature->parameter mapping shows."""
-    with torch.no_grad():
-        for name, p in fp.named_parameters():
-            if name.startswith("ln_"):
-                p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "weight" in name else 0.0))
-    return fp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,7 +128,7 @@ def check_against_float64(fp, x, kind, tol=FP32_TOL, grad_tol=FP32_TOL):
 @pytest.mark.parametrize("shared_linear", [True, False])
 @pytest.mark.parametrize("shared_layer_norm,ln_affine", [(False, True), (True, True), (False, False)])
 def test_single_dim_matches_float64(kind, shared_linear, shared_layer_norm, ln_affine):
-    fp = randomize(
+    fp = randomized_ln_affine(
         FusedFeatureProcessor(
             NAMES, 16, out_features=3, shared_linear=shared_linear,
             shared_layer_norm=shared_layer_norm, ln_affine=ln_affine,
@@ -145,7 +138,7 @@ def test_single_dim_matches_float64(kind, shared_linear, shared_layer_norm, ln_a
 
 
 def test_without_linear_bias_matches_float64():
-    fp = randomize(FusedFeatureProcessor(NAMES, 8, out_features=2, bias=False))
+    fp = randomized_ln_affine(FusedFeatureProcessor(NAMES, 8, out_features=2, bias=False))
     assert fp.bias is None
     check_against_float64(fp, make_input("buffer", fp, B=6), "buffer")
 
@@ -159,7 +152,7 @@ def test_without_linear_bias_matches_float64():
     ],
 )
 def test_mixed_dims_match_float64(dims, shared_linear):
-    fp = randomize(FusedFeatureProcessor(NAMES, dims, out_features=2, shared_linear=shared_linear))
+    fp = randomized_ln_affine(FusedFeatureProcessor(NAMES, dims, out_features=2, shared_linear=shared_linear))
     for kind in ("buffer", "dict"):
         check_against_float64(fp, make_input(kind, fp, B=5, order=NAMES[::-1]), kind)
 
@@ -174,7 +167,7 @@ def test_shared_means_shared_within_a_dim_group():
 
 
 def test_bf16_input_with_fp32_params():
-    fp = randomize(FusedFeatureProcessor(NAMES, 32, out_features=4, shared_linear=False))
+    fp = randomized_ln_affine(FusedFeatureProcessor(NAMES, 32, out_features=4, shared_linear=False))
     x = torch.randn(64, 5 * 32).bfloat16()
     y = check_against_float64(fp, x, "buffer", tol=BF16_TOL, grad_tol=BF16_TOL)
     assert y.dtype == torch.bfloat16
@@ -183,7 +176,7 @@ def test_bf16_input_with_fp32_params():
 
 def test_fused_equals_per_slice_path_in_float32():
     """forward vs forward_reference in the same dtype (the documented verification pair)."""
-    fp = randomize(FusedFeatureProcessor(NAMES, [8, 4, 8, 4, 8], out_features=3, shared_linear=False))
+    fp = randomized_ln_affine(FusedFeatureProcessor(NAMES, [8, 4, 8, 4, 8], out_features=3, shared_linear=False))
     x = make_input("buffer", fp, B=9)
     assert rel_err(fp(x), fp.forward_reference(x)) < FP32_TOL
 
@@ -195,7 +188,7 @@ def test_fused_equals_per_slice_path_in_float32():
 @pytest.mark.parametrize("dims", [16, [8, 4, 8, 4, 8]])
 def test_keyed_tensor_in_any_key_order(dims):
     pytest.importorskip("torchrec")
-    fp = randomize(FusedFeatureProcessor(NAMES, dims, out_features=2, shared_linear=False))
+    fp = randomized_ln_affine(FusedFeatureProcessor(NAMES, dims, out_features=2, shared_linear=False))
     order = ["geo", "user", "hour", "item", "ctx"]
     kt = make_input("keyed", fp, B=6, order=order)
     y = check_against_float64(fp, kt, "keyed")
@@ -413,7 +406,7 @@ def test_reset_parameters_initialises_every_parameter():
 
 @pytest.mark.parametrize("dims", [8, [8, 4, 8, 4, 8]])
 def test_state_dict_round_trip(dims):
-    a = randomize(FusedFeatureProcessor(NAMES, dims, out_features=2, shared_linear=False))
+    a = randomized_ln_affine(FusedFeatureProcessor(NAMES, dims, out_features=2, shared_linear=False))
     b = FusedFeatureProcessor(NAMES, dims, out_features=2, shared_linear=False)
     x = make_input("buffer", a, B=4)
     assert rel_err(b(x), a(x)) > 1e-3  # different before loading
@@ -454,7 +447,7 @@ class TinyRanker(nn.Module):
 def test_torch_compile_fullgraph_forward_and_backward():
     torch._dynamo.reset()
     model = TinyRanker(NAMES, [8, 4, 8, 4, 8], 2)
-    randomize(model.features)
+    randomized_ln_affine(model.features)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     ref64 = copy.deepcopy(model).double()
     x = torch.randn(6, 32)
@@ -478,7 +471,7 @@ def test_torch_compile_inductor_fullgraph():
 
 def test_torch_export_keeps_one_fused_op_node():
     model = TinyRanker(NAMES, 16, 2)
-    randomize(model.features)
+    randomized_ln_affine(model.features)
     x = torch.randn(6, 80)
     ep = torch.export.export(model, (x,))
     targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
@@ -495,7 +488,7 @@ def test_torch_export_keeps_one_fused_op_node():
 def test_cuda_graph_flag_handling_and_cpu_fallback():
     with pytest.raises(TypeError, match="cuda_graph must be a bool, got 1"):
         FusedFeatureProcessor(NAMES, 8, cuda_graph=1)
-    fp = randomize(FusedFeatureProcessor(NAMES, [8, 4, 8, 4, 8], out_features=2, cuda_graph=True))
+    fp = randomized_ln_affine(FusedFeatureProcessor(NAMES, [8, 4, 8, 4, 8], out_features=2, cuda_graph=True))
     assert "cuda_graph=True" in repr(fp)
     x = make_input("buffer", fp, B=4)
     with torch.no_grad():

@@ -14,6 +14,8 @@ from torch import nn
 
 from recfuse import FusedFeatureProcessor
 
+from op_cases import randomized_ln_affine
+
 NAMES = ["user", "item", "ctx", "hour", "geo"]
 FP32_TOL = 1e-5
 BF16_TOL = 1e-2
@@ -22,14 +24,6 @@ BF16_TOL = 1e-2
 def rel_err(a, b) -> float:
     a, b = a.detach().double(), b.detach().double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def randomized(fp: FusedFeatureProcessor) -> FusedFeatureProcessor:
-    with torch.no_grad():
-        for name, p in fp.named_parameters():
-            if name.startswith("ln_"):
-                p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "weight" in name else 0.0))
-    return fp
 
 
 def flat(y):
@@ -56,7 +50,7 @@ def assert_matches_float64(fp, x, tol=FP32_TOL, **kwargs):
 
 
 def test_a_repeated_signature_is_validated_once():
-    fp = randomized(FusedFeatureProcessor(NAMES, 8, out_features=3))
+    fp = randomized_ln_affine(FusedFeatureProcessor(NAMES, 8, out_features=3))
     for _ in range(3):
         assert_matches_float64(fp, torch.randn(4, 40))
     assert fp._plans.validations == 1  # the float64 copies have their own (empty) caches
@@ -75,7 +69,7 @@ def test_a_repeated_signature_is_validated_once():
     ids=["shape", "stride", "dtype", "3d-stride"],
 )
 def test_a_new_shape_stride_or_dtype_is_validated_again(first, second):
-    fp = randomized(FusedFeatureProcessor(NAMES, 8, out_features=2, shared_linear=False))
+    fp = randomized_ln_affine(FusedFeatureProcessor(NAMES, 8, out_features=2, shared_linear=False))
     assert_matches_float64(fp, first)
     assert fp._plans.validations == 1
     tol = BF16_TOL if second.dtype == torch.bfloat16 else FP32_TOL
@@ -128,7 +122,7 @@ def test_errors_of_a_new_signature_are_raised_on_its_first_call():
 
 
 def test_a_replaced_parameter_is_used():
-    fp = randomized(FusedFeatureProcessor(NAMES, 8, out_features=2))
+    fp = randomized_ln_affine(FusedFeatureProcessor(NAMES, 8, out_features=2))
     x = torch.randn(4, 40)
     before = fp(x)
     fp.weight = nn.Parameter(torch.randn(2, 8))  # same shape: the plan holds, the call reads it
@@ -140,7 +134,7 @@ def test_a_replaced_parameter_is_used():
 
 
 def test_a_replaced_parameter_of_another_shape_is_validated_again():
-    fp = randomized(FusedFeatureProcessor(NAMES, 8, out_features=2))
+    fp = randomized_ln_affine(FusedFeatureProcessor(NAMES, 8, out_features=2))
     x = torch.randn(4, 40)
     fp(x)
     fp.weight = nn.Parameter(torch.randn(5, 3, 8))  # shared -> one Linear per feature, H 2 -> 3
@@ -165,7 +159,7 @@ def test_a_reordered_keyed_tensor_with_a_bad_parameter_gets_the_ops_message():
     pytest.importorskip("torchrec")
     from torchrec.sparse.jagged_tensor import KeyedTensor
 
-    fp = randomized(FusedFeatureProcessor(NAMES, 16, out_features=2, shared_linear=False))
+    fp = randomized_ln_affine(FusedFeatureProcessor(NAMES, 16, out_features=2, shared_linear=False))
     order = ["geo", "user", "hour", "item", "ctx"]  # per-feature rows are reordered to this
     kt = KeyedTensor(order, [16] * 5, torch.randn(6, 80))
     assert_matches_float64(fp, kt)
@@ -179,7 +173,7 @@ def test_a_plan_made_in_inference_mode_serves_a_training_call():
     pytest.importorskip("torchrec")
     from torchrec.sparse.jagged_tensor import KeyedTensor
 
-    fp = randomized(FusedFeatureProcessor(NAMES, 8, out_features=2, shared_linear=False))
+    fp = randomized_ln_affine(FusedFeatureProcessor(NAMES, 8, out_features=2, shared_linear=False))
     kt = KeyedTensor(NAMES[::-1], [8] * 5, torch.randn(3, 40))
     with torch.inference_mode():
         fp(kt)
@@ -197,7 +191,7 @@ def test_a_plan_made_in_inference_mode_serves_a_training_call():
 @pytest.mark.parametrize("kind", ["buffer", "BFD", "FBD", "dict"])
 def test_every_input_kind_is_planned_once_and_matches_float64(kind):
     dims = 8 if kind in ("BFD", "FBD") else [8, 4, 8, 8, 4]
-    fp = randomized(FusedFeatureProcessor(NAMES, dims, out_features=3, shared_linear=False))
+    fp = randomized_ln_affine(FusedFeatureProcessor(NAMES, dims, out_features=3, shared_linear=False))
     B = 5
     x = {
         "buffer": lambda: torch.randn(B, sum(fp.embedding_dims)),

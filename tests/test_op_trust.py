@@ -73,6 +73,19 @@ def _params(F, D, H, dtype=torch.float64, per_feature=True, lw_scale=0.2, lw_cen
     return w, b, lw, lb
 
 
+def _float64_leaves(F, B, D, H):
+    """x [B, F, D] (feature_dim=1) and `_params`, float64 leaves that require grad."""
+    w, b, lw, lb = (t.requires_grad_(True) for t in _params(F, D, H))
+    x = torch.randn(B, F, D, dtype=torch.float64, requires_grad=True)
+    return x, w, b, lw, lb
+
+
+def _assert_rel_errors(names, outs, refs, bound, prefix=""):
+    for name, out, ref in zip(names, outs, refs):
+        err = rel_err(out, ref)
+        assert err < bound, f"{prefix}{name}: relative error {err:.2e}"
+
+
 def _call(fn, x, w, b, lw, lb, fd, eps=1e-5):
     if _FUSED_ON_CUDA and fn is not recfuse.reference.ln_tanh_linear_relu:
         fn = _on_cuda(fn)
@@ -125,9 +138,8 @@ def test_d_not_innermost_forward_and_gradients_match_float64(path, D, H):
         y = _call(recfuse.ln_tanh_linear_relu, x, *params, fd)
         grads = torch.autograd.grad(y, [x] + params, gy64.float())
         assert rel_err(y, y_ref) < TOLERANCE[torch.float32], name
-        for what, g, r in zip(["x", "weight", "bias", "ln_weight", "ln_bias"], grads, g_ref):
-            err = rel_err(g, r)
-            assert err < TOLERANCE[torch.float32], f"{name} d{what}: relative error {err:.2e}"
+        _assert_rel_errors(["x", "weight", "bias", "ln_weight", "ln_bias"], grads, g_ref, TOLERANCE[torch.float32],
+                           f"{name} d")
         # Through the base buffer too (autograd's view backward takes dx in x's strides).
         y2 = _call(recfuse.ln_tanh_linear_relu, view(base), *params, fd)
         (y2 * gy64.float()).sum().backward()
@@ -163,19 +175,15 @@ def test_gradient_penalty_matches_float64_composite(path, entry, fd, per_feature
     pen_ref, g_ref = run(recfuse.reference.ln_tanh_linear_relu, torch.float64)
     pen, grads = run(entry, torch.float32)
     assert rel_err(pen, pen_ref) < 1e-5
-    for what, g, r in zip(["x", "weight", "bias", "ln_weight", "ln_bias"], grads, g_ref):
-        assert g.dtype == torch.float32
-        err = rel_err(g, r)
-        assert err < 1e-4, f"d(penalty)/d{what}: relative error {err:.2e}"
+    assert all(g.dtype == torch.float32 for g in grads)
+    _assert_rel_errors(["x", "weight", "bias", "ln_weight", "ln_bias"], grads, g_ref, 1e-4, "d(penalty)/d")
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
 def test_gradgradcheck_float64(path, entry):
     _on_path(path)
-    F, B, D, H = 2, 3, 5, 2
-    w, b, lw, lb = (t.requires_grad_(True) for t in _params(F, D, H))
-    x = torch.randn(B, F, D, dtype=torch.float64, requires_grad=True)
+    x, w, b, lw, lb = _float64_leaves(F=2, B=3, D=5, H=2)
     assert torch.autograd.gradgradcheck(
         lambda *a: _call(entry, *a, fd=1), (x, w, b, lw, lb))
 
@@ -373,9 +381,7 @@ def test_small_ln_weight_fp32_is_accurate(path, scale, H):
     grads = torch.autograd.grad(y, args, gy.float())
     err = rel_err(y, y_ref)
     assert err < 1e-6, f"y relative error {err:.2e}"
-    for what, g, r in zip(["x", "weight", "ln_weight"], grads, g_ref):
-        err = rel_err(g, r)
-        assert err < 1e-5, f"d{what}: relative error {err:.2e}"
+    _assert_rel_errors(["x", "weight", "ln_weight"], grads, g_ref, 1e-5, "d")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,9 +392,7 @@ def test_small_ln_weight_fp32_is_accurate(path, scale, H):
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
 def test_float64_gradcheck_and_exact_forward(path, entry):
     _on_path(path)
-    F, B, D, H = 3, 4, 5, 2
-    w, b, lw, lb = (t.requires_grad_(True) for t in _params(F, D, H))
-    x = torch.randn(B, F, D, dtype=torch.float64, requires_grad=True)
+    x, w, b, lw, lb = _float64_leaves(F=3, B=4, D=5, H=2)
     y = _call(entry, x, w, b, lw, lb, 1)
     y_ref = _call(recfuse.reference.ln_tanh_linear_relu, x, w, b, lw, lb, 1)
     assert y.dtype == torch.float64 and rel_err(y, y_ref) < 1e-12
@@ -481,9 +485,7 @@ def test_row_path_and_small_d_gradients_match_float64(path, H, D):
     g_ref = torch.autograd.grad(_call(recfuse.reference.ln_tanh_linear_relu, *ref_in, 1), ref_in, gy)
     args = [t.float().requires_grad_(True) for t in (x64, w64, b64, lw64, lb64)]
     grads = torch.autograd.grad(_call(recfuse.ln_tanh_linear_relu, *args, 1), args, gy.float())
-    for what, g, r in zip(["x", "weight", "bias", "ln_weight", "ln_bias"], grads, g_ref):
-        err = rel_err(g, r)
-        assert err < TOLERANCE[torch.float32], f"d{what}: relative error {err:.2e}"
+    _assert_rel_errors(["x", "weight", "bias", "ln_weight", "ln_bias"], grads, g_ref, TOLERANCE[torch.float32], "d")
 
 
 def test_configs_avoid_the_gpu_failures():

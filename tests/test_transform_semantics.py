@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import recfuse
-from fx_cases import reloaded
+from fx_cases import PerFeatureChain, reloaded
 
 NF, D, H = 4, 8, 3
 
@@ -111,20 +111,15 @@ def test_tied_parameters_stay_tied(cls):
 
 
 def test_instance_patched_forward_is_not_fused_as_plain_module():
-    class M(nn.Module):
+    class M(PerFeatureChain):
         def __init__(self):
-            super().__init__()
-            self.lns = nn.ModuleList([nn.LayerNorm(D) for _ in range(NF)])
-            self.lin = nn.Linear(D, H)
+            super().__init__(NF, D, H)
 
             def scaled(self, z):
                 return F.linear(z, self.weight, self.bias) * 2.0
 
             self.lin.forward = types.MethodType(scaled, self.lin)
             self.lns[0].forward = types.MethodType(lambda self, z: F.layer_norm(z, (D,)) * 3.0, self.lns[0])
-
-        def forward(self, x):
-            return torch.relu(self.lin(torch.stack([torch.tanh(n(t)) for n, t in zip(self.lns, x.split(D, 1))], 1)))
 
     m = M()
     gm = recfuse.transform(m, (torch.randn(3, NF * D),))
@@ -178,14 +173,9 @@ def _halve_input(mod, inp):
     return (inp[0] * 0.5,)
 
 
-class _Plain(nn.Module):
+class _Plain(PerFeatureChain):
     def __init__(self):
-        super().__init__()
-        self.lns = nn.ModuleList([nn.LayerNorm(D) for _ in range(NF)])
-        self.lin = nn.Linear(D, H)
-
-    def forward(self, x):
-        return torch.relu(self.lin(torch.stack([torch.tanh(n(t)) for n, t in zip(self.lns, x.split(D, 1))], 1)))
+        super().__init__(NF, D, H)
 
 
 

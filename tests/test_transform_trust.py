@@ -16,7 +16,7 @@ from torch import nn
 import recfuse
 from recfuse.errors import RecfuseError
 
-from fx_cases import count_recfuse, reloaded
+from fx_cases import PerFeatureBase, count_recfuse, reloaded
 
 B, NF, D, H = 5, 3, 8, 2
 TOL = 1e-5
@@ -44,15 +44,28 @@ def nontrivial_affine(m: nn.Module) -> nn.Module:
     return m
 
 
-class PerFeatureLinear(nn.Module):
+class PerFeatureLinear(PerFeatureBase):
     def __init__(self):
-        super().__init__()
-        self.lns = nn.ModuleList([nn.LayerNorm(D) for _ in range(NF)])
-        self.lins = nn.ModuleList([nn.Linear(D, H) for _ in range(NF)])
+        super().__init__(NF, D, H, per_feature_linear=True)
         nontrivial_affine(self)
 
     def forward(self, x):
         return torch.stack([torch.relu(l(torch.tanh(ln(p)))) for ln, l, p in zip(self.lns, self.lins, x.split(D, 1))], 1)
+
+
+def transform_changing_no_state(m: nn.Module, **options) -> nn.Module:
+    """`recfuse.transform(m, (x,), **options)`, checked to change neither m's state (BatchNorm
+    statistics, counters) nor the global RNG, and to give the fused model m's state values."""
+    before = copy.deepcopy(m.state_dict())
+    rng = torch.get_rng_state()
+    fused = recfuse.transform(m, (x_of(B, NF * D),), **options)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for k, v in fused.state_dict().items():
+        if k in before:
+            assert torch.equal(v, before[k]), k
+    assert torch.equal(torch.get_rng_state(), rng)
+    return fused
 
 
 def assert_same_training(orig: nn.Module, fused: nn.Module, x: torch.Tensor, steps: int = 2) -> None:
@@ -74,11 +87,9 @@ def assert_same_training(orig: nn.Module, fused: nn.Module, x: torch.Tensor, ste
 # -- 2: in-place ops whose return value is unused ------------------------------------------------
 
 
-class InplaceAfterStack(nn.Module):
+class InplaceAfterStack(PerFeatureBase):
     def __init__(self, spelling):
-        super().__init__()
-        self.lns = nn.ModuleList([nn.LayerNorm(D) for _ in range(NF)])
-        self.lin = nn.Linear(D, H)
+        super().__init__(NF, D, H)
         self.spelling = spelling
         nontrivial_affine(self)
 
@@ -151,15 +162,7 @@ class WithBatchNorm(nn.Module):
 @pytest.mark.parametrize("momentum", [0.1, None])
 def test_transform_in_train_mode_changes_no_state(momentum):
     m = WithBatchNorm(momentum).train()
-    before = copy.deepcopy(m.state_dict())
-    rng = torch.get_rng_state()
-    fused = recfuse.transform(m, (x_of(B, NF * D),))
-    for k, v in m.state_dict().items():
-        assert torch.equal(v, before[k]), k
-    for k, v in fused.state_dict().items():
-        if k in before:
-            assert torch.equal(v, before[k]), k
-    assert torch.equal(torch.get_rng_state(), rng)
+    fused = transform_changing_no_state(m)
     x = x_of(B, NF * D, seed=5)
     assert rel(fused(x), m(x)) < TOL  # train mode: updates the statistics the same way
     assert torch.equal(fused.state_dict()["bn.running_mean"], m.state_dict()["bn.running_mean"])
@@ -249,13 +252,11 @@ def test_a_branch_on_training_is_guarded():
 
 
 def test_dynamo_capture_keeps_state_dict_and_refuses_the_other_mode():
-    class NeedsDynamo(nn.Module):
+    class NeedsDynamo(PerFeatureBase):
         """`torch._check` in forward: torch.fx fails on it, so capture falls back to Dynamo."""
 
         def __init__(self):
-            super().__init__()
-            self.lns = nn.ModuleList([nn.LayerNorm(D) for _ in range(NF)])
-            self.lin = nn.Linear(D, H)
+            super().__init__(NF, D, H)
             self.bn = nn.BatchNorm1d(NF)
 
         def forward(self, x):
@@ -321,11 +322,9 @@ def test_dict_input_read_by_name_accepts_any_order():
 
 
 def test_a_buffer_read_in_forward():
-    class Scaled(nn.Module):
+    class Scaled(PerFeatureBase):
         def __init__(self):
-            super().__init__()
-            self.lns = nn.ModuleList([nn.LayerNorm(D) for _ in range(NF)])
-            self.lin = nn.Linear(D, H)
+            super().__init__(NF, D, H)
             self.register_buffer("scale", torch.tensor([2.0, -1.0]))
 
         def forward(self, x):
@@ -484,15 +483,7 @@ def test_verify_in_train_mode_with_dropout_and_batchnorm_changes_no_state():
             return F.dropout(super().forward(x), 0.3, training=self.training)
 
     m = DropBN().train()
-    before = copy.deepcopy(m.state_dict())
-    rng = torch.get_rng_state()
-    fused = recfuse.transform(m, (x_of(B, NF * D),), verify=True)
-    for k, v in m.state_dict().items():
-        assert torch.equal(v, before[k]), k
-    for k, v in fused.state_dict().items():
-        if k in before:
-            assert torch.equal(v, before[k]), k
-    assert torch.equal(torch.get_rng_state(), rng)
+    transform_changing_no_state(m, verify=True)
 
 
 def test_keyed_jagged_tensor_model_with_parameter_attributes():

@@ -12,7 +12,8 @@ from torch import nn
 import recfuse
 from recfuse.errors import RecfuseError
 
-from fx_cases import assert_same_forward_backward, assert_same_tensor, forward_backward, randomized
+from fx_cases import (PerFeatureBase, assert_same_forward_backward, assert_same_tensor, forward_backward, randomized,
+                      train_side_by_side)
 
 F_, D, H = 4, 8, 3
 rnd, assert_close = randomized, assert_same_tensor
@@ -218,11 +219,9 @@ def test_uninitialized_lazy_module_is_refused(per_feature):
 # -- per-feature Linear under autocast: the batched bmm + float32 bias promoted y to float32 ------
 
 
-class PerFeatureLeaky(nn.Module):
+class PerFeatureLeaky(PerFeatureBase):
     def __init__(self):
-        super().__init__()
-        self.lns = nn.ModuleList([nn.LayerNorm(D) for _ in range(F_)])
-        self.lins = nn.ModuleList([nn.Linear(D, H) for _ in range(F_)])
+        super().__init__(F_, D, H, per_feature_linear=True)
         rnd(self)
 
     def forward(self, x):
@@ -260,20 +259,7 @@ def test_from_modules_keeps_frozen_sources_frozen():
     def loop(x):
         return torch.stack([lin(torch.tanh(lns[k](t))) for k, t in zip("ab", x.split(D, 1))], 1).flatten(1)
 
-    xs = [torch.randn(4, 2 * D) for _ in range(2)]
-    ref_params = [p for p in list(lns.parameters()) + list(lin.parameters()) if p.requires_grad]
-    opt_r = torch.optim.SGD(ref_params, lr=0.3)
-    opt_f = torch.optim.SGD([p for p in fp.parameters() if p.requires_grad], lr=0.3)
-    for x in xs:
-        opt_r.zero_grad()
-        opt_f.zero_grad()
-        (loop(x) ** 2).sum().backward()
-        (fp(x) ** 2).sum().backward()
-        opt_r.step()
-        opt_f.step()
-    x = torch.randn(5, 2 * D)
-    with torch.no_grad():
-        assert_close(fp(x), loop(x), 1e-4)
+    train_side_by_side(fp, loop, list(lns.parameters()) + list(lin.parameters()), 2 * D)
 
 
 def test_from_modules_refuses_mixed_frozen_and_parametrized():

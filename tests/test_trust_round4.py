@@ -12,7 +12,8 @@ from torch import nn
 import recfuse
 from recfuse.errors import RecfuseError
 
-from fx_cases import PerFeatureBase, assert_same_forward_backward, assert_same_tensor, count_recfuse, randomized, reloaded
+from fx_cases import (PerFeatureBase, assert_same_forward_backward, assert_same_tensor, count_recfuse, randomized, reloaded,
+                      train_side_by_side)
 
 F_, D, H = 4, 8, 3
 rnd, assert_close = randomized, assert_same_tensor
@@ -178,19 +179,7 @@ def _loop(lns, lins, names, x):
 
 def _train_both(fp, loop_modules, loop_fn, steps=2):
     torch.manual_seed(3)
-    opt_f = torch.optim.SGD(fp.parameters(), lr=0.3)
-    opt_l = torch.optim.SGD([p for m in loop_modules for p in m.parameters()], lr=0.3)
-    for _ in range(steps):
-        x = torch.randn(4, 3 * D)
-        opt_f.zero_grad()
-        opt_l.zero_grad()
-        (fp(x) ** 2).sum().backward()
-        (loop_fn(x) ** 2).sum().backward()
-        opt_f.step()
-        opt_l.step()
-    x = torch.randn(5, 3 * D)
-    with torch.no_grad():
-        assert_close(fp(x), loop_fn(x), 1e-4)
+    train_side_by_side(fp, loop_fn, [p for m in loop_modules for p in m.parameters()], 3 * D, steps)
 
 
 @pytest.mark.parametrize("shared", ["layer_norm", "linear"])

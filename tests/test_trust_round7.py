@@ -10,22 +10,17 @@ import torch.nn.functional as F
 from torch import nn
 
 import recfuse
-from fx_cases import randomized
+from fx_cases import PerFeatureChain, randomized
 from recfuse.ops import cpu_backend
 
 F_, D_, H_ = 3, 6, 4
 
 
-class Chain(nn.Module):
+class Chain(PerFeatureChain):
     """F_ slices of width D_ -> LayerNorm -> tanh -> stack -> shared Linear -> relu."""
 
     def __init__(self):
-        super().__init__()
-        self.ns = nn.ModuleList([nn.LayerNorm(D_) for _ in range(F_)])
-        self.lin = nn.Linear(D_, H_)
-
-    def forward(self, x):
-        return torch.relu(self.lin(torch.stack([torch.tanh(n(t)) for n, t in zip(self.ns, x.split(D_, 1))], 1)))
+        super().__init__(F_, D_, H_)
 
 
 def _grads(model, x):

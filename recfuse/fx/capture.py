@@ -2062,6 +2062,15 @@ def _plain_parameters(params: dict) -> bool:
     return True
 
 
+def _shareable_entry(k: str, v: Any) -> bool:
+    """Whether a shallow leaf copy may hold `__dict__` entry ``k: v`` as the original does: a
+    Python atom, a tuple of atoms, or a ``_parameters`` dict of plain parameters (which the copy
+    holds a copy of)."""
+    if k == "_parameters" and type(v) is dict:
+        return _plain_parameters(v)
+    return _atomic_value(v)
+
+
 def _shallow_leaf(m: nn.Module) -> Optional[nn.Module]:
     """A shallow copy of `m` that holds `m`'s parameters (not cloned), or None when `m` may not be
     traced so: `m` must be of an exact class of `_SHAREABLE_LEAVES` with no hooks of any kind, no
@@ -2077,21 +2086,18 @@ def _shallow_leaf(m: nn.Module) -> Optional[nn.Module]:
         return _shallow_leaf_like(m, d, layout)
     state = d.copy()
     for k, v in d.items():
-        t = type(v)
-        if t in _ATOMIC_TYPES:
+        if _shareable_entry(k, v):
             continue
-        if k == "_parameters" and t is dict:
-            if not _plain_parameters(v):
-                return None
-            state[k] = v.copy()
-        elif t in _EMPTY_STATE_TYPES:
-            if v:
-                return None  # hooks, buffers, submodules
-            state[k] = t()
-        elif t is not tuple or not all(type(e) in _ATOMIC_TYPES for e in v):
-            return None  # `forward` bound per instance, tensors, other objects: copied as before
+        t = type(v)
+        if t not in _EMPTY_STATE_TYPES or v:
+            # hooks, buffers, submodules; `forward` bound per instance, tensors, other objects:
+            # copied as before
+            return None
+        state[k] = t()
     if "_parameters" not in state or "training" not in state:
         return None
+    if type(state["_parameters"]) is dict:
+        state["_parameters"] = state["_parameters"].copy()
     _LEAF_LAYOUTS[cls] = (tuple(d), tuple((k, type(v)) for k, v in d.items() if type(v) in _EMPTY_STATE_TYPES
                                           and k != "_parameters"),
                           tuple(k for k, v in d.items() if type(v) not in _EMPTY_STATE_TYPES or k == "_parameters"))
@@ -2112,14 +2118,7 @@ def _shallow_leaf_like(m: nn.Module, d: dict, layout: tuple) -> Optional[nn.Modu
         if type(v) is not t or v:
             return None
     for k in others:
-        v = d[k]
-        tv = type(v)
-        if tv in _ATOMIC_TYPES:
-            continue
-        if k == "_parameters" and tv is dict:
-            if not _plain_parameters(v):
-                return None
-        elif tv is not tuple or not all(type(e) in _ATOMIC_TYPES for e in v):
+        if not _shareable_entry(k, d[k]):
             return None
     state = d.copy()
     state["_parameters"] = d["_parameters"].copy()

@@ -19,58 +19,32 @@ from ..chain import DEFAULT, from_schema, to_schema
 from ..reference import batched_feature_mlp
 from .ln_tanh_linear_relu import (
     _EagerLnTanhLinearRelu, _any_requires_grad, _autocast_call, _autocast_enabled_for, _backward, _backward_impl,
-    _empty, _forward_impl, _functorch_active, _is_plain_eager, _setup_context, _vmap_rule, ln_tanh_linear_relu,
+    _bwd_fake, _forward_impl, _functorch_active, _fwd_fake, _is_plain_eager, _op_schemas, _setup_context, _vmap_rule,
+    ln_tanh_linear_relu,
 )
 
 __all__ = ["feature_mlp"]
 
 
-@torch.library.custom_op("recfuse::feature_mlp", mutates_args=())
-def _fwd_op(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    ln_weight: Optional[torch.Tensor],
-    ln_bias: Optional[torch.Tensor],
-    eps: float,
-    feature_dim: int,
-    norm: str,
-    activation: str,
-    out_activation: str,
-) -> torch.Tensor:
+_FWD_SCHEMA, _BWD_SCHEMA = _op_schemas("str norm", "str activation", "str out_activation")
+
+
+@torch.library.custom_op("recfuse::feature_mlp", mutates_args=(), schema=_FWD_SCHEMA)
+def _fwd_op(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, norm, activation, out_activation):
     return _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
                          chain=from_schema(norm, activation, out_activation))
 
 
-@_fwd_op.register_fake
-def _fwd_fake(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, norm, activation, out_activation):
-    return x.new_empty((x.shape[0], x.shape[1], weight.shape[-2]))
+_fwd_op.register_fake(_fwd_fake)
 
 
-@torch.library.custom_op("recfuse::feature_mlp_backward", mutates_args=())
-def _bwd_op(
-    grad_y: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    ln_weight: Optional[torch.Tensor],
-    ln_bias: Optional[torch.Tensor],
-    eps: float,
-    feature_dim: int,
-    norm: str,
-    activation: str,
-    out_activation: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("recfuse::feature_mlp_backward", mutates_args=(), schema=_BWD_SCHEMA)
+def _bwd_op(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, norm, activation, out_activation):
     return _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
                           chain=from_schema(norm, activation, out_activation))
 
 
-@_bwd_op.register_fake
-def _bwd_fake(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, norm, activation, out_activation):
-    def like(t):
-        return _empty(x) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
-
-    return torch.empty_like(x), like(weight), like(bias), like(ln_weight), like(ln_bias)
+_bwd_op.register_fake(_bwd_fake)
 
 
 def _setup_chain_context(ctx, inputs, output):

@@ -72,16 +72,28 @@ def _import_launch():
 # forward
 
 
-@torch.library.custom_op("recfuse::ln_tanh_linear_relu", mutates_args=())
-def _fwd_op(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    ln_weight: Optional[torch.Tensor],
-    ln_bias: Optional[torch.Tensor],
-    eps: float,
-    feature_dim: int,
-) -> torch.Tensor:
+# The schemas of both op families, written once: the forward takes the op's arguments (and
+# `feature_mlp`'s three chain strings after them), the backward grad_y first and returns the five
+# gradients. ``SymInt feature_dim``: what torch infers from an ``int`` annotation.
+_OP_ARGS = "Tensor x, Tensor weight, Tensor? bias, Tensor? ln_weight, Tensor? ln_bias, float eps, SymInt feature_dim"
+
+
+def _op_schemas(*extra_args: str) -> tuple[str, str]:
+    """(forward, backward) schema strings of an op taking `_OP_ARGS`, then `extra_args`.
+
+    Example:
+        >>> _op_schemas("str norm")[0].endswith("SymInt feature_dim, str norm) -> Tensor")
+        True
+    """
+    args = ", ".join((_OP_ARGS,) + extra_args)
+    return f"({args}) -> Tensor", f"(Tensor grad_y, {args}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+
+
+_FWD_SCHEMA, _BWD_SCHEMA = _op_schemas()
+
+
+@torch.library.custom_op("recfuse::ln_tanh_linear_relu", mutates_args=(), schema=_FWD_SCHEMA)
+def _fwd_op(x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
     return _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
 
 
@@ -110,8 +122,9 @@ def _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_st
 
 
 @_fwd_op.register_fake
-def _fwd_fake(x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
-    # [F, B, H] or [B, F, H]: x's first two dims either way
+def _fwd_fake(x, weight, *args, **kwargs):
+    # [F, B, H] or [B, F, H]: x's first two dims either way. The other arguments (`feature_mlp`'s
+    # chain too: it registers this fake as well) change no shape.
     return x.new_empty((x.shape[0], x.shape[1], weight.shape[-2]))
 
 
@@ -119,17 +132,8 @@ def _fwd_fake(x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
 # backward: one op returning all five gradients (empty tensors for absent parameters)
 
 
-@torch.library.custom_op("recfuse::ln_tanh_linear_relu_backward", mutates_args=())
-def _bwd_op(
-    grad_y: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    ln_weight: Optional[torch.Tensor],
-    ln_bias: Optional[torch.Tensor],
-    eps: float,
-    feature_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("recfuse::ln_tanh_linear_relu_backward", mutates_args=(), schema=_BWD_SCHEMA)
+def _bwd_op(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
     return _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
 
 
@@ -148,7 +152,9 @@ def _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim
 
 
 @_bwd_op.register_fake
-def _bwd_fake(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+def _bwd_fake(grad_y, x, weight, bias, ln_weight, ln_bias, *args, **kwargs):
+    """The five gradients' empty tensors (`feature_mlp`'s backward registers this fake too)."""
+
     def like(t):
         return _empty(x) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
 
