@@ -428,3 +428,19 @@ def test_prefetching_backward_matches_float64_and_the_plain_loop(case, dtype, ch
         assert err < tol, f"{name}: {err:.2e}"
         # the same arithmetic on the same values: padded rows add exact zeros either way
         assert torch.equal(g, gp), name
+
+
+@pytest.mark.parametrize("D, B, H", [(48, 40, 2), (40, 24, 16), (100, 56, 1)])
+def test_masked_tile_config_decides_its_own_row_masks(D, B, H):
+    """A D that is not a power of two takes the masked-tile config, whose row tiles may be longer
+    than the full-tile config's: EVEN_B must be that config's. It was the full-tile config's, and
+    on the H100 (fp32 D=160 H=2-4 B=1000: 8-row full tiles divide 1000, the masked config's 64 do
+    not) the forward read and wrote past row B unmasked: y and every gradient wrong."""
+    def forced(D, H, dtype, full_tiles):
+        return configs.heuristic_forward(D, H, dtype, full_tiles, block_b=8 if full_tiles else 16)
+
+    case = Case(F=2, B=B, D=D, H=H, feature_dim=1, strided_view=True, ln="per_feature")
+    with configs.override(forward=forced), launch.trace_launches() as seen:
+        check_against_float64(case, torch.float32)
+    forward_meta = [m for kind, _, m, _ in seen if kind == "forward"]
+    assert forward_meta and all(m["BLOCK_B"] == 16 and m["EVEN_B"] == (B % 16 == 0) for m in forward_meta)

@@ -268,9 +268,12 @@ def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, s
     even_d = D == cfg.block_d
     even_b = B > 0 and B % cfg.block_b == 0
     if not (even_d and even_b):
-        # Masked tiles have their own config. EVEN_B, computed for the full-tile block_b, then
-        # errs only towards masking (a smaller block_b divides B whenever the larger one does).
+        # Masked tiles have their own config, and EVEN_B is that config's: its tiles may be longer
+        # than the full-tile config's. (EVEN_B of the full-tile block_b once launched 64-row
+        # tiles unmasked at B=1000, fp32 D=160 H=2-4 on the H100: rows past B read and written,
+        # y and every gradient wrong.)
         cfg = configs.forward_config(D, H, x.dtype, _config_device(dev), full_tiles=False)
+        even_b = B > 0 and B % cfg.block_b == 0
     if cfg.persistent and (D, H, x.dtype, dev.type) in _FWD_NOT_PERSISTENT:
         cfg = dataclasses.replace(cfg, persistent=0, tile_stages=1)
     y_shape = (F, B, H) if feature_dim == 0 else (B, F, H)
