@@ -52,6 +52,15 @@ X_STAGE_BYTES = 64 * 1024
 # Warps an SM should have in flight to hide HBM latency in the backward's row loop.
 WARPS_PER_SM = 32
 
+# The reduction of the backward's partial rows (`kernels.partials_to_grads`): columns per program
+# and rows added per step. Narrow column blocks give the shared parameters' sum over all F * P rows
+# (one program per column block) many programs, long row blocks few dependent steps. H100, 4 warps,
+# 8 partial shapes (F * P = 128-2112 rows of K = 385-4624): 16 x 128 fastest at all 8, 2.4-5.2x
+# faster than the former 128 x 8 (F=64 P=33 D=64 H=16: 126 -> 25 us, D=128 H=1: 77 -> 16 us;
+# benchmarks/results/checks/ab_reduce_h100.json).
+REDUCE_BLOCK_K = 16
+REDUCE_BLOCK_J = 128
+
 TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
 
 

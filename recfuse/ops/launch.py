@@ -532,14 +532,14 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
                    bias is not None and bias.dim() == 2,
                    ln_weight is not None and ln_weight.dim() == 2,
                    ln_bias is not None and ln_bias.dim() == 2)
-    block_k = 128
+    block_k = configs.REDUCE_BLOCK_K
     # Shared parameters only: their sums are all made by the feature-0 programs.
     reduce_grid = (triton.cdiv(K, block_k), F if any(per_feature) else 1)
     reduce_meta = dict(
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
         W_PER_F=per_feature[0], B_PER_F=per_feature[1], LNW_PER_F=per_feature[2],
         LNB_PER_F=per_feature[3], ANY_PER_F=any(per_feature), ANY_SHARED=not all(per_feature),
-        BLOCK_J=8, BLOCK_K=block_k,
+        BLOCK_J=configs.REDUCE_BLOCK_J, BLOCK_K=block_k,
     )
     return BackwardPlan(cfg, (P, F), ints, meta, (F * P, K), reduce_grid, (F, P, K, H, D), reduce_meta,
                         zero_dx=D == 1 and chain.norm == "layer_norm",
