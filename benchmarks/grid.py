@@ -11,9 +11,11 @@ The targets in /work/shared/DESIGN.md hold over a grid of shapes, not one shape;
   chain of `recfuse.ln_tanh_linear_relu`). A chain without a norm has no affine points. A run with
   other chains saves ``grid_chains_<gpu>.*`` beside the default chain's ``grid_<gpu>.*``.
 
-Per point, on CUDA: the op's forward (no grad) and training step (forward + ``y.backward(gy)`` with
-x, weight, bias and the LayerNorm parameters requiring grad, every ``.grad`` set to None first) as
-``triton.testing.do_bench`` medians; their floors, the bytes a perfect kernel must move over the
+Per point, on CUDA: the op's forward (no grad) as a ``triton.testing.do_bench`` median, and its
+training step (forward + ``y.backward(gy)`` with x, weight, bias and the LayerNorm parameters
+requiring grad, every ``.grad`` set to None first) as GPU time, the sum of its kernels' durations
+(torch.profiler over 5 steps; the do_bench figure, which also counts the GPU waiting for the host,
+is kept as ``train_wall_us``); their floors, the bytes a perfect kernel must move over the
 device-copy bandwidth measured in this run (``dst.copy_(src)`` on a buffer of x's size, 2 x size
 bytes moved): forward = x + y, training step = x + y + x again + grad_y + dx; the % of floor
 (floor / measured); CUDA kernels per call (torch.profiler); the extra peak memory of one training
@@ -64,8 +66,8 @@ import recfuse
 from recfuse.chain import DEFAULT, Chain, chain_of
 from recfuse.reference import batched_feature_mlp
 
-from _common import (command_line, copy_bandwidth, device_slug, environment, extra_peak_bytes, floor_us, forward_bytes,
-                     kernels_per_call, make_bench, op_inputs, training_bytes)
+from _common import (command_line, copy_bandwidth, device_activity, device_slug, environment, extra_peak_bytes, floor_us,
+                     forward_bytes, kernels_per_call, make_bench, op_inputs, training_bytes)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LAYOUTS = ("BFD", "FBD")
@@ -176,9 +178,16 @@ def measure_point(p: dict, args, bench, copy_GBps: float, deadline: float) -> No
             t.grad = None
         peak = extra_peak_bytes(step, dev)
         p["train_extra_peak_MB"] = None if peak is None else peak / 2**20
-        p["train_us"] = bench(step)
+        # GPU time is the sum of the step's kernel durations: do_bench's events also count the
+        # gaps where the GPU waits for the host (a training step is ~40 bare launches of host
+        # work; at H=1 that exceeded the ~0.4 ms of kernels and made the figure swing 2x from
+        # run to run, benchmarks/NOTES.md). The events' figure stays as train_wall_us.
+        p["train_wall_us"] = bench(step)
+        if dev == "cuda":
+            p["train_kernels"], p["train_us"] = device_activity(step, dev, calls=5)
+        else:
+            p["train_kernels"], p["train_us"] = 0, p["train_wall_us"]
         p["train_pct_floor"] = 100 * p["floor_train_us"] / p["train_us"]
-        p["train_kernels"] = kernels_per_call(step) if dev == "cuda" else 0
 
     def peer():
         torch._dynamo.reset()  # a fresh static compile per point: no recompile limit, no dynamic shapes
@@ -197,10 +206,12 @@ def measure_point(p: dict, args, bench, copy_GBps: float, deadline: float) -> No
         step = train_step(lambda xx: ctrain(xx, w, b, lw, lb))
         step()
         p["peer_compile_s"] = time.perf_counter() - t0
-        p["peer_train_us"] = bench(step)
+        p["peer_train_wall_us"] = bench(step)
+        p["peer_train_us"] = device_activity(step, dev, calls=3)[1] if dev == "cuda" else p["peer_train_wall_us"]
+        p["peer_train_gpu_time"] = True  # peer_train_us is kernel time, as train_us (older runs: events)
         p["peer_fwd_pct_floor"] = 100 * p["floor_fwd_us"] / p["peer_fwd_us"]
         p["peer_train_pct_floor"] = 100 * p["floor_train_us"] / p["peer_train_us"]
-        p["train_speedup_vs_peer"] = p["peer_train_us"] / p["train_us"] if "train_us" in p else None
+        p["train_speedup_vs_peer"] = peer_speedup(p)
 
     run("forward", forward)
     run("train", training)
@@ -224,7 +235,8 @@ def table(points: list[dict], env: dict) -> str:
         f"{env['date']}; copy {env['copy_GBps']:.0f} GB/s on {env['copy_bytes'] / 2**20:.4g} MB; "
         f"F={env['args']['features']}, x ~{env['args']['x_mb']} MB",
         "% = floor / measured (forward floor: x + y bytes; training step: 3 x + 2 y bytes; over copy BW). "
-        "peer = torch.compile(batched composite); peer x = peer train / op train.",
+        "train us = the step's kernel time (GPU time); peer = torch.compile(batched composite); "
+        "peer x = peer train / op train (both GPU time, or both do_bench events for peers of older runs).",
         f"{'chain':>22} {'layout':>6} {'dtype':>5} {'affine':>11} {'D':>4} {'H':>3} {'B':>7} | {'fwd us':>8} {'fwd %':>5} | "
         f"{'train us':>8} {'trn %':>5} | {'kern f/t':>8} {'peak MB':>8} {'max err':>8} | "
         f"{'peer fwd':>8} {'peer trn':>8} {'peer x':>6} | note",
@@ -320,6 +332,20 @@ def result_stem(save: str, slug: str, chains) -> str:
 POINT_KEY = ("chain", "layout", "dtype", "affine", "D", "H")
 
 
+def peer_speedup(p: dict):
+    """peer training time / recfuse's, both of one kind: GPU (kernel) time, or for a peer saved
+    by a run that timed it with do_bench's events, recfuse's events figure too.
+
+    Example:
+        >>> peer_speedup({"train_us": 400.0, "train_wall_us": 600.0, "peer_train_us": 1200.0})
+        2.0
+        >>> peer_speedup({"train_us": 400.0, "peer_train_us": 1200.0, "peer_train_gpu_time": True})
+        3.0
+    """
+    mine = p.get("train_us") if p.get("peer_train_gpu_time") else p.get("train_wall_us", p.get("train_us"))
+    return p["peer_train_us"] / mine if mine and p.get("peer_train_us") else None
+
+
 def merge_points(saved: list[dict], points: list[dict], date: str) -> list[dict]:
     """The saved points that ``points`` does not re-measure (each stamped with its run's date),
     then the new ones.
@@ -343,8 +369,7 @@ def merge_points(saved: list[dict], points: list[dict], date: str) -> list[dict]
             continue
         p.update({k: v for k, v in old.items() if k.startswith("peer_") or k == "peer"})
         p["peer_run_date"] = old.get("peer_run_date", old.get("run_date", date))
-        if p.get("train_us"):
-            p["train_speedup_vs_peer"] = p["peer_train_us"] / p["train_us"]
+        p["train_speedup_vs_peer"] = peer_speedup(p)
     kept = [{**p, "run_date": p.get("run_date", date)} for p in saved if key(p) not in fresh]
     kept_keys = {key(p) for p in kept}
     return kept + [p for p in points if "skipped" not in p or key(p) not in kept_keys]
