@@ -215,6 +215,41 @@ def _traced_function_apply(cls, *args, **kwargs):
     return _FUNCTION_APPLY.__func__(cls, *args, **kwargs)
 
 
+_PRINT = builtins.print
+_LOGGER_ENABLED_FOR = logging.Logger.isEnabledFor
+_LOGGING_DIR = os.path.dirname(logging.__file__)
+
+
+def _refuse_side_effect(what: str, where: Optional[str] = None) -> None:
+    raise RecfuseError(
+        f"cannot capture {what} in the model's forward (at {where or _user_frame()}): the captured graph holds tensor "
+        f"ops only, so the transformed model would not repeat it on its calls (it ran once, at capture). "
+        f"Move it out of forward (e.g. into a forward hook on the transformed model, which runs on every "
+        f"call), or remove it before recfuse.transform.")
+
+
+def _traced_print(*args, **kwargs):
+    # print() in the model's code: fx records no node for it, so the transformed model would be
+    # silent where the original prints on every call. Refused (the arguments may be traced values
+    # already formatted with the example's numbers, which no node could re-evaluate).
+    if _tracing_user_code() is not None and _is_user_code(sys._getframe(1)):
+        _refuse_side_effect("a print() call")
+    return _PRINT(*args, **kwargs)
+
+
+def _traced_logger_enabled_for(self, level):
+    # Every logging call (logger.info(...), logging.warning(...), whatever the level configured)
+    # asks isEnabledFor first; one made by the model's code would run once, at capture, only.
+    if _tracing_user_code() is not None:
+        f = sys._getframe(1)
+        while f is not None and f.f_code.co_filename.startswith(_LOGGING_DIR):
+            f = f.f_back
+        if _is_user_code(f) and not f.f_code.co_filename.startswith(_STDLIB_DIR):
+            where = f"{f.f_code.co_filename}:{f.f_lineno}: {linecache.getline(f.f_code.co_filename, f.f_lineno).strip()}"
+            _refuse_side_effect(f"a logging call (logger `{self.name}`)", where)
+    return _LOGGER_ENABLED_FOR(self, level)
+
+
 @contextlib.contextmanager
 def _patched_global_state(tracer: "Tracer"):
     """While `tracer` traces: grad-mode reads and changes of the model's code are recorded as nodes,
@@ -226,9 +261,13 @@ def _patched_global_state(tracer: "Tracer"):
     torch.amp.autocast_mode.autocast.__enter__ = _traced_autocast_enter
     nn.Module.__setattr__ = _traced_module_setattr
     torch.autograd.function.Function.apply = classmethod(_traced_function_apply)
+    builtins.print = _traced_print
+    logging.Logger.isEnabledFor = _traced_logger_enabled_for
     try:
         yield
     finally:
+        builtins.print = _PRINT
+        logging.Logger.isEnabledFor = _LOGGER_ENABLED_FOR
         torch.is_grad_enabled = _IS_GRAD_ENABLED
         torch._C._set_grad_enabled = _SET_GRAD_ENABLED
         torch.amp.autocast_mode.autocast.__enter__ = _AUTOCAST_ENTER
@@ -691,6 +730,8 @@ class RebuildTracer(_ModeTracer):
     """The tracer `torch.load` re-traces a saved transformed module's code with."""
 
     proxy_every_flag = True
+    # recfuse's public ops record themselves, not the torch.ops node they trace to elsewhere
+    record_public_ops = True
 
     def proxy(self, node: Node) -> Proxy:
         return Proxy(node, self)  # generated code: nothing to check
@@ -1271,6 +1312,134 @@ def _global_modules(fn) -> dict[str, nn.Module]:
     return found
 
 
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+_CONTAINERS = (list, dict, set, bytearray, __import__("collections").deque)
+_ATOMS = (type(None), bool, int, float, complex, str, bytes)
+_OPAQUE = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, nn.Module,
+           torch.Tensor, torch.dtype, torch.device)
+_BIG = 10_000  # a container this long is compared by length only (a vocabulary: fingerprinting costs)
+
+
+def _plain_object(v: Any) -> bool:
+    """A Python object whose attributes the model's code may change (a config namespace, a
+    dataclass instance): one with a `__dict__` that is not a module, tensor, function or class."""
+    return not isinstance(v, _OPAQUE) and isinstance(getattr(v, "__dict__", None), dict)
+
+
+def _fingerprint(v: Any, depth: int = 0) -> Any:
+    """What a change of a plain Python value made in place changes: atoms by value; lists, dicts,
+    sets and plain objects by their items / attributes (a few levels deep); anything else (tensors,
+    modules) by identity."""
+    if isinstance(v, _ATOMS):
+        return (type(v), repr(v) if isinstance(v, (float, complex)) else v)  # repr: nan == nan
+    if depth > 3:
+        return id(v)
+    if isinstance(v, _CONTAINERS):
+        if len(v) > _BIG:
+            return (type(v), id(v), len(v))
+        if isinstance(v, dict):
+            return (type(v), tuple((_fingerprint(k, 4), _fingerprint(x, depth + 1)) for k, x in v.items()))
+        if isinstance(v, set):
+            return (type(v), frozenset(_fingerprint(x, 4) for x in v))
+        if isinstance(v, bytearray):
+            return bytes(v)
+        return (type(v), tuple(_fingerprint(x, depth + 1) for x in v))
+    if isinstance(v, tuple):
+        return (type(v), tuple(_fingerprint(x, depth + 1) for x in v))
+    if _plain_object(v):
+        return (type(v), id(v), _fingerprint(vars(v), depth + 1))
+    return id(v)
+
+
+def _code_names(code, out: set) -> set:
+    """The global names `code` and the code objects nested in it (comprehensions) read."""
+    out.update(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            _code_names(c, out)
+    return out
+
+
+class _PlainStateSnapshot:
+    """The plain Python state a model's forward can change without a tensor op: the attributes of
+    every module of the model (lists, dicts, config objects, values of new attributes) and the
+    mutable globals its forward methods name. Such a change is no op of the graph: the transformed
+    model would make it once, at capture, and never on its calls (`self.seen.append(...)`,
+    `self.stats["mean"] = ...`, `self.cfg.calls += 1` on a namespace, whose value the graph then
+    also bakes in, `STATS.append(...)` on a global). Rebinding an existing attribute of a module
+    (`self.n = ...`) is refused while tracing, by `_traced_module_setattr`."""
+
+    def __init__(self, root: Optional[nn.Module], fn=None):
+        self.modules, self.globals = [], []
+        codes = []
+        if root is not None:
+            seen_types = set()
+            for path, mod in root.named_modules(remove_duplicate=True):
+                self.modules.append((path, mod, self._state(mod)))
+                f = getattr(type(mod), "forward", None)
+                if type(mod) not in seen_types and isinstance(f, types.FunctionType):
+                    seen_types.add(type(mod))
+                    codes.append(f)
+        if isinstance(fn, types.FunctionType):
+            codes.append(fn)
+        done = set()
+        for f in codes:
+            g = f.__globals__
+            for name in _code_names(f.__code__, set()):
+                v = g.get(name)
+                if (id(v) in done or not (isinstance(v, _CONTAINERS) or _plain_object(v))
+                        or isinstance(v, _OPAQUE)):
+                    continue
+                done.add(id(v))
+                saved = copy.copy(v) if isinstance(v, _CONTAINERS) else None
+                self.globals.append((f"{f.__module__}.{name}", v, _fingerprint(v), saved))
+
+    @staticmethod
+    def _state(mod: nn.Module) -> dict:
+        """name -> fingerprint of a module's own attributes. Atoms and tuples (eps,
+        normalized_shape) cannot change in place, and rebinding an attribute goes through
+        `_traced_module_setattr`: they are kept by identity, which is cheap (a model of 10,000
+        LayerNorms has 30,000 of them)."""
+        return {k: (id(v) if type(v) is tuple or isinstance(v, _ATOMS) else _fingerprint(v))
+                for k, v in mod.__dict__.items() if k not in _MODULE_INTERNALS}
+
+    def check(self, fn_name: str, dynamo: bool = False, graph: Optional[Graph] = None) -> None:
+        # A module the graph calls (a call_module leaf: a FusedFeatureProcessor, whose plan cache
+        # fills on its first call) runs its own forward on every call of the result, so what it
+        # changes in place changes as in the original; a new attribute is still looked for (the
+        # caller's code may have set it: `self.lin.tagged = True`).
+        leaves = tuple(n.target for n in graph.nodes if n.op == "call_module") if graph is not None else ()
+        for path, mod, old in self.modules:
+            state = self._state(mod)
+            if leaves and any(path == t or path.startswith(t + ".") for t in leaves):
+                state = {k: old.get(k, v) for k, v in state.items()}
+            if dynamo:  # Dynamo marks the modules it traces (`_is_torch_compile`): not the model's doing
+                state = {k: v for k, v in state.items() if k in old or not k.startswith("_")}
+            if state != old:
+                names = [k for k, v in state.items() if old.get(k, v) != v or k not in old]
+                names += [k for k in old if k not in state]
+                what = ", ".join(f"`{path + '.' if path else ''}{k}`" for k in names) or "an attribute"
+                self._refuse(fn_name, f"the attribute {what} of {type(mod).__name__}")
+        for name, v, fp, saved in self.globals:
+            if _fingerprint(v) != fp:
+                if saved is not None:  # the trace ran the real code on the real global: put it back
+                    try:
+                        v.clear()
+                        v.update(saved) if isinstance(v, (dict, set)) else v.extend(saved)
+                    except Exception:
+                        pass
+                self._refuse(fn_name, f"the global `{name}`")
+
+    @staticmethod
+    def _refuse(fn_name: str, what: str) -> None:
+        raise RecfuseError(
+            f"cannot capture {fn_name}: its forward changed {what} in place (an append, an item or "
+            f"attribute set, a new attribute): the captured graph holds tensor ops only, so the transformed "
+            f"model would make that change once, at capture, and never on its calls (and would keep any "
+            f"value read from it fixed). Keep such state in a buffer updated in place (`self.n.add_(1)`, "
+            f"which is kept), in a forward hook on the transformed model, or outside forward.")
+
+
 class _StateSnapshot:
     """Buffers of a module and the RNG state, restored on exit: capturing runs the forward once
     (BatchNorm statistics, `num_batches_tracked`, dropout's random draws) and must change nothing."""
@@ -1410,7 +1579,7 @@ def _guard_optional_arguments(gm: GraphModule, params: list, values: dict, const
     return changed
 
 
-def _finish_concrete(gm: GraphModule, constants: dict[str, Any]) -> None:
+def _finish_concrete(gm: GraphModule, constants: dict[str, Any], defaults: Optional[dict] = None) -> None:
     """Give constant arguments defaults, and drop guards on module-valued ones.
 
     symbolic_trace guards a specialised int with an assert (kept: calling with another batch size
@@ -1431,7 +1600,20 @@ def _finish_concrete(gm: GraphModule, constants: dict[str, Any]) -> None:
                 gm.graph.call_function(runtime.check_module_argument,
                                        (n, runtime.remember_module_argument(value), _arg_name(n.target, constants)))
         elif value is None or isinstance(value, (bool, int, float, str)):
-            n.args = (value,)
+            default = (defaults or {}).get(_arg_name(n.target, constants), value)
+            if not (default is None or type(default) in (bool, int, float, str)) or _same_plain_value(default, value):
+                default = value
+            # An argument with a default of its own keeps it: a call that leaves it out means the
+            # original's default, not the example's value (`forward(x, scale=1.0)` transformed with
+            # scale=2.0 returned y * 2 for `g(x)`); the guard below then refuses that call.
+            n.args = (default,)
+            if value is not None and not any(u.target is torch._assert or getattr(u.target, "__name__", "") == "eq"
+                                             or u.target in (operator.eq, runtime.check_constant) for u in n.users):
+                # fx guards a baked int/float/bool with `torch._assert(x == value)`; a str (whose
+                # comparison the value tracer answers at once) had no guard: `forward(x, mode="sum")`
+                # transformed with "mean" ran the mean path for `g(x, "sum")`.
+                with gm.graph.inserting_after(n):
+                    gm.graph.call_function(runtime.check_constant, (n, value, _arg_name(n.target, constants)))
             if value is None:
                 # fx's own `_assert_is_none` for it is pure, and dead-code elimination drops it
                 for u in list(n.users):
@@ -1549,6 +1731,7 @@ def _capture(model, example_inputs, codegen: bool, share: bool) -> tuple[GraphMo
     if shared:
         tracer._shared = {id(t) for t in shared}
     guard = _SharedGuard(shared) if shared else None
+    containers = _PlainStateSnapshot(root, None if isinstance(model, nn.Module) else model)
     try:
         with warnings.catch_warnings(), _StateSnapshot(root, example_inputs), _one_thread(), \
                 _traced_type_builtin(root, model if not isinstance(model, nn.Module) else None):
@@ -1574,11 +1757,14 @@ def _capture(model, example_inputs, codegen: bool, share: bool) -> tuple[GraphMo
                 f"cannot capture {fn_name}: data-dependent control flow ({e}). Pass example_inputs, or "
                 f"use torch.where/torch.cond instead of a Python `if` on a tensor."
             ) from None
-        return _capture_dynamo(root, values, constants, fn_name, e)
+        gm, facts = _capture_dynamo(root, values, constants, fn_name, e)
+        containers.check(fn_name, dynamo=True)
+        return gm, facts
     except BaseException:
         _check_guard(guard)
         raise
     _check_guard(guard)
+    containers.check(fn_name, graph=graph)
     _release_trace_state(tracer)
     graph._tracer_cls = None  # a loaded copy re-traces its code with RebuildTracer
     for n in graph.nodes:
@@ -1619,7 +1805,7 @@ def _capture(model, example_inputs, codegen: bool, share: bool) -> tuple[GraphMo
     changed = _guard_optional_arguments(gm, params, values, constants) or changed
     changed = _separate_grad_regions(gm.graph) or changed
     if constants:
-        _finish_concrete(gm, constants)
+        _finish_concrete(gm, constants, {p.name: p.default for p in params if p.default is not p.empty})
     if codegen and (changed or constants) and not share:
         gm.recompile()
     return gm, {"how": "torch.fx", "constants": {k: v for k, v in constants.items() if not isinstance(v, nn.Module)},

@@ -19,7 +19,7 @@ from torch.fx import GraphModule
 from torch.fx.graph_module import _WrappedCall, reduce_graph_module
 from torch.nn.modules import module as _nn_module
 
-__all__ = ["TransformedGraphModule", "map_original_keys", "carry_state"]
+__all__ = ["TransformedGraphModule", "map_original_keys", "carry_state", "mark_stacked_away"]
 
 # Attributes that are recfuse's own and must survive deepcopy and pickling.
 PRESERVED_ATTRS = ("_recfuse_stacked", "recfuse_report")
@@ -87,6 +87,89 @@ def map_original_keys(module: torch.nn.Module, state_dict: dict, prefix: str, mi
             else:
                 missing_keys.append(k)
         state_dict[prefix + new] = cur
+
+
+class _StackedAwayNames(dict):
+    """The `_buffers` of a module (of the result) some of whose original tensors fusion stacked into
+    a parameter of the result: `away` maps each such name to the message saying where it went.
+    ``name in d`` is True for them (value None), so that torch.func.functional_call (and
+    ``module.weight = t``) set them here, and that set raises: without it functional_call set a
+    plain attribute that the fused graph never reads, or failed on a module path that fusion had
+    pruned ("M has no attribute `ns`"), and the call ran with the stacked parameter silently."""
+
+    away: dict = {}  # the class default: unpickling sets the items before the instance's __dict__
+
+    def __contains__(self, k):
+        return dict.__contains__(self, k) or k in self.away
+
+    def __getitem__(self, k):
+        if k in self.away and not dict.__contains__(self, k):
+            return None
+        return dict.__getitem__(self, k)
+
+    def __setitem__(self, k, v):
+        if k in self.away and not dict.__contains__(self, k):
+            if v is None:
+                return  # functional_call putting back the None it read
+            from ..errors import RecfuseError
+
+            raise RecfuseError(self.away[k])
+        dict.__setitem__(self, k, v)
+
+    def __delitem__(self, k):
+        if k in self.away and not dict.__contains__(self, k):
+            return
+        dict.__delitem__(self, k)
+
+
+class _FusedAway(torch.nn.Module):
+    """Stands at the path of a module whose tensors fusion stacked (and which it pruned), so that a
+    lookup of an original name reaches `_StackedAwayNames` and its error."""
+
+    def extra_repr(self) -> str:
+        return "fused by recfuse.transform"
+
+
+def mark_stacked_away(gm: torch.nn.Module) -> None:
+    """Make every original name of a tensor that fusion stacked (``lns.0.weight``) resolve on `gm`
+    to a None that refuses to be set, naming the stacked parameter and row that hold it now."""
+    for new, olds in getattr(gm, "_recfuse_stacked", {}).items():
+        for row, old in enumerate(olds):
+            owner_path, _, leaf = old.rpartition(".")
+            owner = gm
+            for part in owner_path.split(".") if owner_path else ():
+                sub = owner._modules.get(part)
+                if sub is None:
+                    if part in owner.__dict__ or part in owner._parameters or part in owner._buffers:
+                        break
+                    sub = _FusedAway()
+                    owner.add_module(part, sub)
+                owner = sub
+            else:
+                if leaf in owner._parameters or dict.__contains__(owner._buffers, leaf) or leaf in owner._modules:
+                    continue
+                if not isinstance(owner._buffers, _StackedAwayNames):
+                    owner._buffers = _StackedAwayNames(owner._buffers)
+                    owner._buffers.away = {}
+                owner._buffers.away[leaf] = (
+                    f"`{old}` of the original model is row {row} of the parameter `{new}` of the model "
+                    "recfuse.transform returned (fusion stacked it); it cannot be replaced under its "
+                    "original name (torch.func.functional_call, setattr). Pass the transformed model's "
+                    "names: `transformed.transformed_parameters(params)` maps a dict keyed by the original "
+                    "names onto them (rows stacked with torch.stack, so gradients reach your tensors).")
+
+
+def transformed_parameters(module: torch.nn.Module, params: dict) -> dict:
+    """`params` keyed by the original model's names -> keyed by `module`'s (see
+    `TransformedGraphModule.transformed_parameters`)."""
+    stacked = getattr(module, "_recfuse_stacked", {})
+    taken = {o for olds in stacked.values() for o in olds}
+    out = {k: v for k, v in params.items() if k not in taken}
+    for new, olds in stacked.items():
+        if any(o in params for o in olds):
+            cur = getattr(module, new)
+            out[new] = torch.stack([params[o] if o in params else cur[i] for i, o in enumerate(olds)])
+    return out
 
 
 def _restoring_grad_mode(forward):
@@ -158,6 +241,7 @@ def _rebuild(cls: type, body: dict, import_block: str) -> "TransformedGraphModul
             gm.__dict__[k] = v
     if all(k in body for k in ("_parameters", "_buffers", "_modules")):
         _restore_dropped(gm, body)
+    mark_stacked_away(gm)
     return gm
 
 
@@ -236,6 +320,21 @@ class TransformedGraphModule(GraphModule):
         """
         return {k: list(v) for k, v in getattr(self, "_recfuse_stacked", {}).items()}
 
+    def transformed_parameters(self, params: dict) -> dict:
+        """A dict of tensors keyed by the *original* model's names (``lns.3.weight``) -> the same
+        keyed by this module's names, for ``torch.func.functional_call(transformed, ...)``: the
+        rows of each stacked parameter are stacked with torch.stack (rows not in `params` are the
+        module's own), so gradients reach the given tensors; other names pass through.
+
+        Example:
+            >>> import torch, recfuse
+            >>> m = torch.nn.Module(); m.p = torch.nn.Parameter(torch.zeros(2, 3))
+            >>> m._recfuse_stacked = {"p": ["a.weight", "b.weight"]}
+            >>> TransformedGraphModule.transformed_parameters(m, {"b.weight": torch.ones(3)})["p"].tolist()
+            [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
+        """
+        return transformed_parameters(self, params)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         map_original_keys(self, state_dict, prefix, missing_keys)
@@ -251,6 +350,7 @@ class TransformedGraphModule(GraphModule):
         # GraphModule's constructor drops; the dicts were deep-copied already (found in `memo`).
         _restore_dropped(res, {k: copy.deepcopy(self.__dict__[k], memo)
                                for k in _STATE_ATTRS + HOOK_ATTRS if k in self.__dict__})
+        mark_stacked_away(res)
         return res
 
     def __reduce__(self) -> tuple[Any, ...]:

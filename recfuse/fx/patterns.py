@@ -204,6 +204,13 @@ def _normalized_shape(shape) -> Optional[tuple]:
     return shape
 
 
+def _computed_shape(shape) -> tuple:
+    """attrs marking a normalized_shape computed in the graph (``t.shape[-1:]``, ``(x.shape[0],)``):
+    its value is the example's, and the size it reads may be the batch (a slice of ``x.T``), so a
+    batched norm reads it from its input per call (`runtime.trailing_shape`) instead."""
+    return (("computed_shape", True),) if isinstance(shape, Node) else ()
+
+
 def _eps_attr(eps) -> Optional[float]:
     """A norm's eps as an attr: a float, or None (RMSNorm's default, which depends on the dtype)."""
     return None if eps is None else float(eps)
@@ -261,14 +268,16 @@ def classify(node: Node, root: Optional[nn.Module]) -> Optional[OpInfo]:
             eps = _arg(node, 4, "eps", 1e-5)
             if shape is None or not isinstance(eps, (int, float)):
                 return None
-            return OpInfo("layer_norm", node, x, (("eps", float(eps)), ("shape", shape)),
+            return OpInfo("layer_norm", node, x, (("eps", float(eps)), ("shape", shape))
+                          + _computed_shape(_arg(node, 1, "normalized_shape")),
                           {"weight": _param_ref(_arg(node, 2, "weight")), "bias": _param_ref(_arg(node, 3, "bias"))})
         if t in _RMS_NORM_FNS:
             shape = _normalized_shape(_arg(node, 1, "normalized_shape"))
             eps = _arg(node, 3, "eps", None)
             if shape is None or not (eps is None or isinstance(eps, (int, float))) or isinstance(eps, bool):
                 return None
-            return OpInfo("rms_norm", node, x, (("eps", _eps_attr(eps)), ("shape", shape)),
+            return OpInfo("rms_norm", node, x, (("eps", _eps_attr(eps)), ("shape", shape))
+                          + _computed_shape(_arg(node, 1, "normalized_shape")),
                           {"weight": _param_ref(_arg(node, 2, "weight"))})
         if t in _LINEAR_FNS:
             w = _arg(node, 1, "weight")

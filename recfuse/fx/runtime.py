@@ -21,6 +21,7 @@ __all__ = [
     "check_module_argument",
     "check_specialized",
     "check_none",
+    "check_constant",
     "check_slice_end",
     "check_not_none",
     "check_dynamo_guards",
@@ -30,6 +31,7 @@ __all__ = [
     "slices_view",
     "gather_slices",
     "rows_view",
+    "trailing_shape",
     "feature_affine",
     "feature_linear",
     "from_batched",
@@ -236,6 +238,23 @@ def check_none(value, name: str) -> None:
 
 @has_side_effect
 @_graph_leaf
+def check_constant(value, expected, name: str) -> None:
+    """Guard of an argument whose example value (a str, ...) became a constant of the graph and
+    which torch.fx gives no guard of its own (it asserts ints, floats and bools only).
+
+    Example:
+        >>> check_constant("mean", "mean", "mode")
+    """
+    if type(value) is not type(expected) or value != expected:
+        raise RecfuseError(
+            f"argument `{name}` was {expected!r} in recfuse.transform's example_inputs, so the transformed graph "
+            f"holds only the code path for that value; this call passes {value!r}, for which the original may "
+            f"compute something else. Transform with example_inputs holding {value!r} for that case (a separate "
+            f"transformed module per value).")
+
+
+@has_side_effect
+@_graph_leaf
 def check_not_none(value, name: str) -> None:
     """Guard of an argument with a None default that example_inputs gave a value: the graph holds
     the code path for a value.
@@ -374,6 +393,21 @@ def rows_view(x: torch.Tensor, fd: int, d: int) -> torch.Tensor:
         torch.Size([3, 2, 4])
     """
     return x.movedim(fd, 0).reshape(x.shape[fd], -1, d)
+
+
+@_graph_leaf
+def trailing_shape(x: torch.Tensor, k: int) -> list:
+    """The last `k` sizes of `x`, read per call: the normalized_shape of a batched norm whose
+    per-slice calls computed theirs from the slice (``F.layer_norm(t, t.shape[-1:])``). Such a
+    shape may hold a size that changes between calls (the batch, when the slices are columns of
+    ``x.T``), so the example's value cannot be baked in.
+
+    Example:
+        >>> import torch
+        >>> trailing_shape(torch.zeros(3, 6, 5), 1)
+        [5]
+    """
+    return list(x.shape[x.dim() - k:])
 
 
 def _feature_shaped(p: torch.Tensor, fd: int, ndim: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import RecfuseError
 from .capture import PendingModule, _StateSnapshot, capture, unshare
 from .fuse import fuse_graph
+from .graph_module import mark_stacked_away
 from .plan import attr_tensor
 from .registry import FUSIONS, select_fusions
 from .replay import CudaGraphReplayModule
@@ -182,6 +183,7 @@ def _finish_module(gm: GraphModule, report: FusionReport, kept: Optional[dict] =
             _assign(gm, name, t, persistent)  # not read by the fused graph, still the model's state
     if stacked:
         gm._recfuse_stacked = stacked
+        mark_stacked_away(gm)
     for n in gm.graph.nodes:
         n.meta.pop(VAL_KEY, None)
     gm.graph.lint()
@@ -300,6 +302,7 @@ def _replaying(gm: GraphModule) -> GraphModule:
     stacked = getattr(gm, "_recfuse_stacked", None)
     if stacked:
         replay._recfuse_stacked = stacked
+        mark_stacked_away(replay)
     return replay
 
 

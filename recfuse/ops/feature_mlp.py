@@ -130,6 +130,12 @@ def feature_mlp(
         return ln_tanh_linear_relu(x, weight, bias, ln_weight=ln_weight, ln_bias=ln_bias, eps=eps,
                                    feature_dim=feature_dim)
     names = to_schema(chain)
+    if isinstance(x, torch.fx.Proxy) and getattr(x.tracer, "record_public_ops", False):
+        # torch.load re-tracing a transformed module's code: keep the call of this function (see
+        # ln_tanh_linear_relu: its torch.func path)
+        return x.tracer.create_proxy("call_function", feature_mlp, (x, weight, bias), dict(
+            norm=norm, ln_weight=ln_weight, ln_bias=ln_bias, eps=eps, activation=activation,
+            out_activation=out_activation, feature_dim=feature_dim))
     if isinstance(x, torch.fx.Proxy):
         # eps may be a node too: an RMSNorm's eps=None is the dtype's epsilon, read at run time
         eps = eps if isinstance(eps, torch.fx.Proxy) else float(eps)

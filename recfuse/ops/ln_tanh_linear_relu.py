@@ -412,6 +412,13 @@ def ln_tanh_linear_relu(
         >>> y.sum().backward()
     """
     if isinstance(x, torch.fx.Proxy):
+        if getattr(x.tracer, "record_public_ops", False):
+            # torch.load re-tracing a transformed module's code: the node stays a call of this
+            # function, as `transform` made it; as a torch.ops node the loaded model lost this
+            # function's torch.func / forward-AD path (torch.func.grad raised "autograd.Function
+            # ... must override the setup_context staticmethod") and its lean eager dispatch.
+            return x.tracer.create_proxy("call_function", ln_tanh_linear_relu, (x, weight, bias),
+                                         dict(ln_weight=ln_weight, ln_bias=ln_bias, eps=eps, feature_dim=feature_dim))
         # symbolic_trace: record one custom-op node; its fake impl sees the shapes later.
         return torch.ops.recfuse.ln_tanh_linear_relu(
             x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim)

@@ -65,6 +65,11 @@ class HorizontalChain(Fusion):
         time from the dtype, as the per-slice call did)."""
         ws, bs = specs.get("weight"), specs.get("bias")
         ns = list(op.attr("shape"))
+        if op.attr("computed_shape"):
+            # the per-slice calls computed it from sizes; one may be the batch (t.shape[1:] of a
+            # column slice of x.T): read it per call, as they did (the plan checked that it is
+            # the slices' trailing dims, which are the batched tensor's)
+            ns = rw.fn(runtime.trailing_shape, [x, len(ns)])
         eps = op.attr("eps")
         if all(s is None or s.shared for s in (ws, bs)):
             if op.kind == "rms_norm":
