@@ -268,6 +268,19 @@ def test_small_h_paths_on_cuda_match_float64(case_kw, dtype):
     check_against_float64(Case(**case_kw), dtype, device="cuda")
 
 
+ODD_BATCH_CUDA = [dict(F=3, B=B, D=D, H=H, feature_dim=1, strided_view=True, ln="per_feature")
+                  for D in (48, 100, 160, 200) for H in (1, 3, 16) for B in (1000, 999)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case_kw", ODD_BATCH_CUDA, ids=lambda kw: str(Case(**kw)))
+def test_odd_batches_of_odd_widths_on_cuda_match_float64(case_kw, dtype):
+    """D not a power of two takes the masked-tile configs; a batch that the full-tile config's
+    row tiles divide but the masked config's do not ran unmasked past row B (H100, D=160 B=1000)."""
+    check_against_float64(Case(**case_kw), dtype, device="cuda")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("H", [2, 3, 4])

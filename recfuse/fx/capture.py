@@ -220,34 +220,53 @@ _LOGGER_ENABLED_FOR = logging.Logger.isEnabledFor
 _LOGGING_DIR = os.path.dirname(logging.__file__)
 
 
-def _refuse_side_effect(what: str, where: Optional[str] = None) -> None:
-    raise RecfuseError(
-        f"cannot capture {what} in the model's forward (at {where or _user_frame()}): the captured graph holds tensor "
-        f"ops only, so the transformed model would not repeat it on its calls (it ran once, at capture). "
-        f"Move it out of forward (e.g. into a forward hook on the transformed model, which runs on every "
-        f"call), or remove it before recfuse.transform.")
+def _user_site(f) -> str:
+    return f"{f.f_code.co_filename}:{f.f_lineno}: {linecache.getline(f.f_code.co_filename, f.f_lineno).strip()}"
+
+
+def _note_dropped_output(tracer, what: str, where: str) -> None:
+    tracer.__dict__.setdefault("_dropped_output", {}).setdefault(where, what)
 
 
 def _traced_print(*args, **kwargs):
-    # print() in the model's code: fx records no node for it, so the transformed model would be
-    # silent where the original prints on every call. Refused (the arguments may be traced values
-    # already formatted with the example's numbers, which no node could re-evaluate).
-    if _tracing_user_code() is not None and _is_user_code(sys._getframe(1)):
-        _refuse_side_effect("a print() call")
+    # print() in the model's code: fx records no node for it, so the transformed model is silent
+    # where the original prints on every call. Output changes no value: noted and warned about
+    # after capture (`_warn_dropped_output`), not refused; not printed here (the arguments are
+    # traced values).
+    tracer = _tracing_user_code()
+    if tracer is not None and _is_user_code(sys._getframe(1)):
+        _note_dropped_output(tracer, "print()", _user_site(sys._getframe(1)))
+        return None
     return _PRINT(*args, **kwargs)
 
 
 def _traced_logger_enabled_for(self, level):
-    # Every logging call (logger.info(...), logging.warning(...), whatever the level configured)
-    # asks isEnabledFor first; one made by the model's code would run once, at capture, only.
-    if _tracing_user_code() is not None:
+    # Every logging call (logger.info(...), logging.warning(...)) asks isEnabledFor first. One the
+    # model's code makes and the logger would emit runs at capture only: noted, warned about after
+    # capture, and not emitted here. A disabled one (a debug line at INFO) loses nothing.
+    enabled = _LOGGER_ENABLED_FOR(self, level)
+    tracer = _tracing_user_code()
+    if enabled and tracer is not None:
         f = sys._getframe(1)
         while f is not None and f.f_code.co_filename.startswith(_LOGGING_DIR):
             f = f.f_back
         if _is_user_code(f) and not f.f_code.co_filename.startswith(_STDLIB_DIR):
-            where = f"{f.f_code.co_filename}:{f.f_lineno}: {linecache.getline(f.f_code.co_filename, f.f_lineno).strip()}"
-            _refuse_side_effect(f"a logging call (logger `{self.name}`)", where)
-    return _LOGGER_ENABLED_FOR(self, level)
+            _note_dropped_output(tracer, f"logging (logger `{self.name}`)", _user_site(f))
+            return False
+    return enabled
+
+
+def _warn_dropped_output(tracer, fn_name: str) -> None:
+    """One warning naming the print / logging calls of the model's forward that the transformed
+    model will not repeat (they hold no tensor op; the graph runs without them)."""
+    sites = getattr(tracer, "_dropped_output", None)
+    if sites:
+        listed = "; ".join(f"{what} at {where}" for where, what in sites.items())
+        warnings.warn(
+            f"recfuse.transform({fn_name}): the transformed model does not repeat the output of its forward "
+            f"({listed}): the captured graph holds tensor ops only. Its values are unchanged; to keep the "
+            f"output, move it into a forward hook on the transformed model (hooks run on every call).",
+            stacklevel=3)
 
 
 @contextlib.contextmanager
@@ -1765,6 +1784,7 @@ def _capture(model, example_inputs, codegen: bool, share: bool) -> tuple[GraphMo
         raise
     _check_guard(guard)
     containers.check(fn_name, graph=graph)
+    _warn_dropped_output(tracer, fn_name)
     _release_trace_state(tracer)
     graph._tracer_cls = None  # a loaded copy re-traces its code with RebuildTracer
     for n in graph.nodes:
