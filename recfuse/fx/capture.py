@@ -1427,10 +1427,12 @@ class _PlainStateSnapshot:
         # fills on its first call) runs its own forward on every call of the result, so what it
         # changes in place changes as in the original; a new attribute is still looked for (the
         # caller's code may have set it: `self.lin.tagged = True`).
-        leaves = tuple(n.target for n in graph.nodes if n.op == "call_module") if graph is not None else ()
+        leaves = {n.target for n in graph.nodes if n.op == "call_module"} if graph is not None else set()
         for path, mod, old in self.modules:
             state = self._state(mod)
-            if leaves and any(path == t or path.startswith(t + ".") for t in leaves):
+            # path or one of its parents is a leaf: walk the dotted prefixes (a set lookup each, not
+            # a scan of the leaves: 10,000 modules x 10,000 leaves took 15 s)
+            if leaves and (path in leaves or any(path[:i] in leaves for i, c in enumerate(path) if c == ".")):
                 state = {k: old.get(k, v) for k, v in state.items()}
             if dynamo:  # Dynamo marks the modules it traces (`_is_torch_compile`): not the model's doing
                 state = {k: v for k, v in state.items() if k in old or not k.startswith("_")}
