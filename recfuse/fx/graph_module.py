@@ -194,7 +194,8 @@ def read_attr(obj, atoms: tuple):
             obj = getattr(obj, name)
         return obj
     for name in atoms:
-        if not _plain_module_attr(type(obj), name):
+        plain = _PLAIN_MODULE_ATTR.get((type(obj), name))  # `_plain_module_attr`, its cache inlined
+        if not (plain or (plain is None and _plain_module_attr(type(obj), name))):
             obj = getattr(obj, name)
             continue
         d = obj.__dict__
