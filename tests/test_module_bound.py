@@ -250,3 +250,33 @@ def test_bound_calls_on_cuda_match_the_reference(kwargs):
     with torch.no_grad():
         fp.eval()
         check(fp, x, tol=2e-2)
+
+
+def test_keyed_tensor_inputs_are_bound_by_keys_and_lengths():
+    KeyedTensor = pytest.importorskip("torchrec.sparse.jagged_tensor").KeyedTensor
+    fp = make(dims=[8, 4, 8, 4])
+
+    def kt(keys, lengths, values):
+        return KeyedTensor(keys=list(keys), length_per_key=list(lengths), values=values)
+
+    dims = dict(zip(NAMES, fp.embedding_dims))
+    for keys in (NAMES, ["d", "a", "c", "b"]):  # module order, then another order
+        lengths = [dims[k] for k in keys]
+        for values in (torch.randn(5, 24), torch.randn(5, 26)[:, 1:25]):
+            for _ in range(2):
+                x = kt(keys, lengths, values)
+                y, ref = fp(x), fp.forward_reference(x)
+                assert y.keys() == list(keys) and y.length_per_key() == [H] * 4
+                assert rel_err(y.values(), ref.values()) < TOL
+            vg = values.clone().requires_grad_(True)
+            got = grads(fp, vg, lambda v: fp(kt(keys, lengths, v)).values())
+            want = grads(fp, vg, lambda v: fp.forward_reference(kt(keys, lengths, v)).values())
+            assert all(rel_err(g, w) < TOL for g, w in zip(got, want))
+    bound = len(fp._bound)
+    assert bound >= 4 and fp._plans.validations >= 4
+    # the same values under other lengths: a new key, validated, with the checks' message
+    with pytest.raises(ValueError, match="embedding dim"):
+        fp(kt(["d", "a", "c", "b"], [8, 4, 8, 4], torch.randn(5, 24)))
+    with pytest.raises(ValueError):
+        fp(kt(["a", "b", "c"], [8, 4, 8], torch.randn(5, 20)))
+    assert len(fp._bound) == bound

@@ -1,7 +1,8 @@
 """Bound calls: a tensor input's validated plan with everything about its op calls worked out, so
 that a call of a known signature only reads the parameters, keys the call and runs the op.
 
-`FusedFeatureProcessor.forward` keys a tensor input's call by `call_key` (the input's shape,
+`FusedFeatureProcessor.forward` keys a tensor input's call (a KeyedTensor's by its values, with
+its keys and lengths in feature_dim's place) by `call_key` (the input's shape,
 strides, dtype, device, data-pointer alignment and requires_grad, ``feature_dim``, the grad mode,
 train/eval, eps and chain, and each parameter's presence, shape, strides, dtype, device, alignment
 and requires_grad). The first call of a key goes through the module's planning (`PlanCache`, which

@@ -31,6 +31,7 @@ from ..cuda_graph import CudaGraphCache, ModuleTensors
 from ..fx.graph_module import _plain_call
 from .features import FeatureLayout, check_config
 from ..ops.ln_tanh_linear_relu import eager_ready
+from ..torchrec import is_keyed_tensor, make_keyed_tensor
 from .bound import bind, call_key
 from .inputs import read_input
 from .parameters import PARAM_KINDS, PER_FEATURE_NDIM, feature_view, parameter_shapes, read_modules, reset_group
@@ -408,13 +409,19 @@ class FusedFeatureProcessor(nn.Module):
             >>> fp(torch.randn(5, 2, 4)).shape, fp(torch.randn(2, 5, 4), feature_dim=0).shape
             (torch.Size([5, 2, 3]), torch.Size([2, 5, 3]))
         """
-        if type(x) is _Tensor and not self.cuda_graph and eager_ready(x):
+        values, keyed = x, None
+        if type(x) is not _Tensor and is_keyed_tensor(x) and x.key_dim() == 1:
+            # A KeyedTensor: its values are a [B, sum(D)] buffer; its keys and lengths take
+            # feature_dim's place in the call's key (which a 2D tensor input ignores).
+            values, keyed = x.values(), (tuple(x.keys()), tuple(x.length_per_key()))
+        if type(values) is _Tensor and not self.cuda_graph and eager_ready(values):
             # A tensor input: its call's key finds the bound call of its validated plan.
             get = self._parameters.get
             flat = [get(n) for n in self._flat_parameter_names]
             grad_enabled = _grad_enabled()
             try:
-                key = call_key(x, feature_dim, flat, grad_enabled, self.training, self.eps, self.chain)
+                key = call_key(values, feature_dim if keyed is None else keyed, flat, grad_enabled, self.training,
+                               self.eps, self.chain)
                 bound = self._bound.get(key)
             except (AttributeError, TypeError, RuntimeError):  # not plain tensors, an unhashable feature_dim
                 key = None
@@ -423,11 +430,14 @@ class FusedFeatureProcessor(nn.Module):
                     params = tuple(tuple(flat[i:i + 4]) for i in range(0, len(flat), 4))
                     inp = read_input(x, feature_dim)
                     plan = self._plan(inp, params)  # validates a signature seen for the first time
-                    needs_grad = grad_enabled and (x.requires_grad or any(p is not None and p.requires_grad
-                                                                         for p in flat))
-                    bound = bind(plan, x, params, self.eps, self.chain, needs_grad)
+                    needs_grad = grad_enabled and (values.requires_grad or any(p is not None and p.requires_grad
+                                                                              for p in flat))
+                    bound = bind(plan, values, params, self.eps, self.chain, needs_grad)
                     self._bound.put(key, bound)
-                return bound.call_flat(x, flat)
+                if keyed is None:
+                    return bound.call_flat(values, flat)
+                keys = keyed[0]
+                return make_keyed_tensor(list(keys), [self.out_features] * len(keys), bound.call_flat(values, flat))
         inp = read_input(x, feature_dim)
         params = self._group_parameters()
         plan = self._plan(inp, params)
