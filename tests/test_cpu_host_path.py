@@ -246,3 +246,88 @@ def test_helpers_record_nodes_for_proxies():
     assert torch.equal(gm(x), x.view(2, 3, 4))
     with pytest.raises(recfuse.errors.RecfuseError, match="specialised len"):
         gm(torch.randn(2, 16))
+
+
+# ---------------------------------------------------------------------------------------------
+# transformed graphs' attribute reads (`graph_module.read_attr`)
+
+
+class _PerFeature(torch.nn.Module):
+    def __init__(self, F_=3, D=8, H=2):
+        super().__init__()
+        self.D = D
+        self.lns = torch.nn.ModuleList(torch.nn.LayerNorm(D) for _ in range(F_))
+        self.linear = torch.nn.Linear(D, H)
+
+    def forward(self, x):
+        ts = [torch.tanh(ln(s)) for ln, s in zip(self.lns, x.split(self.D, 1))]
+        return torch.relu(self.linear(torch.stack(ts, 1)))
+
+
+def _per_feature_pair():
+    torch.manual_seed(0)
+    model = _PerFeature()
+    x = torch.randn(5, 24)
+    return model, recfuse.transform(model, (x,)), x
+
+
+def test_graph_reads_parameters_through_read_attr_and_sees_replacements():
+    model, fused, x = _per_feature_pair()
+    assert "recfuse_fx_graph_module_read_attr(self, ('linear', 'weight'))" in fused.code
+    assert rel_err(fused(x), model(x)) < 1e-5
+    new_w = torch.nn.Parameter(torch.randn(2, 8))
+    fused.linear.weight = new_w  # replaced by the user
+    model.linear.weight = torch.nn.Parameter(new_w.detach().clone())
+    assert rel_err(fused(x), model(x)) < 1e-5
+    with torch.no_grad():
+        fused.linear.weight.data = torch.randn(8, 2).t()  # other strides, in place
+        model.linear.weight.data = fused.linear.weight.data.clone()
+    assert rel_err(fused(x), model(x)) < 1e-5
+    params = {k: torch.randn_like(v) for k, v in fused.named_parameters()}
+    want = torch.func.functional_call(fused, params, (x,))  # swaps the parameters in _parameters
+    ln_w = params["recfuse_g0_ln_weight"]
+    assert not torch.allclose(want, fused(x))
+    with torch.no_grad():
+        for k, v in params.items():
+            fused.get_parameter(k).copy_(v)
+    assert rel_err(fused(x), want) < 1e-5 and ln_w.shape[0] == 3
+
+
+def test_read_attr_follows_parametrizations_class_attributes_and_custom_getattr():
+    from torch.nn.utils import parametrize
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    model, fused, x = _per_feature_pair()
+    parametrize.register_parametrization(fused.linear, "weight", Double())  # a property on a new class
+    parametrize.register_parametrization(model.linear, "weight", Double())
+    assert rel_err(fused(x), model(x)) < 1e-5
+    del fused.linear.bias  # gone: nn.Module's own AttributeError
+    with pytest.raises(AttributeError, match="bias"):
+        fused(x)
+    assert recfuse.fx.graph_module.read_attr(fused, ("training",)) is True
+    with pytest.raises(AttributeError):
+        recfuse.fx.graph_module.read_attr(fused, ("missing",))
+
+    class Custom(torch.nn.Module):
+        def __getattr__(self, name):
+            return "custom" if name == "special" else super().__getattr__(name)
+
+    m = Custom()
+    m.lin = torch.nn.Linear(2, 2)
+    assert recfuse.fx.graph_module.read_attr(m, ("special",)) == "custom"
+    assert recfuse.fx.graph_module.read_attr(m, ("lin", "weight")) is m.lin.weight
+
+
+def test_read_attr_graphs_survive_copies_pickles_and_compile():
+    import copy
+
+    model, fused, x = _per_feature_pair()
+    for other in (copy.deepcopy(fused), reloaded(fused), torch.compile(fused, backend="eager")):
+        assert rel_err(other(x), model(x)) < 1e-5
+    again = reloaded(fused)
+    assert "recfuse_fx_graph_module_read_attr" in again.code
+    assert [n.target for n in again.graph.nodes if n.op == "get_attr"] == \
+        [n.target for n in fused.graph.nodes if n.op == "get_attr"]

@@ -16,6 +16,7 @@ MODULES = [
     "recfuse.module.inputs",
     "recfuse.module.parameters",
     "recfuse.module.plan",
+    "recfuse.module.bound",
     "recfuse.module.processor",
     "recfuse.torchrec",
     "recfuse._checks",

@@ -9,6 +9,8 @@ method of this class, not a hook, and `__deepcopy__` / `__reduce__` carry the re
 from __future__ import annotations
 
 import copy
+import dataclasses
+import re
 import sys
 import traceback
 import types
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 from torch.fx.graph_module import _WrappedCall, reduce_graph_module
+from torch.fx import _symbolic_trace as _fx_symbolic_trace
 from torch.nn.modules import module as _nn_module
 
 __all__ = ["TransformedGraphModule", "map_original_keys", "carry_state", "mark_stacked_away"]
@@ -191,6 +194,7 @@ def _restoring_grad_mode(forward):
 # calls), and a call made then must go through the patched one.
 _MODULE_CALL = torch.nn.Module.__call__
 _is_compiling = torch.compiler.is_compiling
+_FX_TRACE_FLAG_KNOWN = isinstance(getattr(_fx_symbolic_trace, "_is_fx_tracing_flag", None), bool)
 _tracing_state = torch._C._get_tracing_state
 
 
@@ -231,6 +235,88 @@ def _report_generated_code_error(e: Exception) -> None:
     if "eval_with_key" in topmost.filename:
         print(_WrappedCall._generate_error_message(topmost), file=sys.stderr)
         raise e.with_traceback(None)
+
+
+_MODULE_GETATTR = torch.nn.Module.__getattr__
+_OBJECT_GETATTRIBUTE = object.__getattribute__
+# (type, attribute name) -> whether ``obj.name`` for an obj of that type is what nn.Module's
+# __getattr__ finds (no class attribute of that name, nn.Module's __getattr__, object's
+# __getattribute__). Bounded: past 4096 entries it starts over (transformed modules each have a
+# class of their own).
+_PLAIN_MODULE_ATTR: dict = {}
+_MISSING = object()
+
+
+def _plain_module_attr(t: type, name: str) -> bool:
+    plain = _PLAIN_MODULE_ATTR.get((t, name))
+    if plain is None:
+        if len(_PLAIN_MODULE_ATTR) >= 4096:
+            _PLAIN_MODULE_ATTR.clear()
+        plain = _PLAIN_MODULE_ATTR[(t, name)] = (
+            getattr(t, "__getattr__", None) is _MODULE_GETATTR
+            and getattr(t, "__getattribute__", None) is _OBJECT_GETATTRIBUTE
+            and not hasattr(t, name))
+    return plain
+
+
+def read_attr(obj, atoms: tuple):
+    """``obj.a.b...`` for ``atoms = ("a", "b", ...)``: what a transformed graph's ``get_attr`` node
+    reads (``self.linear.weight``). nn.Module's attribute lookup fails over to its Python
+    ``__getattr__`` for every parameter, buffer and submodule (~0.4 us a hop); for a module whose
+    lookup that is (`_plain_module_attr`), this reads the same dicts in the same order directly
+    (~0.1 us). Anything else, and any read while an fx Tracer or torch.compile traces, is a plain
+    getattr.
+
+    Example:
+        >>> lin = torch.nn.Linear(2, 1); m = torch.nn.Module(); m.lin = lin
+        >>> read_attr(m, ("lin", "weight")) is lin.weight
+        True
+    """
+    if (_FX_TRACE_FLAG_KNOWN and _fx_symbolic_trace._is_fx_tracing_flag) or _is_compiling():
+        for name in atoms:
+            obj = getattr(obj, name)
+        return obj
+    for name in atoms:
+        plain = _PLAIN_MODULE_ATTR.get((type(obj), name))  # `_plain_module_attr`, its cache inlined
+        if not (plain or (plain is None and _plain_module_attr(type(obj), name))):
+            obj = getattr(obj, name)
+            continue
+        d = obj.__dict__
+        value = d.get(name, _MISSING)
+        if value is _MISSING:
+            for where in ("_parameters", "_buffers", "_modules"):
+                table = d.get(where)
+                if table is not None and name in table:
+                    value = table[name]
+                    break
+            else:
+                value = getattr(obj, name)  # raises nn.Module's AttributeError
+        obj = value
+    return obj
+
+
+_READ_ATTR_NAME = "recfuse_fx_graph_module_read_attr"
+
+
+def lean_attribute_reads(graph, code):
+    """`code` (a graph's `PythonCode`) with each ``get_attr`` line ``x = self.a.b`` reading through
+    `read_attr`: ``x = recfuse_fx_graph_module_read_attr(self, ('a', 'b'))``. Lines keep their
+    numbers; targets that are not identifiers keep fx's own text. Pickling imports `read_attr` by
+    name, as for any function a graph calls; a saved graph is re-traced with getattr (`read_attr`
+    under an fx Tracer)."""
+    targets = {n.target for n in graph.nodes if n.op == "get_attr" and isinstance(n.target, str)}
+    src = code.src
+    replaced = False
+    for target in targets:
+        atoms = target.split(".")
+        if not all(a.isidentifier() for a in atoms):
+            continue
+        pattern = re.compile(r"(?<= = )" + re.escape("self." + target) + r"(?=$|;|\s)", re.MULTILINE)
+        src, n = pattern.subn(f"{_READ_ATTR_NAME}(self, {tuple(atoms)!r})", src)
+        replaced = replaced or n > 0
+    if not replaced:
+        return code
+    return dataclasses.replace(code, src=src, globals={**code.globals, _READ_ATTR_NAME: read_attr})
 
 
 def _rebuild(cls: type, body: dict, import_block: str) -> "TransformedGraphModule":
@@ -287,7 +373,15 @@ class TransformedGraphModule(GraphModule):
     def recompile(self):
         if self.__dict__.pop("_recfuse_skip_codegen", False):
             return None
-        result = super().recompile()
+        # The generated code reads parameters and submodules through `read_attr` (see there);
+        # GraphModule.recompile gets that code from the graph's python_code, patched for the call.
+        graph = self._graph
+        graph_python_code = graph.python_code
+        graph.__dict__["python_code"] = lambda *a, **k: lean_attribute_reads(graph, graph_python_code(*a, **k))
+        try:
+            result = super().recompile()
+        finally:
+            graph.__dict__.pop("python_code", None)
         from .runtime import set_grad_mode
 
         if any(n.op == "call_function" and n.target is set_grad_mode for n in self.graph.nodes):

@@ -33,7 +33,7 @@ from ..ops import feature_mlp, ln_tanh_linear_relu
 from .features import FeatureLayout
 from .parameters import PER_FEATURE_NDIM
 
-__all__ = ["call_op", "resolve_eps", "GroupRun", "BufferPlan", "StackedPlan", "DictPlan", "PlanCache", "parameters_signature"]
+__all__ = ["call_op", "resolve_eps", "GroupRun", "BufferPlan", "StackedPlan", "DictPlan", "PlanCache", "BoundCalls", "parameters_signature"]
 
 GroupParams = Sequence[Optional[torch.Tensor]]  # (weight, bias, ln_weight, ln_bias) of one dim group
 
@@ -323,3 +323,40 @@ class PlanCache:
 
     def __deepcopy__(self, memo) -> "PlanCache":
         return PlanCache(self.max_plans)
+
+
+class BoundCalls:
+    """`recfuse.module.bound.BoundCall` by call key (`recfuse.module.bound.call_key`), at most
+    `max_calls`, the oldest dropped first. Nothing is validated here: a bound call is made from a
+    plan that `PlanCache` built (and so validated). Copies and pickles start empty, as `PlanCache`.
+
+    Example:
+        >>> calls = BoundCalls(max_calls=1)
+        >>> calls.put("a", 1); calls.put("b", 2); calls.get("a"), calls.get("b"), len(calls)
+        (None, 2, 1)
+    """
+
+    def __init__(self, max_calls: int = 64):
+        self.max_calls = max_calls
+        self._calls: dict = {}
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def get(self, key):
+        return self._calls.get(key)
+
+    def put(self, key, bound) -> None:
+        calls = self._calls
+        if len(calls) >= self.max_calls:
+            del calls[next(iter(calls))]
+        calls[key] = bound
+
+    def clear(self) -> None:
+        self._calls.clear()
+
+    def __getstate__(self) -> dict:
+        return {"max_calls": self.max_calls, "_calls": {}}
+
+    def __deepcopy__(self, memo) -> "BoundCalls":
+        return BoundCalls(self.max_calls)

@@ -28,16 +28,22 @@ from torch import nn
 from .. import reference
 from ..chain import DEFAULT, chain_of
 from ..cuda_graph import CudaGraphCache, ModuleTensors
+from ..fx.graph_module import _plain_call
 from .features import FeatureLayout, check_config
+from ..ops.ln_tanh_linear_relu import eager_ready
+from ..torchrec import is_keyed_tensor, make_keyed_tensor
+from .bound import bind, call_key
 from .inputs import read_input
 from .parameters import PARAM_KINDS, PER_FEATURE_NDIM, feature_view, parameter_shapes, read_modules, reset_group
-from .plan import PlanCache, parameters_signature, resolve_eps
+from .plan import BoundCalls, PlanCache, parameters_signature, resolve_eps
 
 __all__ = ["FusedFeatureProcessor"]
 
 logger = logging.getLogger("recfuse")
 
 _is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_Tensor = torch.Tensor
 
 
 class FusedFeatureProcessor(nn.Module):
@@ -103,7 +109,10 @@ class FusedFeatureProcessor(nn.Module):
     checks) the first time its signature is seen: the input's kind, keys, shapes, strides, dtype
     and device, and each parameter's presence, shape, dtype and device. Later calls with that
     signature skip the checks; a new batch size, layout, dtype or device, or a parameter
-    replaced by one of another shape, dtype or device, is checked on its first call.
+    replaced by one of another shape, dtype or device, is checked on its first call. A tensor
+    input's call of a known key (the signature plus data-pointer alignment, requires_grad, the
+    grad mode, train/eval, eps and chain) runs its bound plan (`recfuse.module.bound`), which calls
+    the op without repeating the op's own per-call checks.
 
     Example:
         >>> import torch, recfuse
@@ -172,8 +181,10 @@ class FusedFeatureProcessor(nn.Module):
         self._module_tensors = ModuleTensors(self)
         self._layout = FeatureLayout.build(names, dims)
         self._plans = PlanCache()
+        self._bound = BoundCalls()
         # Per dim group, the names of its (weight, bias, ln_weight, ln_bias) slots in _parameters.
         self._parameter_names = tuple(tuple(kind + g.suffix for kind in PARAM_KINDS) for g in self._layout.groups)
+        self._flat_parameter_names = tuple(n for names in self._parameter_names for n in names)
 
         factory = {"device": device, "dtype": dtype}
         for grp in self._layout.groups:
@@ -190,6 +201,12 @@ class FusedFeatureProcessor(nn.Module):
             "FusedFeatureProcessor: %d features, dim groups %s, H=%d",
             len(names), {g.dim: len(g.names) for g in self._layout.groups}, self.out_features,
         )
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        if "_bound" not in self.__dict__:  # pickled by a version without bound calls
+            self._bound = BoundCalls()
+            self._flat_parameter_names = tuple(n for names in self._parameter_names for n in names)
 
     # -----------------------------------------------------------------------------------------
     # parameters
@@ -363,6 +380,14 @@ class FusedFeatureProcessor(nn.Module):
     # -----------------------------------------------------------------------------------------
     # forward
 
+    def __call__(self, *args, **kwargs):
+        # forward directly when nn.Module.__call__ would do nothing else (no hooks, no
+        # module.compile(), no tracer; `_plain_call`): its two wrapper layers cost ~1.5 us a call.
+        # Otherwise nn.Module.__call__ as it is now (fx tracers patch it while they trace).
+        if _is_compiling() or not _plain_call(self):
+            return nn.Module.__call__(self, *args, **kwargs)
+        return self.forward(*args, **kwargs)
+
     def forward(self, x, *, feature_dim: int = 1):
         """Run the fused chain on every feature; returns the same kind of input with D -> H.
 
@@ -384,6 +409,35 @@ class FusedFeatureProcessor(nn.Module):
             >>> fp(torch.randn(5, 2, 4)).shape, fp(torch.randn(2, 5, 4), feature_dim=0).shape
             (torch.Size([5, 2, 3]), torch.Size([2, 5, 3]))
         """
+        values, keyed = x, None
+        if type(x) is not _Tensor and is_keyed_tensor(x) and x.key_dim() == 1:
+            # A KeyedTensor: its values are a [B, sum(D)] buffer; its keys and lengths take
+            # feature_dim's place in the call's key (which a 2D tensor input ignores).
+            values, keyed = x.values(), (tuple(x.keys()), tuple(x.length_per_key()))
+        if type(values) is _Tensor and not self.cuda_graph and eager_ready(values):
+            # A tensor input: its call's key finds the bound call of its validated plan.
+            get = self._parameters.get
+            flat = [get(n) for n in self._flat_parameter_names]
+            grad_enabled = _grad_enabled()
+            try:
+                key = call_key(values, feature_dim if keyed is None else keyed, flat, grad_enabled, self.training,
+                               self.eps, self.chain)
+                bound = self._bound.get(key)
+            except (AttributeError, TypeError, RuntimeError):  # not plain tensors, an unhashable feature_dim
+                key = None
+            if key is not None:
+                if bound is None:
+                    params = tuple(tuple(flat[i:i + 4]) for i in range(0, len(flat), 4))
+                    inp = read_input(x, feature_dim)
+                    plan = self._plan(inp, params)  # validates a signature seen for the first time
+                    needs_grad = grad_enabled and (values.requires_grad or any(p is not None and p.requires_grad
+                                                                              for p in flat))
+                    bound = bind(plan, values, params, self.eps, self.chain, needs_grad)
+                    self._bound.put(key, bound)
+                if keyed is None:
+                    return bound.call_flat(values, flat)
+                keys = keyed[0]
+                return make_keyed_tensor(list(keys), [self.out_features] * len(keys), bound.call_flat(values, flat))
         inp = read_input(x, feature_dim)
         params = self._group_parameters()
         plan = self._plan(inp, params)

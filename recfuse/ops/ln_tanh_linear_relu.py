@@ -368,6 +368,43 @@ def _is_plain_eager(x) -> bool:
     )
 
 
+def eager_ready(x) -> bool:
+    """Whether a call on x may take `call_validated`: a real tensor outside torch.compile/export
+    tracing, dispatch modes, torch.func transforms, forward-mode AD and autocast for x's device,
+    each of which takes a path of its own in the public entry points.
+
+    Example:
+        >>> import torch
+        >>> eager_ready(torch.zeros(1)), eager_ready(torch.nn.Parameter(torch.zeros(1)))
+        (True, False)
+    """
+    return _is_plain_eager(x) and not _functorch_active() and not _autocast_enabled_for(x)
+
+
+def call_validated(x, weight, bias, ln_weight, ln_bias, eps: float, feature_dim: int, key, needs_grad: bool,
+                   chain=DEFAULT) -> torch.Tensor:
+    """What `ln_tanh_linear_relu` (and `recfuse.feature_mlp` for another `chain`) run after their
+    checks, for a caller that has checked the arguments itself (`check_op_args`) and made sure
+    `eager_ready(x)` holds. ``key``: the arguments' `call_signature` (eps a float, feature_dim an
+    int), which finds the call's launch plan; ``needs_grad``: grad mode is on and some tensor
+    argument requires grad. `recfuse.FusedFeatureProcessor` calls this for the inputs it has
+    validated, so the op's per-call checks and signature are not repeated.
+
+    Example:
+        >>> import torch
+        >>> from recfuse._checks import call_signature
+        >>> x, w = torch.randn(2, 3, 8), torch.randn(1, 8)
+        >>> key = call_signature(x, w, None, None, None, 1e-5, 1)
+        >>> torch.equal(call_validated(x, w, None, None, None, 1e-5, 1, key, False),
+        ...             ln_tanh_linear_relu(x, w, eps=1e-5, feature_dim=1))
+        True
+    """
+    if needs_grad:
+        return _EagerLnTanhLinearRelu.apply(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, key, chain)
+    return _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, eager_entry=True, key=key,
+                         chain=chain)
+
+
 # ---------------------------------------------------------------------------------------------
 # public entry point
 
