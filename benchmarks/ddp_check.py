@@ -312,9 +312,16 @@ def worker(rank: int, cfg_dict: dict, port: int, out_dir: str) -> None:
             log.info("%s: %d steps, losses %s", variant, cfg.steps,
                      ", ".join(f"{v:.6f}" for v in results[variant]["losses"]))
         info["seconds"] = time.perf_counter() - t0
-        torch.save({"info": info, "results": results}, os.path.join(out_dir, f"rank{rank}.pt"))
+        path = os.path.join(out_dir, f"rank{rank}.pt")
+        torch.save({"info": info, "results": results}, path + ".tmp")
+        os.replace(path + ".tmp", path)  # whole or absent: `spawn` reads its presence as "done"
+        dist.barrier()  # leave together: a rank tearing down while its peer still sends hung gloo
     finally:
         dist.destroy_process_group()
+
+
+# Seconds a rank may take to exit after every rank has written its results.
+TEARDOWN_GRACE_S = 30
 
 
 def free_port() -> int:
@@ -328,10 +335,20 @@ def spawn(cfg: Config, out_dir: str, deadline_s: float) -> str | None:
     ctx = mp.start_processes(worker, args=(asdict(cfg), free_port(), out_dir), nprocs=cfg.world_size,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + deadline_s
+    results_done = None
     try:
         while not ctx.join(timeout=5):  # raises if a rank failed
+            alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+            if all(os.path.exists(os.path.join(out_dir, f"rank{r}.pt")) for r in range(cfg.world_size)):
+                # Every rank wrote its results: one still alive is stuck in process-group teardown
+                # (seen on a loaded 2-core CPU machine with gloo: rank 0 in destroy_process_group for
+                # 7 minutes after its peer left). Its numbers are complete; it is killed below.
+                results_done = results_done or time.monotonic()
+                if time.monotonic() - results_done > TEARDOWN_GRACE_S:
+                    log.warning("ranks %s wrote their results but did not exit within %d s (process-group "
+                                "teardown); killed", alive, TEARDOWN_GRACE_S)
+                    return None
             if time.monotonic() > deadline:
-                alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
                 return f"ranks {alive} still running after {deadline_s:.0f} s (deadline); killed"
     except ProcessException as e:
         return f"rank {e.error_index} failed:\n{e}"
