@@ -288,6 +288,14 @@ def test_fp32_backward_dots_on_split_bf16_operands(case, fp32_dots, tol):
         assert err < tol, f"{name}: {err:.2e}"
 
 
+def forced_backward(gy, args, case, stats, chain, **knobs):
+    """`launch.backward` with the heuristic config and `knobs` forced: (gradients, its launch meta)."""
+    forced = lambda D, H, dt: configs.heuristic_backward(D, H, dt, **knobs)  # noqa: E731
+    with configs.override(backward=forced), launch.trace_launches() as seen:
+        grads = launch.backward(gy, *args, case.eps, case.feature_dim, stats, chain=chain)
+    return grads, [m for kind, _, m, _ in seen if kind == "backward"][0]
+
+
 CHUNKED_BWD_CASES = [
     # (case, dtype, chain): masked D and rows, several row tiles per program (the partial row is
     # read back and added), fp32 split-bf16 and 16-bit dots, fp16's fp32 operands, other chains.
@@ -325,12 +333,8 @@ def test_k_chunked_backward_matches_float64_and_the_whole_row_kernel(case, dtype
         stats = launch.forward(*args, case.eps, case.feature_dim, save_stats=True, chain=chain)[1]
 
     def run(block_k):
-        forced = lambda D, H, dt: configs.heuristic_backward(D, H, dt, use_dot=True, block_b=16,  # noqa: E731
-                                                             programs_per_sm=1, block_k=block_k)
-        with configs.override(backward=forced), launch.trace_launches() as seen:
-            grads = launch.backward(gy, *args, case.eps, case.feature_dim, stats, chain=chain)
-        meta = [m for kind, _, m, _ in seen if kind == "backward"][0]
-        return grads, meta
+        return forced_backward(gy, args, case, stats, chain, use_dot=True, block_b=16, programs_per_sm=1,
+                               block_k=block_k)
 
     chunked, meta = run(16)
     whole, whole_meta = run(0)
@@ -408,12 +412,8 @@ def test_prefetching_backward_matches_float64_and_the_plain_loop(case, dtype, ch
     stats = launch.forward(*args, case.eps, case.feature_dim, save_stats=True, chain=chain)[1] if saved_stats else None
 
     def run(prefetch):
-        forced = lambda D, H, dt: configs.heuristic_backward(  # noqa: E731
-            D, H, dt, use_dot=use_dot, block_b=16 if use_dot else 8, programs_per_sm=1, block_k=0, prefetch=prefetch)
-        with configs.override(backward=forced), launch.trace_launches() as seen:
-            grads = launch.backward(gy, *args, case.eps, case.feature_dim, stats, chain=chain)
-        meta = [m for kind, _, m, _ in seen if kind == "backward"][0]
-        return grads, meta
+        return forced_backward(gy, args, case, stats, chain, use_dot=use_dot, block_b=16 if use_dot else 8,
+                               programs_per_sm=1, block_k=0, prefetch=prefetch)
 
     fetched, meta = run(1)
     plain, plain_meta = run(0)
