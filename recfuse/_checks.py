@@ -5,6 +5,7 @@ has dozens of features and "shape mismatch" alone sends the user hunting.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -94,7 +95,14 @@ def check_eps(eps, *, finite: bool = False) -> None:
         ...
         ValueError: eps must be a float >= 0, got -1.0
     """
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps != eps or eps < 0:
+    # Any real number, as F.layer_norm takes: numpy scalars too (np.float32(1e-5), read from a
+    # config, was refused as "eps must be a float >= 0, got np.float32(1e-05)"). A tensor is
+    # refused by name: the op takes eps as a constant, and float() of a tensor would sync a GPU
+    # (and break a compiled graph) on every call.
+    if isinstance(eps, torch.Tensor):
+        raise ValueError(f"eps must be a float >= 0, got a tensor ({eps!r}); pass a Python number, "
+                         f"e.g. eps=float(eps)")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps != eps or eps < 0:
         raise ValueError(f"eps must be a float >= 0, got {eps!r}")
     if finite and eps == float("inf"):
         raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")

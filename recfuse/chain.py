@@ -79,8 +79,24 @@ def chain_of(norm, activation, out_activation) -> Chain:
     return chain
 
 
-# Validated chains by their arguments as given: at most (3 + 1) * (7 + 1)^2 entries ("none" or None).
+# Validated chains by their arguments as given: (3 + 1) * (7 + 1)^2 entries ("none" or None),
+# all filled here, at import. Filled lazily, the first call of a chain under torch.compile made
+# Dynamo trace the insertion into this module-level dict; when Dynamo restarted its analysis (a
+# first `feature_mlp` call in a compiled function with dynamic=True and a tensor requiring grad)
+# the dict already held the key, the replay took the other branch, and compilation failed with
+# "SpeculationLogDivergence". Filled once, the lookup is a pure read.
 _VALID: dict = {}
+
+
+def _fill_valid() -> None:
+    chains: dict = {tuple(DEFAULT): DEFAULT}
+    for spelled in ((n, a, o) for n in (*NORMS, "none") for a in (*ACTIVATIONS, "none")
+                    for o in (*ACTIVATIONS, "none")):
+        canon = tuple(None if v == "none" else v for v in spelled)
+        _VALID[spelled] = chains.setdefault(canon, Chain(*canon))
+
+
+_fill_valid()
 
 
 def codes(chain: Chain) -> tuple[int, int, int]:

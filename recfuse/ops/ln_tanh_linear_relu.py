@@ -359,12 +359,23 @@ def _any_requires_grad(*tensors) -> bool:
     return any(t is not None and t.requires_grad for t in tensors)
 
 
+_tracing_state = torch._C._get_tracing_state
+
+
 def _is_plain_eager(x) -> bool:
-    """True for a real tensor outside torch.compile/export tracing and dispatch modes."""
+    """True for a real tensor outside torch.compile/export tracing, torch.jit.trace and dispatch
+    modes.
+
+    torch.jit.trace records only the torch ops it sees: a Triton launch is invisible to it (the
+    trace kept an ``aten::empty`` for y, and under TRITON_INTERPRET=1 the kernel crashed on the
+    tracer's values), so a traced call goes through the custom op, which the trace records as one
+    ``recfuse::...`` node that runs the op (and its autograd) when the trace is called.
+    """
     return (
         type(x) is torch.Tensor
         and not torch.compiler.is_compiling()
         and _get_current_dispatch_mode() is None
+        and _tracing_state() is None
     )
 
 
