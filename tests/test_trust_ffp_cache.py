@@ -210,3 +210,37 @@ def test_the_caches_stay_bounded_over_many_batch_sizes():
     x = torch.randn(1000, F * D)
     assert rel_err(fp(x), attribute_reference(fp, x)) < 1e-5
     assert y.shape == (1000, F * H)
+
+
+def test_a_keyed_tensor_answer_has_the_widths_of_the_weights_used():
+    """Before: a KeyedTensor's answer took its lengths from `out_features` (fixed at construction),
+    so after a weight (and bias) was replaced by one with another H the answer's lengths did not add
+    up to its values' width (values [B, 16], lengths [3, 3, 3, 3]; per dim group with mixed dims),
+    and `to_dict()` cut the features apart at the wrong columns. Now each key's length is its
+    group's H, on the bound calls, the other paths and `forward_reference`."""
+    KeyedTensor = pytest.importorskip("torchrec.sparse.jagged_tensor").KeyedTensor
+    torch.manual_seed(0)
+    dims = {"a": 8, "b": 4, "c": 8, "d": 4}
+    fp = FusedFeatureProcessor(NAMES, [dims[n] for n in NAMES], out_features=H)
+    keys = ["d", "a", "c", "b"]
+    values = torch.randn(5, sum(dims.values()))
+    kt = KeyedTensor(keys=keys, length_per_key=[dims[k] for k in keys], values=values)
+    fp(kt)
+    fp.weight_d4 = nn.Parameter(torch.randn(H + 2, 4))
+    fp.bias_d4 = nn.Parameter(torch.randn(H + 2))
+    want_len = [H + 2 if dims[k] == 4 else H for k in keys]
+    parts = kt.to_dict()
+
+    def feature(name):
+        p = fp.feature_parameters(name)
+        h = F_.layer_norm(parts[name].double(), (dims[name],), p["ln_weight"].double(), p["ln_bias"].double(), fp.eps)
+        return torch.relu(F_.linear(torch.tanh(h), p["weight"].double(), p["bias"].double()))
+
+    for answer in (fp(kt), fp(kt), fp.forward_reference(kt)):
+        assert answer.length_per_key() == want_len
+        assert answer.values().shape == (5, sum(want_len))
+        got = answer.to_dict()
+        for k in keys:
+            assert rel_err(got[k], feature(k)) < 1e-5
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the op's own path (not a bound call)
+        assert fp(kt).length_per_key() == want_len

@@ -482,23 +482,35 @@ class FusedFeatureProcessor(nn.Module):
                     needs_grad = grad_enabled and (values.requires_grad or any(p is not None and p.requires_grad
                                                                               for p in flat))
                     bound = bind(plan, values, params, self.eps, self.chain, needs_grad)
+                    if keyed is not None:
+                        bound.out_lengths = self._out_lengths(keyed[0], params)
                     self._bound.put(key, bound)
                 if keyed is None:
                     return bound.call_flat(values, flat)
-                keys = keyed[0]
-                return make_keyed_tensor(list(keys), [self.out_features] * len(keys), bound.call_flat(values, flat))
+                return make_keyed_tensor(list(keyed[0]), list(bound.out_lengths), bound.call_flat(values, flat))
         inp = read_input(x, feature_dim)
         params = self._group_parameters()
         plan = self._plan(inp, params)
         if self.cuda_graph and isinstance(x, torch.Tensor):  # replayed where the rule allows
             return self._cuda_graphs.call(self._fused_tensor, (x, feature_dim), self._module_tensors())
-        return inp.fused(plan, params, self.eps, self.out_features, self.chain)
+        return inp.fused(plan, params, self.eps, self._answer_widths(inp, params), self.chain)
+
+    def _out_lengths(self, keys, params) -> list:
+        """Each key's output width: its dim group's Linear's H, read from the weight the call uses
+        (not `out_features`: a weight replaced by one with another H made a KeyedTensor whose
+        lengths did not add up to its values' width)."""
+        slot = self._layout.slot
+        return [params[slot[k][0]][0].shape[-2] for k in keys]
+
+    def _answer_widths(self, inp, params):
+        keys = getattr(inp, "keys", None)
+        return self.out_features if keys is None else self._out_lengths(keys, params)
 
     def _fused_tensor(self, x: torch.Tensor, feature_dim: int) -> torch.Tensor:
         """A tensor input whose signature `forward` planned: what a CUDA graph captures."""
         inp = read_input(x, feature_dim)
         params = self._group_parameters()
-        return inp.fused(self._plan(inp, params), params, self.eps, self.out_features, self.chain)
+        return inp.fused(self._plan(inp, params), params, self.eps, self._answer_widths(inp, params), self.chain)
 
     def _plan(self, inp, params):
         """The validated plan of this call's signature, built (and so validated) once per signature.
@@ -531,8 +543,9 @@ class FusedFeatureProcessor(nn.Module):
             True
         """
         inp = read_input(x, feature_dim)
-        self._plan(inp, self._group_parameters())  # the same checks and errors as forward
-        return inp.reference(self._layout, self._reference_feature, self.out_features)
+        params = self._group_parameters()
+        self._plan(inp, params)  # the same checks and errors as forward
+        return inp.reference(self._layout, self._reference_feature, self._answer_widths(inp, params))
 
     def _reference_feature(self, name: str, x2: torch.Tensor) -> torch.Tensor:
         dtype = x2.dtype
