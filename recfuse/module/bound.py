@@ -116,13 +116,14 @@ class BoundCall:
     read from the module at call time); returns what `FusedFeatureProcessor.forward` returns.
     """
 
-    __slots__ = ("runs", "positions", "output", "needs_grad", "chain", "single")
+    __slots__ = ("runs", "positions", "output", "needs_grad", "chain", "single", "out_lengths")
 
     def __init__(self, plan, values: torch.Tensor, params: Sequence[GroupParams], eps: Optional[float],
                  chain: Chain, needs_grad: bool):
         # The op's default chain is the object `DEFAULT` (its compiled CPU path tests identity).
         self.chain = DEFAULT if chain == DEFAULT else chain
         self.needs_grad = needs_grad
+        self.out_lengths = None  # a KeyedTensor's call: each key's output width (the module sets it)
         if isinstance(plan, StackedPlan):
             runs = [(None, 0, None, plan.feature_dim)]
             self.output, self.positions = "as_is", ()

@@ -130,10 +130,12 @@ class BufferInput:
         names, dims = self._names_dims(layout)
         return BufferPlan.build(layout, names, dims, self.values, params, eps)
 
-    def _answer(self, y: torch.Tensor, out_features: int):
+    def _answer(self, y: torch.Tensor, out_features):
+        """y as the input's kind; `out_features`: each key's output width (a list), or one int for all."""
         if self.keys is None:
             return y
-        return make_keyed_tensor(list(self.keys), [out_features] * len(self.keys), y)
+        lengths = list(out_features) if isinstance(out_features, (list, tuple)) else [out_features] * len(self.keys)
+        return make_keyed_tensor(list(self.keys), lengths, y)
 
     def fused(self, plan: BufferPlan, params: Sequence[GroupParams], eps, out_features: int, chain=DEFAULT):
         return self._answer(plan.run(self.values, params, eps, chain), out_features)

@@ -279,6 +279,20 @@ def parameters_signature(params: Sequence[GroupParams]) -> tuple:
     return tuple([None if p is None else (p.shape, p.dtype, p.device) for group in params for p in group])
 
 
+def _evict_oldest(entries: dict, limit: int) -> None:
+    """Drop `entries`' oldest until there is room for one more under `limit`.
+
+    Threads calling one module share its caches: another thread may drop the entry this one
+    picked, or change the dict between ``iter`` and ``next`` (``del entries[next(iter(entries))]``
+    raised KeyError or RuntimeError out of a valid call once two threads filled the cache).
+    """
+    while len(entries) >= limit and entries:
+        try:
+            del entries[next(iter(entries))]
+        except (KeyError, RuntimeError, StopIteration):
+            pass  # another thread changed it first: look again
+
+
 class PlanCache:
     """Plans by call signature: a call whose signature was planned (so validated) before skips both.
 
@@ -310,8 +324,7 @@ class PlanCache:
         plan = build()
         self.validations += 1
         if signature is not None:
-            if len(self._plans) >= self.max_plans:
-                del self._plans[next(iter(self._plans))]
+            _evict_oldest(self._plans, self.max_plans)
             self._plans[signature] = plan
         return plan
 
@@ -348,8 +361,7 @@ class BoundCalls:
 
     def put(self, key, bound) -> None:
         calls = self._calls
-        if len(calls) >= self.max_calls:
-            del calls[next(iter(calls))]
+        _evict_oldest(calls, self.max_calls)
         calls[key] = bound
 
     def clear(self) -> None:

@@ -46,6 +46,17 @@ _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 
 
+class _Moved:
+    """`_parameters.get`'s default in `forward`: a parameter name no longer in `_parameters`
+    (see `FusedFeatureProcessor._moved_parameter`). It has no tensor attributes, so `call_key`
+    raises on it and the call reads the module's attributes instead."""
+
+    __slots__ = ()
+
+
+_MOVED = _Moved()
+
+
 class FusedFeatureProcessor(nn.Module):
     """out_activation(Linear(activation(norm_f(x_f)))) for every feature f, fused; looked up by
     feature name. By default relu(Linear(tanh(LayerNorm_f(x_f)))).
@@ -236,18 +247,47 @@ class FusedFeatureProcessor(nn.Module):
             >>> fp.ln_weight.tolist()
             [[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
         """
+        get = self._parameters.get
         with torch.no_grad():
-            for grp, params in zip(self._layout.groups, self._group_parameters()):
-                reset_group(grp.dim, *params)
+            for grp, names in zip(self._layout.groups, self._parameter_names):
+                reset_group(grp.dim, *[get(n) for n in names])
 
     def _group_parameters(self) -> tuple[tuple[Optional[torch.Tensor], ...], ...]:
         """Per dim group, (weight, bias, ln_weight, ln_bias) as registered now (None if absent).
 
         Read from `_parameters` on every call, not kept: a parameter the user replaces
         (``module.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``) is the one used.
+        A name that left `_parameters` (parametrized, weight-normed, pruned) is read as the
+        module's attribute (`_moved_parameter`).
         """
         get = self._parameters.get
-        return tuple([(get(w), get(b), get(lw), get(lb)) for w, b, lw, lb in self._parameter_names])
+        groups = []
+        for names in self._parameter_names:
+            w, b, lw, lb = group = (get(names[0], _MOVED), get(names[1], _MOVED), get(names[2], _MOVED),
+                                    get(names[3], _MOVED))
+            if w is _MOVED or b is _MOVED or lw is _MOVED or lb is _MOVED:
+                group = tuple([self._moved_parameter(n) if p is _MOVED else p for p, n in zip(group, names)])
+            groups.append(group)
+        return tuple(groups)
+
+    def _flat_parameters(self) -> list:
+        """Every group's four parameters in turn (as `_group_parameters`, flat)."""
+        return [p for group in self._group_parameters() for p in group]
+
+    def _moved_parameter(self, name: str) -> Optional[torch.Tensor]:
+        """The tensor the module uses as `name` where it is no longer in `_parameters`: a
+        parametrization (``torch.nn.utils.parametrize``, ``parametrizations.weight_norm`` /
+        ``spectral_norm``) computes it in a property, ``nn.utils.weight_norm`` / ``spectral_norm``
+        and ``nn.utils.prune`` set it as a plain attribute (recomputed by their forward pre-hook).
+        Reading `_parameters` alone ran those modules without that tensor: a bias or norm bias
+        silently dropped, a weight refused as None. None where nothing of that name remains
+        (``del module.bias``): absent, as before."""
+        try:
+            return getattr(self, name)
+        except AttributeError:
+            if name in self.__dict__ or name in self._buffers or hasattr(type(self), name):
+                raise  # it exists, and computing it failed: not a missing parameter
+            return None
 
     def feature_parameters(self, name: str) -> dict[str, Optional[torch.Tensor]]:
         """One feature's parameters as views: weight [H, D], bias [H], ln_weight/ln_bias [D].
@@ -417,7 +457,8 @@ class FusedFeatureProcessor(nn.Module):
         if type(values) is _Tensor and not self.cuda_graph and eager_ready(values):
             # A tensor input: its call's key finds the bound call of its validated plan.
             get = self._parameters.get
-            flat = [get(n) for n in self._flat_parameter_names]
+            # _MOVED (which has no .shape: call_key raises) where a name left _parameters.
+            flat = [get(n, _MOVED) for n in self._flat_parameter_names]
             grad_enabled = _grad_enabled()
             try:
                 key = call_key(values, feature_dim if keyed is None else keyed, flat, grad_enabled, self.training,
@@ -425,6 +466,14 @@ class FusedFeatureProcessor(nn.Module):
                 bound = self._bound.get(key)
             except (AttributeError, TypeError, RuntimeError):  # not plain tensors, an unhashable feature_dim
                 key = None
+                if any(p is _MOVED for p in flat):  # parametrized, weight-normed, pruned: read as attributes
+                    flat = self._flat_parameters()
+                    try:
+                        key = call_key(values, feature_dim if keyed is None else keyed, flat, grad_enabled,
+                                       self.training, self.eps, self.chain)
+                        bound = self._bound.get(key)
+                    except (AttributeError, TypeError, RuntimeError):
+                        key = None
             if key is not None:
                 if bound is None:
                     params = tuple(tuple(flat[i:i + 4]) for i in range(0, len(flat), 4))
@@ -433,23 +482,35 @@ class FusedFeatureProcessor(nn.Module):
                     needs_grad = grad_enabled and (values.requires_grad or any(p is not None and p.requires_grad
                                                                               for p in flat))
                     bound = bind(plan, values, params, self.eps, self.chain, needs_grad)
+                    if keyed is not None:
+                        bound.out_lengths = self._out_lengths(keyed[0], params)
                     self._bound.put(key, bound)
                 if keyed is None:
                     return bound.call_flat(values, flat)
-                keys = keyed[0]
-                return make_keyed_tensor(list(keys), [self.out_features] * len(keys), bound.call_flat(values, flat))
+                return make_keyed_tensor(list(keyed[0]), list(bound.out_lengths), bound.call_flat(values, flat))
         inp = read_input(x, feature_dim)
         params = self._group_parameters()
         plan = self._plan(inp, params)
         if self.cuda_graph and isinstance(x, torch.Tensor):  # replayed where the rule allows
             return self._cuda_graphs.call(self._fused_tensor, (x, feature_dim), self._module_tensors())
-        return inp.fused(plan, params, self.eps, self.out_features, self.chain)
+        return inp.fused(plan, params, self.eps, self._answer_widths(inp, params), self.chain)
+
+    def _out_lengths(self, keys, params) -> list:
+        """Each key's output width: its dim group's Linear's H, read from the weight the call uses
+        (not `out_features`: a weight replaced by one with another H made a KeyedTensor whose
+        lengths did not add up to its values' width)."""
+        slot = self._layout.slot
+        return [params[slot[k][0]][0].shape[-2] for k in keys]
+
+    def _answer_widths(self, inp, params):
+        keys = getattr(inp, "keys", None)
+        return self.out_features if keys is None else self._out_lengths(keys, params)
 
     def _fused_tensor(self, x: torch.Tensor, feature_dim: int) -> torch.Tensor:
         """A tensor input whose signature `forward` planned: what a CUDA graph captures."""
         inp = read_input(x, feature_dim)
         params = self._group_parameters()
-        return inp.fused(self._plan(inp, params), params, self.eps, self.out_features, self.chain)
+        return inp.fused(self._plan(inp, params), params, self.eps, self._answer_widths(inp, params), self.chain)
 
     def _plan(self, inp, params):
         """The validated plan of this call's signature, built (and so validated) once per signature.
@@ -461,7 +522,10 @@ class FusedFeatureProcessor(nn.Module):
             return inp.plan(self._layout, params, self.eps)
         signature = inp.signature()
         if signature is not None:
-            signature = (signature, parameters_signature(params))
+            # eps too: the plan's checks validate it (a module's eps set to -1.0 or NaN after a
+            # call ran on the earlier eps's plan, unchecked, and answered NaN).
+            eps = self.eps
+            signature = (signature, parameters_signature(params), eps, type(eps))
         return self._plans.get(signature, lambda: inp.plan(self._layout, params, self.eps))
 
     def forward_reference(self, x, *, feature_dim: int = 1):
@@ -479,8 +543,9 @@ class FusedFeatureProcessor(nn.Module):
             True
         """
         inp = read_input(x, feature_dim)
-        self._plan(inp, self._group_parameters())  # the same checks and errors as forward
-        return inp.reference(self._layout, self._reference_feature, self.out_features)
+        params = self._group_parameters()
+        self._plan(inp, params)  # the same checks and errors as forward
+        return inp.reference(self._layout, self._reference_feature, self._answer_widths(inp, params))
 
     def _reference_feature(self, name: str, x2: torch.Tensor) -> torch.Tensor:
         dtype = x2.dtype
