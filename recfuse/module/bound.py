@@ -32,7 +32,7 @@ from .._checks import call_signature
 from ..chain import DEFAULT, Chain
 from ..ops.ln_tanh_linear_relu import call_validated
 from .parameters import PER_FEATURE_NDIM
-from .plan import BufferPlan, GroupParams, StackedPlan, resolve_eps
+from .plan import BufferPlan, GroupParams, StackedPlan, prepare_params, resolve_eps
 
 __all__ = ["call_key", "bind", "BoundCall"]
 
@@ -56,20 +56,6 @@ def call_key(x: torch.Tensor, feature_dim, flat_params: Sequence[Optional[torch.
     return tuple(key)
 
 
-def _prepare(params: GroupParams, rows: Optional[torch.Tensor], dtype) -> list:
-    """The group's parameters as the op is given them: per-feature rows reordered to the view's
-    features (`rows`), cast to the input's dtype (what `plan.call_op` does)."""
-    prepared = []
-    for ndim, p in zip(PER_FEATURE_NDIM, params):
-        if p is not None:
-            if rows is not None and p.dim() == ndim:
-                p = p.index_select(0, rows)
-            if p.dtype != dtype:
-                p = p.to(dtype)
-        prepared.append(p)
-    return prepared
-
-
 class _Run:
     """One op call of a bound call: the view of the input it reads, its parameter group, and its
     launch key (`call_signature` of its arguments), computed once.
@@ -87,7 +73,7 @@ class _Run:
         dtype = x3.dtype
         self.dtype = dtype if any(p is not None and (p.dtype != dtype or (rows is not None and p.dim() == n))
                                   for n, p in zip(PER_FEATURE_NDIM, params)) else None
-        prepared = _prepare(params, rows, dtype) if self.dtype is not None else list(params)
+        prepared = prepare_params(params, rows, dtype) if self.dtype is not None else list(params)
         self.key = call_signature(x3, *prepared, eps, feature_dim)
         # (position among the five tensors, alignment at bind time) of each tensor made per call
         self.fresh = tuple((i + 1, self.key[i + 1][4]) for i, (p, q) in enumerate(zip(params, prepared))
@@ -99,7 +85,7 @@ class _Run:
             weight, bias, ln_weight, ln_bias = params
             key = self.key
         else:
-            prepared = _prepare(params, self.rows, self.dtype)
+            prepared = prepare_params(params, self.rows, self.dtype)
             weight, bias, ln_weight, ln_bias = prepared
             key = self.key
             args = (x3, *prepared)

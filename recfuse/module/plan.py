@@ -52,6 +52,27 @@ def resolve_eps(eps: Optional[float], x: torch.Tensor) -> float:
     return torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
 
 
+def prepare_params(params: GroupParams, rows: Optional[torch.Tensor], dtype: torch.dtype) -> list:
+    """A dim group's parameters as the op is given them: per-feature rows reordered to the view's
+    features (`rows`, None when the view holds them in stored order), each cast to `dtype`.
+
+    Example:
+        >>> import torch
+        >>> w = torch.arange(4.).view(2, 1, 2)
+        >>> prepare_params((w, None, None, None), torch.tensor([1, 0]), torch.float64)[0].flatten().tolist()
+        [2.0, 3.0, 0.0, 1.0]
+    """
+    prepared = []
+    for ndim, p in zip(PER_FEATURE_NDIM, params):
+        if p is not None:
+            if rows is not None and p.dim() == ndim:
+                p = p.index_select(0, rows)
+            if p.dtype != dtype:
+                p = p.to(dtype)
+        prepared.append(p)
+    return prepared
+
+
 def call_op(
     x3: torch.Tensor, params: GroupParams, rows: Optional[torch.Tensor], eps: Optional[float], feature_dim: int,
     chain: Chain = DEFAULT,
@@ -69,16 +90,7 @@ def call_op(
         >>> call_op(torch.randn(5, 2, 8), (w, None, None, None), torch.tensor([1, 0]), 1e-5, 1).shape
         torch.Size([5, 2, 3])
     """
-    dtype = x3.dtype
-    prepared = []
-    for ndim, p in zip(PER_FEATURE_NDIM, params):
-        if p is not None:
-            if rows is not None and p.dim() == ndim:
-                p = p.index_select(0, rows)
-            if p.dtype != dtype:
-                p = p.to(dtype)
-        prepared.append(p)
-    weight, bias, ln_weight, ln_bias = prepared
+    weight, bias, ln_weight, ln_bias = prepare_params(params, rows, x3.dtype)
     if chain == DEFAULT:
         return ln_tanh_linear_relu(x3, weight, bias, ln_weight=ln_weight, ln_bias=ln_bias, eps=eps,
                                    feature_dim=feature_dim)
