@@ -142,6 +142,34 @@ def loop_us(fn: Callable, calls: int, device="cuda", warmup: int = 50, repeats: 
     return best
 
 
+def no_grad_call(fn: Callable) -> Callable:
+    """`fn` called under torch.no_grad (an inference call, for the timers).
+
+    Example:
+        >>> no_grad_call(lambda: torch.ones(1, requires_grad=True) * 2)().requires_grad
+        False
+    """
+    def call():
+        with torch.no_grad():
+            return fn()
+    return call
+
+
+def training_step_call(fn: Callable, params) -> Callable:
+    """One training step of `fn`: every parameter's .grad set to None, then `fn().sum().backward()`.
+
+    Example:
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> training_step_call(lambda: w * 3, [w])(); w.grad.tolist()
+        [3.0, 3.0]
+    """
+    def call():
+        for p in params:
+            p.grad = None
+        fn().sum().backward()
+    return call
+
+
 @contextlib.contextmanager
 def quiet_c_output():
     """Send the process's C-level stdout and stderr (file descriptors 1 and 2) to a temp file

@@ -208,7 +208,6 @@ def measure_point(p: dict, args, bench, copy_GBps: float, deadline: float) -> No
         p["peer_compile_s"] = time.perf_counter() - t0
         p["peer_train_wall_us"] = bench(step)
         p["peer_train_us"] = device_activity(step, dev, calls=3)[1] if dev == "cuda" else p["peer_train_wall_us"]
-        p["peer_train_gpu_time"] = True  # peer_train_us is kernel time, as train_us (older runs: events)
         p["peer_fwd_pct_floor"] = 100 * p["floor_fwd_us"] / p["peer_fwd_us"]
         p["peer_train_pct_floor"] = 100 * p["floor_train_us"] / p["peer_train_us"]
         p["train_speedup_vs_peer"] = peer_speedup(p)
@@ -333,16 +332,17 @@ POINT_KEY = ("chain", "layout", "dtype", "affine", "D", "H")
 
 
 def peer_speedup(p: dict):
-    """peer training time / recfuse's, both of one kind: GPU (kernel) time, or for a peer saved
-    by a run that timed it with do_bench's events, recfuse's events figure too.
+    """peer training time / recfuse's, both of one kind: GPU (kernel) time where the peer has its
+    events figure beside it (`peer_train_wall_us`: this tool's runs), else, for a peer saved by a
+    run that timed it with do_bench's events, recfuse's events figure too.
 
     Example:
         >>> peer_speedup({"train_us": 400.0, "train_wall_us": 600.0, "peer_train_us": 1200.0})
         2.0
-        >>> peer_speedup({"train_us": 400.0, "peer_train_us": 1200.0, "peer_train_gpu_time": True})
+        >>> peer_speedup({"train_us": 400.0, "peer_train_us": 1200.0, "peer_train_wall_us": 1300.0})
         3.0
     """
-    mine = p.get("train_us") if p.get("peer_train_gpu_time") else p.get("train_wall_us", p.get("train_us"))
+    mine = p.get("train_us") if "peer_train_wall_us" in p else p.get("train_wall_us", p.get("train_us"))
     return p["peer_train_us"] / mine if mine and p.get("peer_train_us") else None
 
 

@@ -33,7 +33,8 @@ import pstats
 import torch
 
 import recfuse
-from _common import PerSlice, device_activity, environment, loop_us, op_inputs, sync
+from _common import (PerSlice, device_activity, environment, loop_us, no_grad_call, op_inputs, sync,
+                     training_step_call)
 from recfuse.reference import batched_ln_tanh_linear_relu
 
 log = logging.getLogger("recfuse.bench")
@@ -90,19 +91,6 @@ def build_rows(F_, B, D, H, dtype, dev="cuda"):
     def combined():
         return batched_ln_tanh_linear_relu(x3, w, b, lw, lb, 1e-5, 1)
 
-    def no_grad(fn):
-        def call():
-            with torch.no_grad():
-                return fn()
-        return call
-
-    def train_step(fn, ps):
-        def call():
-            for p in ps:
-                p.grad = None
-            fn().sum().backward()
-        return call
-
     def graphed_rows():
         """Training steps replayed as CUDA graphs: torch.compile(mode="reduce-overhead") of the
         transformed model and of the batched composite, and make_graphed_callables."""
@@ -119,37 +107,37 @@ def build_rows(F_, B, D, H, dtype, dev="cuda"):
         # a copy, and that tensor is a graph output the next replay overwrites.
         return {
             "transform training step, compile reduce-overhead":
-                train_step(lambda: compiled_fused(xg), [xg, *fused_c.parameters()]),
+                training_step_call(lambda: compiled_fused(xg), [xg, *fused_c.parameters()]),
             "transform training step, make_graphed_callables":
-                train_step(lambda: graphed_fused(xg), [xg, *fused_g.parameters()]),
-            "combined training step, compile reduce-overhead": train_step(lambda: compiled_combined(xg), [xg, *own]),
+                training_step_call(lambda: graphed_fused(xg), [xg, *fused_g.parameters()]),
+            "combined training step, compile reduce-overhead": training_step_call(lambda: compiled_combined(xg), [xg, *own]),
         }
 
     tanh_in = torch.randn(1024, device=dev)
     rows = {
         "torch.tanh 1k (calibration)": lambda: torch.tanh(tanh_in),
         **({"bare Triton launch": bare_triton_launch()} if dev == "cuda" else {}),
-        "op forward, no grad": no_grad(op),
+        "op forward, no grad": no_grad_call(op),
         "op forward, autograd": op,
-        "op training step": train_step(op, params),
-        "transform forward, no grad": no_grad(lambda: fused(buf)),
+        "op training step": training_step_call(op, params),
+        "transform forward, no grad": no_grad_call(lambda: fused(buf)),
         "transform forward, autograd": lambda: fused(buf),
-        "transform training step": train_step(lambda: fused(buf), list(fused.parameters())),
-        "FFP forward, no grad": no_grad(lambda: ffp(buf)),
+        "transform training step": training_step_call(lambda: fused(buf), list(fused.parameters())),
+        "FFP forward, no grad": no_grad_call(lambda: ffp(buf)),
         "FFP forward, autograd": lambda: ffp(buf),
-        "FFP training step": train_step(lambda: ffp(buf), list(ffp.parameters())),
-        "combined (eager) forward, no grad": no_grad(combined),
-        "combined (eager) training step": train_step(combined, params),
+        "FFP training step": training_step_call(lambda: ffp(buf), list(ffp.parameters())),
+        "combined (eager) forward, no grad": no_grad_call(combined),
+        "combined (eager) training step": training_step_call(combined, params),
         # Floors: what any nn.Module call and any Python autograd op cost on this host.
         "floor: nn.Module call, empty forward": lambda m=_EmptyModule(): m(buf),
-        "floor: no-op autograd.Function training step": train_step(lambda: _NoOpAutogradOp.apply(x3, *params), params),
+        "floor: no-op autograd.Function training step": training_step_call(lambda: _NoOpAutogradOp.apply(x3, *params), params),
     }
     try:
         if dev == "cuda":
             rows.update(graphed_rows())
     except Exception as e:  # reported, not fatal: the other rows still stand
         log.warning("CUDA-graph training rows failed: %s: %s", type(e).__name__, e)
-    return rows, train_step(op, params)
+    return rows, training_step_call(op, params)
 
 
 def main(argv=None) -> int:

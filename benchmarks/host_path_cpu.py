@@ -23,22 +23,7 @@ import time
 import torch
 
 import recfuse
-from _common import PerSlice, op_inputs
-
-
-def _no_grad(fn):
-    def call():
-        with torch.no_grad():
-            return fn()
-    return call
-
-
-def _train(fn, params):
-    def call():
-        for p in params:
-            p.grad = None
-        fn().sum().backward()
-    return call
+from _common import PerSlice, no_grad_call, op_inputs, training_step_call
 
 
 def _us_per_call(fn, n: int) -> float:
@@ -94,10 +79,10 @@ def main(argv=None) -> int:
         assert torch.equal(fused(buf), op_as_transform())
     ffp_params, tr_params = list(ffp.parameters()), list(fused.parameters())
     cases = {
-        "forward, no grad": [_no_grad(f) for f in (op_as_ffp, lambda: ffp(buf), op_as_transform, lambda: fused(buf))],
+        "forward, no grad": [no_grad_call(f) for f in (op_as_ffp, lambda: ffp(buf), op_as_transform, lambda: fused(buf))],
         "forward, autograd": [op_as_ffp, lambda: ffp(buf), op_as_transform, lambda: fused(buf)],
-        "training step": [_train(op_as_ffp, ffp_params), _train(lambda: ffp(buf), ffp_params),
-                          _train(op_as_transform, tr_params), _train(lambda: fused(buf), tr_params)],
+        "training step": [training_step_call(op_as_ffp, ffp_params), training_step_call(lambda: ffp(buf), ffp_params),
+                          training_step_call(op_as_transform, tr_params), training_step_call(lambda: fused(buf), tr_params)],
     }
     for fns in cases.values():
         for fn in fns:

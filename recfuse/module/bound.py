@@ -37,12 +37,6 @@ from .plan import BufferPlan, GroupParams, StackedPlan, prepare_params, resolve_
 __all__ = ["call_key", "bind", "BoundCall"]
 
 
-def _param_key(p: Optional[torch.Tensor]):
-    if p is None:
-        return None
-    return p.shape, p.stride(), p.dtype, p.device, p.data_ptr() & 15, p.requires_grad
-
-
 def call_key(x: torch.Tensor, feature_dim, flat_params: Sequence[Optional[torch.Tensor]], grad_enabled: bool,
              training: bool, eps, chain: Chain) -> tuple:
     """The key of a tensor input's call: everything its validation, its plan and its op calls'
@@ -50,7 +44,7 @@ def call_key(x: torch.Tensor, feature_dim, flat_params: Sequence[Optional[torch.
     RuntimeError) for what is not a plain tensor (a data pointer it cannot give)."""
     key = [x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, x.requires_grad, feature_dim,
            type(feature_dim), grad_enabled, training, eps, chain]
-    for p in flat_params:  # `_param_key` inlined: this runs on every call
+    for p in flat_params:  # one tuple per parameter, inline: this runs on every call
         key.append(None if p is None else (p.shape, p.stride(), p.dtype, p.device, p.data_ptr() & 15,
                                            p.requires_grad))
     return tuple(key)
