@@ -15,9 +15,10 @@ Set `RECFUSE_COMPILED_LAUNCH=0` to switch it off.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -28,13 +29,19 @@ class CompiledLaunchCache:
     """Wraps one `@triton.jit` function; call it like `fn[grid](*args, **meta)`.
 
     Example:
-        >>> launch = CompiledLaunchCache(kernels.partials_to_grads)  # doctest: +SKIP
-        >>> launch((n_blocks, groups), (partial, sums, groups, n, K), {"BLOCK_J": 8, "BLOCK_K": 256})  # doctest: +SKIP
+        >>> from recfuse.ops import kernels
+        >>> launch = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
+        >>> launch.defaults
+        {'PREFETCH': False}
     """
 
     def __init__(self, jit_fn):
         self.jit_fn = jit_fn
         self.arg_names = list(jit_fn.arg_names)
+        # Constexprs with a default in the kernel's signature may be left out of `meta` (as with
+        # `JITFunction.run`); the direct launch passes every parameter, so it fills them in.
+        self.defaults = {name: p.default for name, p in inspect.signature(jit_fn.fn).parameters.items()
+                         if p.default is not inspect.Parameter.empty}
         self.kernels: dict[tuple, Any] = {}
         self.enabled = os.environ.get("RECFUSE_COMPILED_LAUNCH", "1") != "0"
 
@@ -42,6 +49,29 @@ class CompiledLaunchCache:
         # Alignment is what Triton's pointer specialisation looks at; dtype picks the kernel.
         spec = tuple((a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor) else a for a in args)
         return spec, tuple(meta.items()), tuple(options.items()), args[0].device.index
+
+    def trailing_args(self, args: Sequence, meta: dict) -> Optional[list]:
+        """The parameters after `args`, in signature order (`meta`'s values, else the kernel's
+        defaults), or None when one is in neither: such a call is never cached.
+
+        Example:
+            >>> from recfuse.ops import kernels
+            >>> launch = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
+            >>> n = len(launch.arg_names)  # the last two: BLOCK_H, then PREFETCH (default False)
+            >>> launch.trailing_args(range(n - 2), {"BLOCK_H": 16})
+            [16, False]
+            >>> launch.trailing_args(range(n - 2), {}) is None  # BLOCK_H has no default
+            True
+        """
+        trailing = []
+        for name in self.arg_names[len(args):]:
+            if name in meta:
+                trailing.append(meta[name])
+            elif name in self.defaults:
+                trailing.append(self.defaults[name])
+            else:
+                return None
+        return trailing
 
     def __call__(self, grid: tuple, args: Sequence, meta: dict, **options) -> None:
         jit = self.jit_fn
@@ -52,12 +82,12 @@ class CompiledLaunchCache:
         compiled = self.kernels.get(key)
         if compiled is None:
             compiled = jit[grid](*args, **meta, **options)
-            if compiled is not None and len(args) + len(meta) == len(self.arg_names):
+            if compiled is not None and self.trailing_args(args, meta) is not None:
                 self.kernels[key] = compiled
             return
         # All parameters in signature order: the constexprs follow the runtime arguments.
         full = list(args)
-        full.extend(meta[name] for name in self.arg_names[len(args):])
+        full.extend(self.trailing_args(args, meta))
         try:
             stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
             compiled[tuple(grid) + (1,) * (3 - len(grid))](*full, stream=stream)  # it indexes grid[2]
@@ -85,7 +115,7 @@ class CompiledLaunchCache:
         if compiled is None:
             return None
         tail = list(args[n_tensors:])
-        tail.extend(meta[name] for name in self.arg_names[len(args):])
+        tail.extend(self.trailing_args(args, meta))
         runner = compiled[tuple(grid) + (1,) * (3 - len(grid))]
         device_index = args[0].device.index
         current_stream = torch._C._cuda_getCurrentRawStream

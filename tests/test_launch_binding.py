@@ -1,0 +1,148 @@
+"""Every launch plan can bind its compiled kernel: after a signature's first call, later calls
+launch the compiled kernel directly instead of going through `JITFunction.run`.
+
+A plan whose constexprs leave out one that has a default in the kernel's signature (the whole-row
+backward's ``PREFETCH``, absent when prefetch is off) was never cached: every fp32 backward and
+every bf16 one without prefetch re-bound its ~30 arguments in `JITFunction.run` on every call (on
+the H100 host ~1 of the training step's ~55 bare launches; the plan's `bound` stayed None).
+The CPU tests build the plans of every config source (heuristic, prefetch on and off, the
+K-chunked kernel, the shipped H100 table's entries) and check that the direct launch gets a value
+for every kernel parameter; the CUDA test checks that real calls end up bound and still match
+float64.
+"""
+import pytest
+import torch
+
+import recfuse
+from recfuse.ops import configs, launch
+
+SHAPES = [(D, H, dtype) for D in (48, 64, 256, 512) for H in (1, 3, 16, 64)
+          for dtype in (torch.float32, torch.bfloat16)]
+TABLE = configs.load_table("h100-80gb-hbm3")
+
+
+def _backward_sources(D, H, dtype):
+    """(name, config) of every backward config a call of this shape may run."""
+    heuristic = configs.heuristic_backward(D, H, dtype)
+    if heuristic is None:
+        return
+    yield "heuristic", heuristic
+    for prefetch in (0, 1):
+        if heuristic.use_dot and not heuristic.block_k:
+            yield f"prefetch={prefetch}", configs.heuristic_backward(D, H, dtype, prefetch=prefetch)
+    name = configs._DTYPE_NAMES[dtype]
+    for (kind, d, h, dt, _), entry in TABLE.items():
+        if kind == "backward" and d == D and h == H and dt == name:
+            cfg = configs.config_from_entry("backward", entry, D, H, dtype)
+            if cfg is not None:
+                yield "h100 table", cfg
+
+
+def _forward_sources(D, H, dtype):
+    for full_tiles in (True, False):
+        yield f"heuristic full_tiles={full_tiles}", full_tiles, configs.heuristic_forward(D, H, dtype, full_tiles)
+    name = configs._DTYPE_NAMES[dtype]
+    for (kind, d, h, dt, full_tiles), entry in TABLE.items():
+        if kind == "forward" and d == D and h == H and dt == name:
+            cfg = configs.config_from_entry("forward", entry, D, H, dtype, full_tiles)
+            if cfg is not None:
+                yield "h100 table", full_tiles, cfg
+
+
+def _inputs(D, H, dtype, B=64, F=3):
+    g = torch.Generator().manual_seed(D * 100 + H)
+    x = torch.randn(F, B, D, generator=g).to(dtype)
+    w = (torch.randn(H, D, generator=g) * D ** -0.5).to(dtype)
+    b = torch.randn(H, generator=g).to(dtype)
+    lw = (1 + 0.1 * torch.randn(F, D, generator=g)).to(dtype)
+    lb = (0.1 * torch.randn(F, D, generator=g)).to(dtype)
+    return x, w, b, lw, lb
+
+
+def _assert_every_parameter_has_a_value(launcher, n_runtime, meta, what):
+    trailing = launcher.trailing_args(range(n_runtime), meta)
+    assert trailing is not None, f"{what}: a constexpr of {launcher.arg_names[n_runtime:]} has no value in {meta}"
+    assert n_runtime + len(trailing) == len(launcher.arg_names), what
+
+
+@pytest.mark.parametrize("D,H,dtype", SHAPES, ids=lambda v: str(v).replace("torch.", ""))
+def test_every_backward_plan_gives_every_kernel_parameter_a_value(D, H, dtype):
+    x, w, b, lw, lb = _inputs(D, H, dtype)
+    gy = torch.randn(x.shape[0], x.shape[1], H).to(dtype)
+    sources = list(_backward_sources(D, H, dtype))
+    assert sources
+    for name, cfg in sources:
+        with configs.override(backward=cfg):
+            plan = launch.backward_plan(gy, x, w, b, lw, lb, 1e-5, 0)
+        assert plan is not None, name
+        # 9 tensors (grad_y, x, the 4 parameters, dx, partials, stats), then the integers.
+        _assert_every_parameter_has_a_value(plan.launcher, 9 + len(plan.ints), plan.meta, f"backward {name} {cfg}")
+        _assert_every_parameter_has_a_value(launch._launch_partials_to_grads, 5 + len(plan.reduce_ints),
+                                            plan.reduce_meta, f"reduction {name}")
+
+
+@pytest.mark.parametrize("D,H,dtype", SHAPES, ids=lambda v: str(v).replace("torch.", ""))
+def test_every_forward_plan_gives_every_kernel_parameter_a_value(D, H, dtype):
+    x, w, b, lw, lb = _inputs(D, H, dtype)
+    for name, full_tiles, cfg in _forward_sources(D, H, dtype):
+        for save_stats in (False, True):
+            with configs.override(forward=lambda *a, cfg=cfg: cfg):
+                plan = launch.forward_plan(x, w, b, lw, lb, 1e-5, 0, save_stats=save_stats)
+            # 7 tensors (x, the 4 parameters, y, stats), then the integers.
+            _assert_every_parameter_has_a_value(plan.launcher, 7 + len(plan.ints), plan.meta,
+                                                f"forward {name} {cfg} save_stats={save_stats}")
+
+
+def test_a_left_out_constexpr_with_a_default_is_filled_and_one_without_is_not():
+    from recfuse.ops import kernels
+    from recfuse.ops._compiled_launch import CompiledLaunchCache
+
+    cache = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
+    n = len(cache.arg_names)
+    assert cache.arg_names[-1] == "PREFETCH"
+    assert cache.trailing_args(range(n - 2), {"BLOCK_H": 16}) == [16, False]
+    assert cache.trailing_args(range(n - 2), {"BLOCK_H": 16, "PREFETCH": True}) == [16, True]
+    assert cache.trailing_args(range(n - 2), {"PREFETCH": True}) is None
+
+
+def _float64_grads(x, params, gy):
+    x64 = x.detach().double().requires_grad_(True)
+    p64 = [p.detach().double().requires_grad_(True) for p in params]
+    y = recfuse.reference.ln_tanh_linear_relu(x64, p64[0], p64[1], ln_weight=p64[2], ln_bias=p64[3], feature_dim=1)
+    y.backward(gy.double())
+    return y.detach(), [x64.grad] + [p.grad for p in p64]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("D,H,dtype", [(256, 1, torch.float32), (256, 1, torch.bfloat16), (64, 16, torch.bfloat16),
+                                       (64, 16, torch.float32), (160, 16, torch.float32), (512, 64, torch.float32),
+                                       (48, 3, torch.bfloat16)], ids=str)
+def test_cuda_training_steps_launch_bound_kernels_and_match_float64(D, H, dtype):
+    F, B = 8, 1000
+    g = torch.Generator(device="cuda").manual_seed(D + H)
+    buf = torch.randn(B, F * D, device="cuda", generator=g).to(dtype).requires_grad_(True)
+    w = (torch.randn(H, D, device="cuda", generator=g) * D ** -0.5).to(dtype).requires_grad_(True)
+    b = (0.1 * torch.randn(H, device="cuda", generator=g)).to(dtype).requires_grad_(True)
+    lw = (1 + 0.1 * torch.randn(F, D, device="cuda", generator=g)).to(dtype).requires_grad_(True)
+    lb = (0.1 * torch.randn(F, D, device="cuda", generator=g)).to(dtype).requires_grad_(True)
+    params = [w, b, lw, lb]
+    gy = torch.randn(B, F, H, device="cuda", generator=g).to(dtype)
+    y_ref, grads_ref = _float64_grads(buf.view(B, F, D), params, gy)
+    launch._FORWARD_PLANS.clear()
+    launch._BACKWARD_PLANS.clear()
+    for _ in range(3):
+        for t in [buf] + params:
+            t.grad = None
+        y = recfuse.ln_tanh_linear_relu(buf.view(B, F, D), w, b, ln_weight=lw, ln_bias=lb, feature_dim=1)
+        y.backward(gy)
+    plans = list(launch._FORWARD_PLANS.values()) + list(launch._BACKWARD_PLANS.values())
+    assert plans
+    for plan in plans:
+        assert plan.bound is not None, plan
+        if isinstance(plan, launch.BackwardPlan):
+            assert plan.bound_reduce is not None, plan
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    got = [buf.grad.view(B, F, D)] + [p.grad for p in params]
+    for name, a, r in zip(("y", "x", "w", "b", "ln_w", "ln_b"), [y] + got, [y_ref] + grads_ref):
+        err = ((a.double() - r).abs().max() / r.abs().max().clamp_min(1e-12)).item()
+        assert err < tol, (name, err)
