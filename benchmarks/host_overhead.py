@@ -13,7 +13,10 @@ forward without grad, a forward recording autograd, and a training step (forward
 parameter grads set to None before each step); the eager batched composite (`combined`) forward
 and training step as the peers; two floors: an nn.Module call of an empty module, and the
 training step of a no-op autograd.Function with the op's tensor interface (what any Python
-custom autograd op costs before it does anything). With ``--profile`` the op's training step is also profiled with
+custom autograd op costs before it does anything). The training steps are also timed with
+`torch.autograd.set_multithreading_enabled(False)` (", single-threaded autograd"): on CUDA the
+autograd engine runs backward nodes on a device thread of its own, and on a slow host the hand-overs
+cost as much as recfuse's whole backward. With ``--profile`` the op's training step is also profiled with
 cProfile (top functions by own time).
 
 Example:
@@ -74,6 +77,15 @@ class _EmptyModule(torch.nn.Module):
         return x
 
 
+def single_threaded_autograd(step):
+    """`step` with `torch.autograd.set_multithreading_enabled(False)`: its backward runs on the
+    calling thread."""
+    def call():
+        with torch.autograd.set_multithreading_enabled(False):
+            step()
+    return call
+
+
 def build_rows(F_, B, D, H, dtype, dev="cuda"):
     inp = op_inputs(F_, B, D, H, dtype, dev, layout="BFD", ln="per_feature")
     buf, x3 = inp.buf, inp.x
@@ -132,6 +144,11 @@ def build_rows(F_, B, D, H, dtype, dev="cuda"):
         "floor: nn.Module call, empty forward": lambda m=_EmptyModule(): m(buf),
         "floor: no-op autograd.Function training step": training_step_call(lambda: _NoOpAutogradOp.apply(x3, *params), params),
     }
+    # The same steps with the autograd engine's device threads off: on CUDA the engine otherwise
+    # runs every backward node on a thread of its own, and the hand-overs cost host time.
+    for name in ("op training step", "transform training step", "combined (eager) training step",
+                 "floor: no-op autograd.Function training step"):
+        rows[f"{name}, single-threaded autograd"] = single_threaded_autograd(rows[name])
     try:
         if dev == "cuda":
             rows.update(graphed_rows())
@@ -168,15 +185,18 @@ def main(argv=None) -> int:
             log.warning("%s: %s: %s", name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
     tanh_us = results["torch.tanh 1k (calibration)"]["us"]
     launch_us = results["bare Triton launch"]["us"] if "bare Triton launch" in results else None
-    lines = [f"{'call':46s} {'us/call':>9s} {'launches':>9s} {'tanh':>7s} {'kernels':>8s} {'GPU busy us':>12s}"]
+    lines = [f"{'call':58s} {'us/call':>9s} {'launches':>9s} {'tanh':>7s} {'kernels':>8s} {'GPU busy us':>12s}"]
     for name, r in results.items():
         r["bare_launches"] = r["us"] / launch_us if launch_us else None
         r["tanh_calls"] = r["us"] / tanh_us
         launches = "n/a" if r["bare_launches"] is None else f"{r['bare_launches']:.2f}"
-        lines.append(f"{name:46s} {r['us']:9.1f} {launches:>9s} {r['tanh_calls']:7.2f} {r['kernels']:8} "
+        lines.append(f"{name:58s} {r['us']:9.1f} {launches:>9s} {r['tanh_calls']:7.2f} {r['kernels']:8} "
                      f"{'n/a' if r['gpu_busy_us'] is None else format(r['gpu_busy_us'], '.1f'):>12s}")
+    single = ", single-threaded autograd"
     ratios = {
         "transform train / combined train": results["transform training step"]["us"] / results["combined (eager) training step"]["us"],
+        "transform train / combined train" + single: results["transform training step" + single]["us"]
+        / results["combined (eager) training step" + single]["us"],
         "transform fwd / combined fwd (no grad)": results["transform forward, no grad"]["us"] / results["combined (eager) forward, no grad"]["us"],
     }
     lines += [f"{k}: {v:.2f}" for k, v in ratios.items()]

@@ -91,3 +91,22 @@ def test_a_forward_that_does_not_fit_the_device_falls_back_to_the_composite(monk
     with launch.trace_launches() as seen:  # another shape still runs the kernel
         _check(torch.randn(5, 3, 16, generator=g), torch.randn(6, 16, generator=g))
     assert seen and seen[0][0] == "forward"
+
+
+def test_an_unfit_forward_keeps_falling_back_on_every_later_call_of_its_signature(monkeypatch):
+    # The second call of an unfit signature planned it again; the third found that plan in the
+    # per-signature cache and launched it: the OutOfResources reached the caller.
+    from triton.runtime.errors import OutOfResources
+
+    real_call = launch.ForwardPlan.__call__
+
+    def launch_or_out_of_resources(plan, x, *args):
+        if x.shape[2] == 40:
+            raise OutOfResources(401408, 232448, "shared memory")
+        return real_call(plan, x, *args)
+
+    monkeypatch.setattr(launch.ForwardPlan, "__call__", launch_or_out_of_resources)
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(5, 3, 40, generator=g), torch.randn(6, 40, generator=g)
+    for _ in range(4):
+        _check(x, w)

@@ -338,6 +338,8 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=Fa
     plan = forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats, chain)
     unfit_key = _forward_unfit_key(x, weight, chain, plan.meta["EVEN_D"] and plan.meta["EVEN_B"])
     if unfit_key in _FWD_UNFIT:
+        # Not kept for the signature's later calls: its fast path above would launch it.
+        _FORWARD_PLANS.pop(signature(x, weight, bias, ln_weight, ln_bias, eps, feature_dim) + (save_stats, chain), None)
         return _composite_forward_logged(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats,
                                          "the forward kernel does not fit this device for", unfit_key, chain)
     try:
