@@ -166,7 +166,9 @@ def test_host_overhead_smoke_run(smoke):
     for row in ("op training step", "transform training step", "FFP training step", "combined (eager) training step"):
         assert data["rows"][row]["us"] > 0 and data["rows"][row]["kernels"] > 0, row
     assert "bare Triton launch" not in data["rows"]    # no GPU: no launch to compare with
-    assert set(data["ratios"]) == {"transform train / combined train", "transform fwd / combined fwd (no grad)"}
+    assert set(data["ratios"]) == {"transform train / combined train", "transform fwd / combined fwd (no grad)",
+                                   "transform train / combined train, single-threaded autograd"}
+    assert data["rows"]["op training step, single-threaded autograd"]["us"] > 0
 
 
 def test_gpu_kernels_cpu_checks_pass(smoke):
