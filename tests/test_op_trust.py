@@ -583,3 +583,30 @@ def test_a_tuned_whole_row_entry_does_not_hold_back_the_chunked_forward(monkeypa
         assert (full.block_k, full.block_b) == (0, 32)
     finally:
         configs._cached_forward_config.cache_clear()
+
+
+def test_a_masked_width_runs_its_own_tuned_backward_entry(monkeypatch):
+    """The tuner files D=160 (not a power of two) under full_tiles=False; the backward looked up
+    full-tile entries only, so D=160 ran D=256's tiles and its own tuned entry was never used.
+    A width with no masked entry of its class still borrows the full-tile one."""
+    own = {"block_b": 64, "num_warps": 4, "use_dot": True, "x_evict": "", "programs_per_sm": 16, "num_stages": 1,
+           "block_k": 32}
+    pow2 = {"block_b": 16, "num_warps": 8, "use_dot": True, "x_evict": "", "programs_per_sm": 4, "num_stages": 2,
+            "block_k": 64}
+    table = {("backward", 160, 64, "float32", False): own, ("backward", 256, 64, "float32", True): pow2}
+    monkeypatch.setattr(configs, "device_slug", lambda device: "fake-gpu")
+    monkeypatch.setattr(configs, "load_table", lambda slug: table)
+    configs._cached_backward_config.cache_clear()
+    try:
+        cfg = configs.backward_config(160, 64, torch.float32, 0)
+        assert (cfg.block_b, cfg.num_warps, cfg.programs_per_sm, cfg.block_k) == (64, 4, 16, 32)
+        cfg = configs.backward_config(200, 64, torch.float32, 0)  # nearest masked entry of its BLOCK_D
+        assert (cfg.block_b, cfg.block_k) == (64, 32)
+        cfg = configs.backward_config(256, 64, torch.float32, 0)
+        assert (cfg.block_b, cfg.num_warps, cfg.programs_per_sm, cfg.block_k) == (16, 8, 4, 64)
+        del table[("backward", 160, 64, "float32", False)]
+        configs._cached_backward_config.cache_clear()
+        cfg = configs.backward_config(160, 64, torch.float32, 0)  # none of its class: the full-tile one
+        assert (cfg.block_b, cfg.num_warps, cfg.programs_per_sm) == (16, 8, 4)
+    finally:
+        configs._cached_backward_config.cache_clear()

@@ -553,7 +553,14 @@ def _cached_backward_config(D, H, dtype, device) -> Optional[BackwardConfig]:
     heuristic = heuristic_backward(D, H, dtype)
     if heuristic is None:
         return None
-    entry = _nearest_entry(load_table(device_slug(device)), "backward", D, H, _DTYPE_NAMES.get(dtype, ""), True)
+    table, dtype_name = load_table(device_slug(device)), _DTYPE_NAMES.get(dtype, "")
+    # The tuner files a D that is not a power of two (masked columns) under full_tiles=False, as
+    # for the forward; a lookup of full tiles only gave D=160 the D=256 entry and never its own
+    # (H100 fp32 D=160 H=64: 3681 us with D=256's tiles, 2073 us tuned; H=16 1621 vs 1204).
+    masked_d = D != triton.next_power_of_2(D)
+    entry = _nearest_entry(table, "backward", D, H, dtype_name, False) if masked_d else None
+    if entry is None:
+        entry = _nearest_entry(table, "backward", D, H, dtype_name, True)
     if entry is not None and heuristic.block_k and not entry.get("block_k"):
         # A whole-row kernel's tiles (a neighbouring shape's) say nothing about the K-chunked
         # kernel this shape needs (H100 bf16 D=512 H=64: 5.2 ms with the D=512 H=16 entry's
