@@ -64,6 +64,7 @@ from tqdm import tqdm
 
 import recfuse
 from recfuse.chain import DEFAULT, Chain, chain_of
+from recfuse.ops import configs
 from recfuse.reference import batched_feature_mlp
 
 from _common import (command_line, copy_bandwidth, device_activity, device_slug, environment, extra_peak_bytes, floor_us,
@@ -232,7 +233,8 @@ def table(points: list[dict], env: dict) -> str:
     lines = [
         f"recfuse grid on {env['device_name']} ({env['device']}), torch {env['torch']}, triton {env['triton']}, "
         f"{env['date']}; copy {env['copy_GBps']:.0f} GB/s on {env['copy_bytes'] / 2**20:.4g} MB; "
-        f"F={env['args']['features']}, x ~{env['args']['x_mb']} MB",
+        f"F={env['args']['features']}, x ~{env['args']['x_mb']} MB"
+        + (f"; configs from table {env['config_table']}" if env.get("config_table") else ""),
         "% = floor / measured (forward floor: x + y bytes; training step: 3 x + 2 y bytes; over copy BW). "
         "train us = the step's kernel time (GPU time); peer = torch.compile(batched composite); "
         "peer x = peer train / op train (both GPU time, or both do_bench events for peers of older runs).",
@@ -436,6 +438,9 @@ def main(argv=None) -> int:
 
     bw = copy_stats()
     env = {**environment(dev), "command": command_line(argv), "args": vars(args), **bw}
+    if dev == "cuda":
+        # which tuned table the configs came from ("none": the heuristic alone)
+        env["config_table"] = configs.table_slug(torch.cuda.current_device())
     name = env["device_name"]
     points = grid_points(args)
     print(f"{len(points)} points on {name}; copy {bw['copy_GBps']:.0f} GB/s; "

@@ -410,7 +410,11 @@ def write_table(path: str, saved: dict, entries: list[dict], args) -> None:
     old = [dict(e, kind=kind) for kind in ("forward", "backward") for e in saved.get(kind, [])
            if (kind, e["D"], e["H"], e["dtype"]) not in done]
     env = environment("cuda")
-    table = {"gpu": env["device_name"], "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
+    props = torch.cuda.get_device_properties(0)
+    # sm_count and compute_capability: a GPU without a table of its own takes a table of the same
+    # architecture (`recfuse.ops.configs.table_slug`).
+    table = {"gpu": env["device_name"], "sm_count": props.multi_processor_count,
+             "compute_capability": [props.major, props.minor],
              "torch": env["torch"], "triton": env["triton"], "date": env["date"],
              "setup": f"BFD layout, F={args.features}, x ~{args.x_mb:g} MB, shared weight + bias, per-feature LN affine"}
     for kind in ("forward", "backward"):

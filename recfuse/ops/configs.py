@@ -5,7 +5,8 @@ Where a config comes from, first match wins:
 
 1. `override(...)`: a context manager that forces configs (the tuner measures candidates through
    it; tests force the kernel paths they check). No module-global switch is patched anywhere.
-2. The tuned table of this GPU model, `tuned/<gpu>.json` beside this file, written by
+2. A tuned table, `tuned/<gpu>.json` beside this file (`table_slug`: this GPU model's own, else
+   one tuned on a GPU of the same architecture, or the one ``RECFUSE_TUNED_TABLE`` names), written by
    ``benchmarks/tune_kernels.py`` from measurements (and checked against a float64 reference
    before an entry is accepted). An entry holds the knobs that do not follow from the shape (rows
    per tile, warps, programs per SM, pipelining depth, ...); the shape-derived ones (BLOCK_D,
@@ -380,6 +381,50 @@ def device_slug(device: Union[str, int]) -> str:
     return gpu_slug(torch.cuda.get_device_name(device))
 
 
+# Names a tuned table for every device (a file name under tuned/ without ".json"), or "none" for
+# the heuristic alone. Read when a shape's config is first looked up (configs are cached per shape).
+TABLE_ENV = "RECFUSE_TUNED_TABLE"
+
+
+def _table_architecture(slug: str) -> Optional[tuple]:
+    """(compute capability, SM count) a shipped table was tuned on, None if it does not say."""
+    path = os.path.join(TUNED_DIR, slug + ".json")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+        return tuple(meta["compute_capability"]), int(meta["sm_count"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def table_slug(device: Union[str, int]) -> str:
+    """The tuned table a CUDA device's configs come from, first match wins: ``RECFUSE_TUNED_TABLE``
+    (a table name, or "none" for the heuristic); the device's own table; the shipped table of a
+    GPU with the same compute capability and SM count (an H200 takes the H100's: same SMs, shared
+    memory and registers, only its HBM is faster); else "none".
+
+    Example:
+        >>> table_slug("cpu")
+        'none'
+    """
+    if device == "cpu":  # the Triton interpreter: tables hold GPU measurements
+        return "none"
+    forced = os.environ.get(TABLE_ENV, "").strip()
+    if forced:
+        return forced
+    own = device_slug(device)
+    if load_table(own):
+        return own
+    props = torch.cuda.get_device_properties(device)
+    arch = ((props.major, props.minor), props.multi_processor_count)
+    for name in sorted(os.listdir(TUNED_DIR)):
+        if name.endswith(".json") and _table_architecture(name[:-5]) == arch:
+            log.info("recfuse: no tuned table for %s; using %s's (same compute capability %d.%d and %d SMs)",
+                     own, name[:-5], props.major, props.minor, props.multi_processor_count)
+            return name[:-5]
+    return "none"
+
+
 def _h_class(H: int) -> int:
     """Which product a tuned entry of this H was measured on: a row reduction (H = 1), the small-H
     products (2 <= H < DOT_MIN_H: broadcast sum or a 16-wide tl.dot), or the tl.dot proper."""
@@ -525,7 +570,7 @@ def forward_config(D: int, H: int, dtype: torch.dtype, device: Union[str, int], 
 @functools.lru_cache(maxsize=None)
 def _cached_forward_config(D, H, dtype, device, full_tiles) -> ForwardConfig:
     heuristic = heuristic_forward(D, H, dtype, full_tiles)
-    entry = _nearest_entry(load_table(device_slug(device)), "forward", D, H, _DTYPE_NAMES.get(dtype, ""), full_tiles)
+    entry = _nearest_entry(load_table(table_slug(device)), "forward", D, H, _DTYPE_NAMES.get(dtype, ""), full_tiles)
     if entry is not None and heuristic.block_k and not full_tiles and not entry.get("block_k"):
         # Masked entries were tuned before masked tiles could be chunked: their whole-row tiles
         # are the padded path (D=160 -> 256 columns) the chunked kernel replaces.
@@ -553,7 +598,7 @@ def _cached_backward_config(D, H, dtype, device) -> Optional[BackwardConfig]:
     heuristic = heuristic_backward(D, H, dtype)
     if heuristic is None:
         return None
-    table, dtype_name = load_table(device_slug(device)), _DTYPE_NAMES.get(dtype, "")
+    table, dtype_name = load_table(table_slug(device)), _DTYPE_NAMES.get(dtype, "")
     # The tuner files a D that is not a power of two (masked columns) under full_tiles=False, as
     # for the forward; a lookup of full tiles only gave D=160 the D=256 entry and never its own
     # (H100 fp32 D=160 H=64: 3681 us with D=256's tiles, 2073 us tuned; H=16 1621 vs 1204).
