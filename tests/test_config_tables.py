@@ -70,3 +70,23 @@ def test_the_own_table_wins_and_the_interpreter_has_none(monkeypatch):
     assert configs.table_slug(0) == H100
     monkeypatch.setenv(configs.TABLE_ENV, H100)
     assert configs.table_slug("cpu") == "none"
+
+
+def test_a_shapes_own_whole_row_winner_stands_where_the_heuristic_chunks(monkeypatch, fresh_configs):
+    """fp32 D=256 H=16: the heuristic chunks; a tuned entry of this very shape that names block_k
+    (0: the whole-row kernel won against chunked candidates) is used, while a neighbour's
+    whole-row entry, or an own entry tuned before the chunked kernel existed (no block_k), is not."""
+    monkeypatch.delenv(configs.TABLE_ENV, raising=False)
+    heuristic = configs.heuristic_backward(256, 16, torch.float32)
+    assert heuristic.block_k
+    whole_row = {"block_b": 16, "num_warps": 8, "use_dot": True, "x_evict": "", "programs_per_sm": 4,
+                 "num_stages": 1, "block_k": 0}
+    table = {("backward", 256, 16, "float32", True): whole_row}
+    monkeypatch.setattr(configs, "device_slug", lambda device: "fake-gpu")
+    monkeypatch.setattr(configs, "load_table", lambda slug: table)
+    cfg = configs.backward_config(256, 16, torch.float32, 0)
+    assert (cfg.block_k, cfg.block_b, cfg.num_warps) == (0, 16, 8)
+    assert configs.backward_config(256, 32, torch.float32, 0) == configs.heuristic_backward(256, 32, torch.float32)
+    configs._cached_backward_config.cache_clear()
+    table[("backward", 256, 16, "float32", True)] = {k: v for k, v in whole_row.items() if k != "block_k"}
+    assert configs.backward_config(256, 16, torch.float32, 0) == heuristic
