@@ -75,7 +75,8 @@ def test_the_own_table_wins_and_the_interpreter_has_none(monkeypatch):
 def test_a_shapes_own_whole_row_winner_stands_where_the_heuristic_chunks(monkeypatch, fresh_configs):
     """fp32 D=256 H=16: the heuristic chunks; a tuned entry of this very shape that names block_k
     (0: the whole-row kernel won against chunked candidates) is used, while a neighbour's
-    whole-row entry, or an own entry tuned before the chunked kernel existed (no block_k), is not."""
+    entry (whole-row or chunked), or an own entry tuned before the chunked kernel existed (no
+    block_k), is not."""
     monkeypatch.delenv(configs.TABLE_ENV, raising=False)
     heuristic = configs.heuristic_backward(256, 16, torch.float32)
     assert heuristic.block_k
@@ -87,6 +88,10 @@ def test_a_shapes_own_whole_row_winner_stands_where_the_heuristic_chunks(monkeyp
     cfg = configs.backward_config(256, 16, torch.float32, 0)
     assert (cfg.block_k, cfg.block_b, cfg.num_warps) == (0, 16, 8)
     assert configs.backward_config(256, 32, torch.float32, 0) == configs.heuristic_backward(256, 32, torch.float32)
+    # a neighbour's chunked entry is not borrowed either (H=16's 64-column chunks at H=64)
+    table[("backward", 512, 16, "float32", True)] = dict(whole_row, block_b=64, block_k=64)
+    assert configs.backward_config(512, 64, torch.float32, 0) == configs.heuristic_backward(512, 64, torch.float32)
+    assert configs.backward_config(512, 16, torch.float32, 0).block_k == 64
     configs._cached_backward_config.cache_clear()
     table[("backward", 256, 16, "float32", True)] = {k: v for k, v in whole_row.items() if k != "block_k"}
     assert configs.backward_config(256, 16, torch.float32, 0) == heuristic

@@ -588,7 +588,8 @@ def test_a_tuned_whole_row_entry_does_not_hold_back_the_chunked_forward(monkeypa
 def test_a_masked_width_runs_its_own_tuned_backward_entry(monkeypatch):
     """The tuner files D=160 (not a power of two) under full_tiles=False; the backward looked up
     full-tile entries only, so D=160 ran D=256's tiles and its own tuned entry was never used.
-    A width with no masked entry of its class still borrows the full-tile one."""
+    A width with no masked entry of its class still borrows the full-tile one where the heuristic
+    does not chunk."""
     own = {"block_b": 64, "num_warps": 4, "use_dot": True, "x_evict": "", "programs_per_sm": 16, "num_stages": 1,
            "block_k": 32}
     pow2 = {"block_b": 16, "num_warps": 8, "use_dot": True, "x_evict": "", "programs_per_sm": 4, "num_stages": 2,
@@ -601,12 +602,17 @@ def test_a_masked_width_runs_its_own_tuned_backward_entry(monkeypatch):
         cfg = configs.backward_config(160, 64, torch.float32, 0)
         assert (cfg.block_b, cfg.num_warps, cfg.programs_per_sm, cfg.block_k) == (64, 4, 16, 32)
         cfg = configs.backward_config(200, 64, torch.float32, 0)  # nearest masked entry of its BLOCK_D
+        assert configs.heuristic_backward(200, 64, torch.float32).block_k == 0  # (no chunks: may borrow)
         assert (cfg.block_b, cfg.block_k) == (64, 32)
         cfg = configs.backward_config(256, 64, torch.float32, 0)
         assert (cfg.block_b, cfg.num_warps, cfg.programs_per_sm, cfg.block_k) == (16, 8, 4, 64)
         del table[("backward", 160, 64, "float32", False)]
         configs._cached_backward_config.cache_clear()
-        cfg = configs.backward_config(160, 64, torch.float32, 0)  # none of its class: the full-tile one
-        assert (cfg.block_b, cfg.num_warps, cfg.programs_per_sm) == (16, 8, 4)
+        # none of its own: not D=256's either (the heuristic chunks D=160 H=64)
+        assert configs.backward_config(160, 64, torch.float32, 0) == configs.heuristic_backward(160, 64, torch.float32)
+        table[("backward", 256, 4, "float32", True)] = dict(pow2, use_dot=False, block_b=4, block_k=0)
+        configs._cached_backward_config.cache_clear()
+        cfg = configs.backward_config(160, 4, torch.float32, 0)  # where it does not chunk: borrowed
+        assert (cfg.block_b, cfg.num_warps, cfg.programs_per_sm) == (4, 8, 4)
     finally:
         configs._cached_backward_config.cache_clear()

@@ -609,11 +609,11 @@ def _cached_backward_config(D, H, dtype, device) -> Optional[BackwardConfig]:
     # This shape's own entry, tuned with the K-chunked candidates among the others (it names
     # block_k, 0 for a whole-row winner): it stands whichever kernel won.
     own = entry is not None and entry is table.get(("backward", D, H, dtype_name, not masked_d)) and "block_k" in entry
-    if entry is not None and heuristic.block_k and not entry.get("block_k") and not own:
-        # A whole-row kernel's tiles (a neighbouring shape's, or an entry tuned before the
-        # K-chunked kernel existed) say nothing about the K-chunked kernel this shape needs (H100
-        # bf16 D=512 H=64: 5.2 ms with the D=512 H=16 entry's 16-row tiles; fp32 64-row tiles ran
-        # 1.4x faster than 16-row ones).
+    if entry is not None and heuristic.block_k and not own:
+        # Where the heuristic chunks, only the shape's own entry: a neighbour's tiles say nothing
+        # about this shape's K-chunked kernel (H100 bf16 D=512 H=64: 5.2 ms with the D=512 H=16
+        # entry's 16-row tiles; fp32 H=64 spilled to ~40 ms with H=16's 64-column chunks and 4
+        # warps), nor does an entry tuned before the chunked kernel existed.
         entry = None
     cfg = config_from_entry("backward", entry, D, H, dtype, True) if entry is not None else None
     return cfg if cfg is not None else heuristic
