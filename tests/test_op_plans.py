@@ -57,20 +57,26 @@ def test_a_bad_call_after_a_good_one_still_raises_the_clear_error():
         recfuse.ln_tanh_linear_relu(x, torch.randn(2, 16, dtype=torch.float64), feature_dim=1)
 
 
-def test_a_forward_that_does_not_fit_the_device_falls_back_to_the_composite(monkeypatch, caplog):
-    # On the H100, fp32 H >= 40 with 512-1024-wide masked rows needed 401-659 KB of shared memory
-    # and raised OutOfResources from the forward (found by tests/test_op_cuda_property.py). The
-    # interpreter never runs out, so the launch of one shape is made to raise as Triton does.
+def _forward_out_of_resources_at_width(monkeypatch, D):
+    """Forward launches of rows D wide raise OutOfResources, as Triton does where a kernel needs
+    more shared memory than the device has (the interpreter never runs out)."""
     from triton.runtime.errors import OutOfResources
 
     real_call = launch.ForwardPlan.__call__
 
     def launch_or_out_of_resources(plan, x, *args):
-        if x.shape[2] == 24:
+        if x.shape[2] == D:
             raise OutOfResources(401408, 232448, "shared memory")
         return real_call(plan, x, *args)
 
     monkeypatch.setattr(launch.ForwardPlan, "__call__", launch_or_out_of_resources)
+
+
+def test_a_forward_that_does_not_fit_the_device_falls_back_to_the_composite(monkeypatch, caplog):
+    # On the H100, fp32 H >= 40 with 512-1024-wide masked rows needed 401-659 KB of shared memory
+    # and raised OutOfResources from the forward (found by tests/test_op_cuda_property.py). The
+    # interpreter never runs out, so the launch of one shape is made to raise as Triton does.
+    _forward_out_of_resources_at_width(monkeypatch, 24)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(5, 3, 24, generator=g, requires_grad=True)
     w = torch.randn(6, 24, generator=g, requires_grad=True)
@@ -96,16 +102,7 @@ def test_a_forward_that_does_not_fit_the_device_falls_back_to_the_composite(monk
 def test_an_unfit_forward_keeps_falling_back_on_every_later_call_of_its_signature(monkeypatch):
     # The second call of an unfit signature planned it again; the third found that plan in the
     # per-signature cache and launched it: the OutOfResources reached the caller.
-    from triton.runtime.errors import OutOfResources
-
-    real_call = launch.ForwardPlan.__call__
-
-    def launch_or_out_of_resources(plan, x, *args):
-        if x.shape[2] == 40:
-            raise OutOfResources(401408, 232448, "shared memory")
-        return real_call(plan, x, *args)
-
-    monkeypatch.setattr(launch.ForwardPlan, "__call__", launch_or_out_of_resources)
+    _forward_out_of_resources_at_width(monkeypatch, 40)
     g = torch.Generator().manual_seed(4)
     x, w = torch.randn(5, 3, 40, generator=g), torch.randn(6, 40, generator=g)
     for _ in range(4):
