@@ -34,7 +34,8 @@ def composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature
         rstd = torch.rsqrt(var + eps) + (var - var)
         xhat = xc * rstd
     elif chain.norm == "rms_norm":
-        rstd = torch.rsqrt((xf * xf).mean(-1, keepdim=True) + eps)
+        ms = (xf * xf).mean(-1, keepdim=True)
+        rstd = torch.rsqrt(ms + eps) + (ms - ms)  # NaN where the mean square overflowed, as forward
         xhat = xf * rstd
     else:
         xhat = xf
