@@ -151,11 +151,37 @@ def test_rms_norm_row_whose_mean_square_overflows_is_nan_on_the_cpu_composite(en
 
 
 @pytest.mark.interpret
-@pytest.mark.xfail(strict=True, reason="kernels.py: the rms_norm forward takes rsqrt(inf) = 0 for an overflowed "
-                                       "mean square (deliberately, 'as torch's rms_norm'); recfuse/ops/kernels.py "
-                                       "is not this round's to edit")
 def test_rms_norm_row_whose_mean_square_overflows_is_nan_on_the_kernels():
-    """The kernels give the finite wrong row the CPU composite gave before its fix: [0.7745, 0.4369]
-    for float64's [0.9511, 3.8236]."""
+    """The kernels gave the finite wrong row the CPU composite gave before its fix: [0.7745, 0.4369]
+    for float64's [0.9511, 3.8236] (their RMSNorm took rsqrt(inf) = 0, as torch's rms_norm does)."""
     x, w, b = _rms_overflow_inputs()
     _check_rms_overflow_is_nan(recfuse.feature_mlp(x, w, b, **_RMS), x)
+
+
+@pytest.mark.interpret
+def test_rms_norm_overflow_is_nan_on_the_chunked_kernels_too():
+    """The K-chunked forward and backward compute their RMS statistic apart from the whole-row
+    kernels (chunk by chunk): forced here, the overflowed row is NaN in y and dx there too, and
+    the other rows match float64."""
+    from recfuse.ops import configs
+
+    g = torch.Generator().manual_seed(5)
+    F, B, D, H = 2, 16, 32, 16
+    x = torch.randn(F, B, D, generator=g)
+    x[1, 3, 7] = 1e20
+    x.requires_grad_(True)
+    w = (torch.randn(H, D, generator=g) * D ** -0.5).requires_grad_(True)
+    b = torch.randn(H, generator=g).requires_grad_(True)
+    forward = lambda D_, H_, dtype, full: configs.heuristic_forward(  # noqa: E731
+        D_, H_, dtype, full, use_dot=True, block_b=16, block_k=16)
+    backward = lambda D_, H_, dtype: configs.heuristic_backward(  # noqa: E731
+        D_, H_, dtype, use_dot=True, block_b=16, block_k=16)
+    with configs.override(forward=forward, backward=backward):
+        y = recfuse.feature_mlp(x, w, b, **_RMS)
+        (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    assert torch.isnan(y[1, 3]).all() and torch.isnan(dx[1, 3]).all(), (y[1, 3], dx[1, 3])
+    ok = torch.ones(F, B, dtype=torch.bool)
+    ok[1, 3] = False
+    y64 = R.feature_mlp(x.detach().double(), w.detach().double(), b.detach().double(), **_RMS)
+    assert rel_err(y[ok].detach(), y64[ok]) < 1e-5
+    assert torch.isfinite(dx[ok]).all()

@@ -189,8 +189,10 @@ def _norm_act_tile(
     elif NORM == 2:
         mean = tl.zeros([x.shape[0]], dtype=tl.float32)
         xc = x  # padded columns load as 0
-        # No NaN for an overflowed mean square: torch's rms_norm gives x * 0 there too.
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+        # NaN where the fp32 mean square overflowed, as LayerNorm's variance below (torch's
+        # rms_norm takes rsqrt(inf) = 0 there: a finite row far from float64's, silently).
+        ms = tl.sum(x * x, axis=1) / D
+        rstd = 1.0 / tl.sqrt(ms + eps) + (ms - ms)
     else:
         # `/ D`, not `* inv_d`: measured on the H100 (F=128 B=8192 D=256 fp32, 8-row tiles)
         # the multiply form compiled to a 466 us forward, the divide to 400 us.
@@ -363,7 +365,7 @@ def _chunked_norm_act_linear(
     if NORM == 1:
         rstd = 1.0 / tl.sqrt(var + eps) + (var - var)  # NaN where the variance overflowed (see above)
     elif NORM == 2:
-        rstd = 1.0 / tl.sqrt(var + eps)
+        rstd = 1.0 / tl.sqrt(var + eps) + (var - var)  # var: the mean square here
     else:
         rstd = tl.full([BLOCK_B], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
@@ -884,7 +886,7 @@ def ln_tanh_linear_relu_bwd_chunked(
             if NORM == 1:
                 rstd = 1.0 / tl.sqrt(var + eps) + (var - var)  # NaN where the variance overflowed
             else:
-                rstd = 1.0 / tl.sqrt(var + eps)
+                rstd = 1.0 / tl.sqrt(var + eps) + (var - var)  # RMSNorm: var is the mean square
         # -- (1) z, then dz
         z = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
         if OUT_ACT != 0:
