@@ -191,7 +191,8 @@ class LoRALinear(nn.Linear):
 def test_replacing_a_fused_module_by_another_kind_is_refused():
     """Before: `transformed.lin = LoRALinear(...)` (a Linear subclass with its own forward) ran the
     fused op on its weight and bias alone: y 6.4 off the original with the same replacement; a
-    LayerNorm(eps=2.0) put at `ln` kept the fused eps=1e-5: y 0.16 off; a new LayerNorm at the
+    LayerNorm(eps=2.0) put at `ln` (setattr, add_module or register_module) kept the fused eps=1e-5:
+    y 0.16-0.32 off; a new LayerNorm at the
     stand-in `lns.1` was never read: y off, silently. Now each raises RecfuseError naming the path;
     a module of the same class and settings still replaces it (its tensors are read, as before),
     and refuses hooks as the one it replaced."""
@@ -200,6 +201,10 @@ def test_replacing_a_fused_module_by_another_kind_is_refused():
         g.lin = LoRALinear(ref.lin)
     with pytest.raises(RecfuseError, match="replace `ln` with this LayerNorm"):
         g.ln = nn.LayerNorm(D_, eps=2.0)
+    with pytest.raises(RecfuseError, match="replace `ln` with this LayerNorm"):
+        g.add_module("ln", nn.LayerNorm(D_, eps=2.0))
+    with pytest.raises(RecfuseError, match="replace `ln` with this LayerNorm"):
+        g.register_module("ln", nn.LayerNorm(D_, eps=2.0))
     lin = nn.Linear(D_, 3)  # another H: the graph reads the weight's shape at each call
     ln = randomized(nn.LayerNorm(D_))
     g.lin, ref.lin = lin, copy.deepcopy(lin)

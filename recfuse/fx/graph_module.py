@@ -145,7 +145,7 @@ def check_replacement(owner: torch.nn.Module, name: str, value) -> None:
     """Refuse ``owner.name = value`` where `name` is a module whose calls fusion replaced and
     `value` a module the fused graph could not stand for (another class, other settings, hooks)."""
     children = owner.__dict__.get("_recfuse_children")
-    if not children or name not in children or not isinstance(value, torch.nn.Module):
+    if not children or name not in children or not isinstance(value, torch.nn.Module) or isinstance(value, _FusedAway):
         return
     path, signature = children[name]
     if (module_signature(value) != signature
@@ -190,6 +190,11 @@ class _FusedHolder(torch.nn.Module):
         check_replacement(self, name, value)
         super().__setattr__(name, value)
         _refuse_hooks_of_replacement(self, name, value)
+
+    def add_module(self, name, module):
+        check_replacement(self, name, module)
+        super().add_module(name, module)
+        _refuse_hooks_of_replacement(self, name, module)
 
     def extra_repr(self) -> str:
         return "holds what the fused graph reads"
@@ -576,6 +581,11 @@ class TransformedGraphModule(GraphModule):
         check_replacement(self, name, value)
         super().__setattr__(name, value)
         _refuse_hooks_of_replacement(self, name, value)
+
+    def add_module(self, name, module):
+        check_replacement(self, name, module)
+        super().add_module(name, module)
+        _refuse_hooks_of_replacement(self, name, module)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
