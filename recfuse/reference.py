@@ -182,4 +182,7 @@ def batched_feature_mlp(
         y = y + per_feature(b)
     y = apply_activation(y, chain.out_activation)
     y = y if feature_dim == 0 else y.transpose(0, 1)
-    return y.to(out_dtype).contiguous()
+    y = y.to(out_dtype).contiguous()
+    # At B == 1 or F == 1 the transpose is contiguous already, and contiguous() returns the view:
+    # the op's autograd.Function must not return a view (the caller's in-place op on it raises).
+    return y.clone() if y._is_view() else y

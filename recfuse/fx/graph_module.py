@@ -8,6 +8,7 @@ method of this class, not a hook, and `__deepcopy__` / `__reduce__` carry the re
 """
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import re
@@ -25,7 +26,7 @@ from torch.nn.modules import module as _nn_module
 __all__ = ["TransformedGraphModule", "map_original_keys", "carry_state", "mark_stacked_away"]
 
 # Attributes that are recfuse's own and must survive deepcopy and pickling.
-PRESERVED_ATTRS = ("_recfuse_stacked", "recfuse_report")
+PRESERVED_ATTRS = ("_recfuse_stacked", "_recfuse_absorbed", "recfuse_report")
 # Attributes that are caches of one process (CUDA graphs, tensor readers): dropped by pickling.
 TRANSIENT_ATTRS = ("_cuda_graph_cache", "_module_tensors", "_tracer_extras")
 # The model's forward hooks (carried to the result by capture); GraphModule.__init__ resets them.
@@ -125,12 +126,158 @@ class _StackedAwayNames(dict):
         dict.__delitem__(self, k)
 
 
-class _FusedAway(torch.nn.Module):
+# A module's plain settings that its Linear-like forward reads from its tensors' shapes at each call:
+# a replacement may differ in them.
+_SHAPE_SETTINGS = frozenset({"in_features", "out_features"})
+
+
+def module_signature(mod: torch.nn.Module) -> tuple:
+    """What a module that replaces `mod` must share with it for the fused graph (which reads only
+    its tensors) to compute what it would: its class and its plain settings (eps, p, ...)."""
+    t = type(mod)
+    settings = tuple(sorted((k, v) for k, v in mod.__dict__.items()
+                            if not k.startswith("_") and k != "training" and k not in _SHAPE_SETTINGS
+                            and isinstance(v, (bool, int, float, str, tuple, type(None)))))
+    return (f"{t.__module__}.{t.__qualname__}", settings)
+
+
+def check_replacement(owner: torch.nn.Module, name: str, value) -> None:
+    """Refuse ``owner.name = value`` where `name` is a module whose calls fusion replaced and
+    `value` a module the fused graph could not stand for (another class, other settings, hooks)."""
+    children = owner.__dict__.get("_recfuse_children")
+    if not children or name not in children or not isinstance(value, torch.nn.Module) or isinstance(value, _FusedAway):
+        return
+    path, signature = children[name]
+    if (module_signature(value) != signature
+            or any(value.__dict__.get(k) for k in _GUARDED_HOOK_DICTS + ("_forward_hooks_with_kwargs",))):
+        from ..errors import RecfuseError
+
+        raise RecfuseError(
+            f"cannot replace `{path}` with this {type(value).__name__}: recfuse.transform fused the calls of the "
+            f"original {signature[0].rpartition('.')[2]}{' ' + str(dict(signature[1])) if signature[1] else ''} into "
+            "the transformed model's graph, "
+            "which reads only the parameters of the module at this path. A module of the same class and "
+            "settings without hooks may replace it (its parameters are read); for any other, replace it in "
+            "the original model before recfuse.transform.")
+
+
+def _refuse_hooks_of_replacement(owner: torch.nn.Module, name: str, value) -> None:
+    """A module that replaced one whose calls fusion replaced (`check_replacement` let it) refuses
+    hooks as that one did."""
+    children = owner.__dict__.get("_recfuse_children")
+    if children and name in children and isinstance(value, torch.nn.Module):
+        _refuse_hooks(value, children[name][0])
+
+
+class _FusedHolder(torch.nn.Module):
+    """Stands at the path of a module whose calls fusion replaced: it holds the tensors that the
+    fused graph reads from it (``lin.weight``) and nothing else. Setting a plain attribute on it
+    (``ln.eps = 0.1``, ``drop.p = 0.5``) is refused: the fused graph holds the original module's
+    value and would silently ignore the new one. Tensors, modules, None, ``training`` and private
+    attributes are set as on any module. (Also the holder of such modules, which checks their
+    replacements, `check_replacement`.)"""
+
+    def __setattr__(self, name, value):
+        path = self.__dict__.get("_recfuse_path")
+        if path is not None and not (name.startswith("_") or name == "training" or value is None
+                                     or isinstance(value, (torch.Tensor, torch.nn.Module))):
+            from ..errors import RecfuseError
+
+            raise RecfuseError(
+                f"cannot set `{path}.{name}` = {value!r}: recfuse.transform fused the module that stood here "
+                "into its graph, which keeps the original module's settings and would ignore the new "
+                "value. Set it on the original model before recfuse.transform.")
+        check_replacement(self, name, value)
+        super().__setattr__(name, value)
+        _refuse_hooks_of_replacement(self, name, value)
+
+    def add_module(self, name, module):
+        check_replacement(self, name, module)
+        super().add_module(name, module)
+        _refuse_hooks_of_replacement(self, name, module)
+
+    def extra_repr(self) -> str:
+        return "holds what the fused graph reads"
+
+
+class _FusedAway(_FusedHolder):
     """Stands at the path of a module whose tensors fusion stacked (and which it pruned), so that a
     lookup of an original name reaches `_StackedAwayNames` and its error."""
 
+    def __setattr__(self, name, value):
+        if isinstance(value, torch.nn.Module) and isinstance(self._modules.get(name), _FusedAway):
+            from ..errors import RecfuseError
+
+            raise RecfuseError(
+                f"cannot replace `{name}`: recfuse.transform stacked the tensors of the module that stood "
+                "here into parameters of the transformed model (see its stacked_parameters()), so a "
+                "module put here would never be called. Replace it in the original model before "
+                "recfuse.transform, or load its state_dict into the transformed model.")
+        super().__setattr__(name, value)
+
     def extra_repr(self) -> str:
         return "fused by recfuse.transform"
+
+
+class _RefusedHooks(collections.OrderedDict):
+    """The (empty) hook dicts of a module whose calls fusion replaced: registering a hook on it
+    raises `message`, since the fused graph never calls the module and the hook would silently
+    never run (forward hooks, pre-hooks, backward hooks; spectral_norm, weight_norm and
+    torch.nn.utils.prune register pre-hooks too)."""
+
+    def __init__(self, message: str = ""):
+        super().__init__()
+        self.message = message
+
+    def __setitem__(self, k, v):
+        from ..errors import RecfuseError
+
+        raise RecfuseError(self.message)
+
+    def __reduce__(self):
+        return (_RefusedHooks, (self.message,))
+
+
+_GUARDED_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def guard_absorbed(gm: torch.nn.Module) -> None:
+    """Make each module whose calls fusion replaced (`gm._recfuse_absorbed`: path -> its
+    `module_signature`) refuse what the fused graph would silently ignore: hooks registered on it,
+    plain attributes set on it (on the holders torch.fx leaves in its place) and a replacement by a
+    module of another class or settings (`check_replacement`)."""
+    for path, signature in getattr(gm, "_recfuse_absorbed", {}).items():
+        owner, mod = None, gm
+        *parents, leaf = path.split(".")
+        for part in parents:
+            owner = mod
+            mod = mod._modules.get(part)
+            if mod is None:
+                break
+            if type(mod) is torch.nn.Module:
+                mod.__class__ = _FusedHolder
+        if mod is None:
+            continue
+        mod.__dict__.setdefault("_recfuse_children", {})[leaf] = (path, signature)
+        mod = mod._modules.get(leaf)
+        if mod is None:
+            continue
+        if type(mod) is torch.nn.Module:
+            mod.__class__ = _FusedHolder
+        if isinstance(mod, _FusedHolder):
+            mod.__dict__["_recfuse_path"] = path
+        _refuse_hooks(mod, path)
+
+
+def _refuse_hooks(mod: torch.nn.Module, path: str) -> None:
+    message = (f"cannot register a hook on `{path}`: recfuse.transform fused its calls into the "
+               "transformed model's graph, which no longer calls this module, so the hook would never "
+               "run. Register it on the original model before recfuse.transform (a module with hooks "
+               "is left unfused), or on the transformed model itself.")
+    for k in _GUARDED_HOOK_DICTS:
+        d = mod.__dict__.get(k)
+        if isinstance(d, dict) and not d and not isinstance(d, _RefusedHooks):
+            mod.__dict__[k] = _RefusedHooks(message)
 
 
 def mark_stacked_away(gm: torch.nn.Module) -> None:
@@ -160,6 +307,7 @@ def mark_stacked_away(gm: torch.nn.Module) -> None:
                     "original name (torch.func.functional_call, setattr). Pass the transformed model's "
                     "names: `transformed.transformed_parameters(params)` maps a dict keyed by the original "
                     "names onto them (rows stacked with torch.stack, so gradients reach your tensors).")
+    guard_absorbed(gm)
 
 
 def transformed_parameters(module: torch.nn.Module, params: dict) -> dict:
@@ -428,6 +576,16 @@ class TransformedGraphModule(GraphModule):
             [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
         """
         return transformed_parameters(self, params)
+
+    def __setattr__(self, name, value):
+        check_replacement(self, name, value)
+        super().__setattr__(name, value)
+        _refuse_hooks_of_replacement(self, name, value)
+
+    def add_module(self, name, module):
+        check_replacement(self, name, module)
+        super().add_module(name, module)
+        _refuse_hooks_of_replacement(self, name, module)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):

@@ -1,6 +1,7 @@
 """`transform`, `explain`, verification, and the torch.compile entry points of the graph pass."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import gc
@@ -16,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import RecfuseError
 from .capture import PendingModule, _StateSnapshot, capture, unshare
 from .fuse import fuse_graph
-from .graph_module import mark_stacked_away
+from .graph_module import mark_stacked_away, module_signature
 from .plan import attr_tensor
 from .registry import FUSIONS, select_fusions
 from .replay import CudaGraphReplayModule
@@ -167,7 +168,7 @@ def _stacked_olds(report: FusionReport) -> set:
 
 
 def _finish_module(gm: GraphModule, report: FusionReport, kept: Optional[dict] = None,
-                   shared: Sequence[torch.Tensor] = ()) -> GraphModule:
+                   shared: Sequence[torch.Tensor] = (), absorbed: Optional[dict] = None) -> GraphModule:
     stacked = {}
     for g in report.groups:
         stacked.update(g.stacked_params)
@@ -183,6 +184,9 @@ def _finish_module(gm: GraphModule, report: FusionReport, kept: Optional[dict] =
             _assign(gm, name, t, persistent)  # not read by the fused graph, still the model's state
     if stacked:
         gm._recfuse_stacked = stacked
+    if absorbed:
+        gm._recfuse_absorbed = absorbed
+    if stacked or absorbed:
         mark_stacked_away(gm)
     for n in gm.graph.nodes:
         n.meta.pop(VAL_KEY, None)
@@ -220,18 +224,25 @@ def _run(model, example_inputs, fusions) -> tuple[GraphModule, FusionReport]:
         pending = isinstance(gm, PendingModule)
         kept = _adopt_original_state(gm, model) if isinstance(model, nn.Module) and not pending else None
         report = FusionReport(model=facts["name"], capture=facts["how"])
+        absorbed = {}
         if not facts["shapes"]:
             report.reason = "no example_inputs: shapes are unknown, so slices cannot be matched"
             report.near_misses.append(NearMiss("model", report.reason))
         else:
+            called = collections.Counter(n.target for n in gm.graph.nodes if n.op == "call_module")
             fuse_graph(gm.graph, gm.root if pending else gm, stack_params_once=True, report=report, fusions=fusions,
                        alone=facts.get("alone") if pending else None)
+            # the modules fusion stopped calling (some or all of their calls): hooks registered on them
+            # later would never run (`guard_absorbed`)
+            called.subtract(n.target for n in gm.graph.nodes if n.op == "call_module")
+            root = gm.root if pending else gm
+            absorbed = {k: module_signature(root.get_submodule(k)) for k in sorted(k for k, v in called.items() if v > 0)}
             if facts["constants"]:
                 report.capture += " (constants: " + ", ".join(f"{k}={v!r}" for k, v in facts["constants"].items()) + ")"
         if pending:
             gm = gm.build(codegen=False)
             kept = _adopt_original_state(gm, model, skip=_stacked_olds(report))
-        gm = _finish_module(gm, report, kept, facts.get("shared", ()))
+        gm = _finish_module(gm, report, kept, facts.get("shared", ()), absorbed)
         kept = None  # the per-slice copies fusion pruned are freed now, not walked by the collection that
         # turning the collector back on starts
     report.seconds = time.perf_counter() - t0
@@ -300,8 +311,12 @@ def _replaying(gm: GraphModule) -> GraphModule:
     """The same graph and parameters as a `CudaGraphReplayModule` (state_dict hooks carried over)."""
     replay = CudaGraphReplayModule(gm, gm.graph, class_name=type(gm).__name__)
     stacked = getattr(gm, "_recfuse_stacked", None)
+    absorbed = getattr(gm, "_recfuse_absorbed", None)
     if stacked:
         replay._recfuse_stacked = stacked
+    if absorbed:
+        replay._recfuse_absorbed = absorbed
+    if stacked or absorbed:
         mark_stacked_away(replay)
     return replay
 
