@@ -617,7 +617,9 @@ def _traced_type_builtin(root: nn.Module, fn: Any):
                 del g["type"]
 
 
-_INTERNAL_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
+# Each with a trailing separator: a bare ".../site-packages/torch" prefix also matched
+# ".../site-packages/torchrec/...", so torchrec's code (EBC, DLRM) counted as torch's own.
+_INTERNAL_DIRS = (os.path.join(os.path.dirname(__file__), ""), os.path.join(os.path.dirname(torch.__file__), ""))
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"]
 
 
