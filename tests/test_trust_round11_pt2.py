@@ -29,7 +29,10 @@ inside the compiled function, .eval() after, forward hooks and pre-hooks, `modul
 place, a compiled outer model holding it, `torch._dynamo.reset()` and a second compile,
 mode="max-autotune-no-cudagraphs", a model whose forward has a no_grad region); bf16 inputs to the
 op under torch.compile(inductor) give the same y and gradients as the eager bf16 call (y 4.8e-3
-off float64 either way), on both CPU backends.
+off float64 either way), on both CPU backends; torch.compile of `feature_mlp` (rms_norm / silu /
+gelu, per-feature parameters, feature_dim=1, inductor, dynamic, B = 5, 2, 9, with backward);
+torch.compile of vmap of the op. (torch.compile(torch.func.vmap(module), fullgraph=True) raises
+Dynamo Unsupported for the original model as for the transformed one: PyTorch's, not recfuse's.)
 """
 import copy
 
@@ -120,3 +123,21 @@ def test_fullgraph_compile_with_hooks_and_inside_an_outer_model():
     torch.testing.assert_close(g.recfuse_g0_ln_weight[2], orig.lns[2].weight)
     x = torch.randn(3, F_ * D_)
     torch.testing.assert_close(compiled(x), ref(x))
+
+
+# -- torch.compile of torch.func.grad through the op (left open) ----------------------------------
+
+
+@pytest.mark.xfail(strict=True, raises=Exception, reason=(
+    "loud, not silent: torch.compile(torch.func.grad(f)) with f calling recfuse.ln_tanh_linear_relu raises "
+    "(Dynamo's fake call of the custom op: 'autograd.Function ... must override the setup_context "
+    "staticmethod'). Routing a functorch-active traced call to the composite (as the eager path does) then "
+    "stops at `y._is_view()` in recfuse/reference.py (Dynamo: 'torch.* op returned non-Tensor'), a file "
+    "outside this round's edit set. Eager torch.func.grad is right."))
+def test_compiled_func_grad_through_the_op():
+    x, w = torch.randn(F_, 4, D_), torch.randn(H_, D_)
+    got = torch.compile(torch.func.grad(lambda w: recfuse.ln_tanh_linear_relu(x, w).sum()), backend="aot_eager",
+                        fullgraph=True)(w)
+    w64 = w.double().requires_grad_()
+    recfuse.reference.ln_tanh_linear_relu(x.double(), w64).sum().backward()
+    torch.testing.assert_close(got.double(), w64.grad)
