@@ -365,6 +365,11 @@ def _lean_call(self, *args, **kwargs):
     (benchmarks/NOTES.md, "CPU host path"); an error of the generated code is reported as
     `_WrappedCall` reports it."""
     if not _plain_call(self):
+        if _is_compiling():
+            # torch.compile traces the call: Dynamo refuses to trace GraphModule's `_WrappedCall`
+            # (a skipped function: fullgraph=True raised, otherwise a graph break), and
+            # nn.Module.__call__ (hooks included) it traces.
+            return _MODULE_CALL(self, *args, **kwargs)
         return self._wrapped_call(self, *args, **kwargs)
     try:
         return self.forward(*args, **kwargs)
