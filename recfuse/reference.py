@@ -185,4 +185,4 @@ def batched_feature_mlp(
     y = y.to(out_dtype).contiguous()
     # At B == 1 or F == 1 the transpose is contiguous already, and contiguous() returns the view:
     # the op's autograd.Function must not return a view (the caller's in-place op on it raises).
-    return y.clone() if y._is_view() else y
+    return y.clone() if y._base is not None else y  # `_base`, not `_is_view()`: Dynamo traces it

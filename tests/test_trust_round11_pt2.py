@@ -128,16 +128,25 @@ def test_fullgraph_compile_with_hooks_and_inside_an_outer_model():
 # -- torch.compile of torch.func.grad through the op (left open) ----------------------------------
 
 
-@pytest.mark.xfail(strict=True, raises=Exception, reason=(
-    "loud, not silent: torch.compile(torch.func.grad(f)) with f calling recfuse.ln_tanh_linear_relu raises "
-    "(Dynamo's fake call of the custom op: 'autograd.Function ... must override the setup_context "
-    "staticmethod'). Routing a functorch-active traced call to the composite (as the eager path does) then "
-    "stops at `y._is_view()` in recfuse/reference.py (Dynamo: 'torch.* op returned non-Tensor'), a file "
-    "outside this round's edit set. Eager torch.func.grad is right."))
 def test_compiled_func_grad_through_the_op():
+    """torch.compile(torch.func.grad(f)) with f calling the op raised (Dynamo's fake run of the
+    custom op under a functorch transform: "autograd.Function ... must override the setup_context
+    staticmethod"); a traced call under a torch.func transform now takes the composite, as an
+    eager one does."""
     x, w = torch.randn(F_, 4, D_), torch.randn(H_, D_)
     got = torch.compile(torch.func.grad(lambda w: recfuse.ln_tanh_linear_relu(x, w).sum()), backend="aot_eager",
                         fullgraph=True)(w)
     w64 = w.double().requires_grad_()
     recfuse.reference.ln_tanh_linear_relu(x.double(), w64).sum().backward()
+    torch.testing.assert_close(got.double(), w64.grad)
+
+
+def test_compiled_func_grad_through_feature_mlp():
+    """The same for `recfuse.feature_mlp` with another chain (it raised as the op did)."""
+    x, w = torch.randn(F_, 4, D_), torch.randn(H_, D_)
+    chain = dict(norm="rms_norm", activation="silu", out_activation="sigmoid")
+    got = torch.compile(torch.func.grad(lambda w: recfuse.feature_mlp(x, w, **chain).sum()), backend="aot_eager",
+                        fullgraph=True)(w)
+    w64 = w.double().requires_grad_()
+    recfuse.reference.feature_mlp(x.double(), w64, **chain).sum().backward()
     torch.testing.assert_close(got.double(), w64.grad)

@@ -151,6 +151,6 @@ def feature_mlp(
                                  chain=chain)
         return _EagerLnTanhLinearRelu.apply(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, key, chain)
     check_op_args(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
-    if _is_plain_eager(x):
+    if _is_plain_eager(x) or _functorch_active():  # torch.func transforms, eager or compiled
         return batched_feature_mlp(x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim), chain)
     return torch.ops.recfuse.feature_mlp(x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim), *names)

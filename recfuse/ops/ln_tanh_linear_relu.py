@@ -483,8 +483,10 @@ def ln_tanh_linear_relu(
             return _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, eager_entry=True, key=key)
         return _EagerLnTanhLinearRelu.apply(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, key)
     check_op_args(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
-    if _is_plain_eager(x):
-        # torch.func.grad / vmap / jacrev: the differentiable, batchable torch composite.
+    if _is_plain_eager(x) or _functorch_active():
+        # torch.func.grad / vmap / jacrev: the differentiable, batchable torch composite (also when
+        # torch.compile traces them: its fake run of the custom op under a functorch transform
+        # raised "autograd.Function ... must override the setup_context staticmethod").
         return batched_ln_tanh_linear_relu(x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim))
     return torch.ops.recfuse.ln_tanh_linear_relu(
         x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim)
