@@ -218,6 +218,29 @@ def call_signature(x, weight, bias, ln_weight, ln_bias, eps, feature_dim) -> tup
             tensor_signature(ln_weight), tensor_signature(ln_bias), eps, type(eps), feature_dim, type(feature_dim))
 
 
+class BoundedDict(dict):
+    """A per-signature cache that starts over past `limit` entries: a server seeing every batch
+    size from 1 to 100k keeps at most `limit` launch plans, not one per size ever seen. Lookups
+    are plain dict lookups.
+
+    Example:
+        >>> cache = BoundedDict(limit=2)
+        >>> cache[1], cache[2] = "a", "b"
+        >>> cache[3] = "c"
+        >>> sorted(cache)
+        [3]
+    """
+
+    def __init__(self, limit: int = 4096):
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key, value):
+        if key not in self and len(self) >= self.limit:
+            self.clear()
+        super().__setitem__(key, value)
+
+
 class ValidatedSignatures:
     """Signatures whose arguments passed `check_op_args`: a call with a known signature skips the
     checks (they depend on nothing else), any other call is checked, with the same errors.

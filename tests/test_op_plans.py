@@ -6,6 +6,7 @@ import torch
 
 import recfuse
 from recfuse.ops import launch
+from op_cases import rel_err
 
 pytestmark = pytest.mark.interpret  # the plans belong to the Triton path (interpreter on CPU)
 
@@ -107,3 +108,23 @@ def test_an_unfit_forward_keeps_falling_back_on_every_later_call_of_its_signatur
     x, w = torch.randn(5, 3, 40, generator=g), torch.randn(6, 40, generator=g)
     for _ in range(4):
         _check(x, w)
+
+
+def test_the_plan_caches_stay_bounded_over_many_batch_sizes(monkeypatch):
+    """Every batch size is a signature of its own: a server seeing B = 1..100k kept one forward
+    and one backward plan per size ever seen (the dicts grew without bound). They start over
+    past their limit (4096; 3 here), and every call still matches float64."""
+    monkeypatch.setattr(launch._FORWARD_PLANS, "limit", 3)
+    monkeypatch.setattr(launch._BACKWARD_PLANS, "limit", 3)
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(2, 16, generator=g, requires_grad=True)
+    for B in range(1, 8):
+        x = torch.randn(B, 3, 16, generator=g, requires_grad=True)
+        _check(x, w)
+        y = recfuse.ln_tanh_linear_relu(x, w, feature_dim=1)
+        y.backward(torch.ones_like(y))
+        x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+        _reference(x64, w64, None, None, None, 1).backward(torch.ones(B, 3, 2, dtype=torch.float64))
+        assert rel_err(x.grad, x64.grad) < 1e-4
+        assert len(launch._FORWARD_PLANS) <= 3 and len(launch._BACKWARD_PLANS) <= 3
+        w.grad = None

@@ -22,6 +22,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .._checks import BoundedDict
+
 log = logging.getLogger("recfuse")
 
 
@@ -42,7 +44,8 @@ class CompiledLaunchCache:
         # `JITFunction.run`); the direct launch passes every parameter, so it fills them in.
         self.defaults = {name: p.default for name, p in inspect.signature(jit_fn.fn).parameters.items()
                          if p.default is not inspect.Parameter.empty}
-        self.kernels: dict[tuple, Any] = {}
+        # keyed by exact integers (every batch size its own entry): bounded
+        self.kernels: dict[tuple, Any] = BoundedDict()
         self.enabled = os.environ.get("RECFUSE_COMPILED_LAUNCH", "1") != "0"
 
     def _key(self, args: Sequence, meta: dict, options: dict) -> tuple:

@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..chain import DEFAULT, codes as chain_codes
-from .._checks import call_signature as signature, tensor_signature as _tensor_signature
+from .._checks import BoundedDict, call_signature as signature, tensor_signature as _tensor_signature
 from . import configs, kernels
 from ._compiled_launch import CompiledLaunchCache
 
@@ -244,7 +244,7 @@ def forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_sta
     return plan
 
 
-_FORWARD_PLANS: dict = {}
+_FORWARD_PLANS: dict = BoundedDict()  # per call signature; bounded (every batch size is one)
 # (D, H, dtype, device type) whose persistent forward config did not fit the device.
 _FWD_NOT_PERSISTENT: set = set()
 # Keyed by `_forward_unfit_key`: forward variants whose tl.dot operands did not fit this device's
@@ -442,7 +442,7 @@ def _empty_or_like(p, x):
     return x.new_empty((0,)) if p is None else torch.empty_like(p, memory_format=torch.contiguous_format)
 
 
-_BACKWARD_PLANS: dict = {}
+_BACKWARD_PLANS: dict = BoundedDict()
 # Keyed by `_unfit_key` (D, H, dtype, weight rank, device type, chain): shapes whose backward kernel does not fit
 # this device at all, and shapes that fit only with plain fp32 dots.
 _BWD_UNFIT: set = set()
