@@ -209,7 +209,7 @@ def _cyclic_gc_paused():
             gc.enable()
 
 
-def _run(model, example_inputs, fusions) -> tuple[GraphModule, FusionReport]:
+def _run(model, example_inputs, fusions, stack_parameters: bool = True) -> tuple[GraphModule, FusionReport]:
     t0 = time.perf_counter()
     # Under the caller's inference_mode the stacked parameters and the copies the result owns would
     # be inference tensors: the result could not be trained, nor its state loaded. Make them
@@ -230,7 +230,8 @@ def _run(model, example_inputs, fusions) -> tuple[GraphModule, FusionReport]:
             report.near_misses.append(NearMiss("model", report.reason))
         else:
             called = collections.Counter(n.target for n in gm.graph.nodes if n.op == "call_module")
-            fuse_graph(gm.graph, gm.root if pending else gm, stack_params_once=True, report=report, fusions=fusions,
+            fuse_graph(gm.graph, gm.root if pending else gm, stack_params_once=stack_parameters, report=report,
+                       fusions=fusions,
                        alone=facts.get("alone") if pending else None)
             # the modules fusion stopped calling (some or all of their calls): hooks registered on them
             # later would never run (`guard_absorbed`)
@@ -250,7 +251,8 @@ def _run(model, example_inputs, fusions) -> tuple[GraphModule, FusionReport]:
 
 
 def transform(model, example_inputs: Optional[tuple] = None, *, verify: bool = False,
-              cuda_graph: bool = False, fusions: Optional[Sequence[str]] = None) -> nn.Module:
+              cuda_graph: bool = False, fusions: Optional[Sequence[str]] = None,
+              stack_parameters: bool = True) -> nn.Module:
     """Rewrite a per-feature model into batched (horizontal) and fused (vertical) form.
 
     Per-slice chains ``split -> LayerNorm -> tanh [-> Linear -> relu] -> stack`` become one batched
@@ -274,6 +276,13 @@ def transform(model, example_inputs: Optional[tuple] = None, *, verify: bool = F
             re-capture rule is in `recfuse.cuda_graph`. Training calls run as usual.
         fusions: names of the fusions to run (default: every registered one, see
             `recfuse.fx.FUSIONS`); they are tried in registry order whatever the order here.
+        stack_parameters: True (default): per-feature parameters are stacked once into new
+            parameters of the result ([F, D] instead of F [D] ones). False: the result keeps the
+            original parameters, names and shapes, and stacks them inside the graph on each call
+            (a copy of F small tensors per call). Use False with optimizers or parameter groups
+            that look at a parameter's shape: Adafactor factors a 2-D parameter's second moment,
+            "no weight decay where p.ndim < 2" would decay the stacked LayerNorm rows, Muon takes
+            2-D parameters only; the stacked result trains differently under them.
 
     Returns:
         A torch.fx GraphModule (the unchanged graph when nothing could be fused; see `explain`).
@@ -294,8 +303,10 @@ def transform(model, example_inputs: Optional[tuple] = None, *, verify: bool = F
     """
     if not isinstance(cuda_graph, bool):
         raise TypeError(f"cuda_graph must be a bool, got {cuda_graph!r}")
+    if not isinstance(stack_parameters, bool):
+        raise TypeError(f"stack_parameters must be a bool, got {stack_parameters!r}")
     select_fusions(fusions)  # an unknown name fails before the capture's cost
-    gm, report = _run(model, example_inputs, fusions)
+    gm, report = _run(model, example_inputs, fusions, stack_parameters)
     if cuda_graph:
         gm = _replaying(gm)
     logger.info(report.summary())
