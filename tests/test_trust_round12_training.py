@@ -208,7 +208,8 @@ def test_optimizer_state_dict_across_is_refused(base):
 
 
 @pytest.mark.xfail(strict=True, reason="stacked [F, D] LayerNorm parameters are factored by Adafactor "
-                   "(F unfactored [D] vectors in the original); documented in README, no code fix yet")
+                   "(F unfactored [D] vectors in the original); documented in README; transform(stack_parameters=False) "
+                   "trains as the original (test below)")
 def test_adafactor_trains_as_the_original(base):
     o, t = pair(base)
     train(o, t, lambda p: O.Adafactor(p, lr=0.01))
@@ -216,7 +217,7 @@ def test_adafactor_trains_as_the_original(base):
 
 
 @pytest.mark.xfail(strict=True, reason="'no weight decay where p.ndim < 2' puts the stacked [F, D] "
-                   "LayerNorm parameters under decay; documented in README, no code fix yet")
+                   "LayerNorm parameters under decay; documented in README; stack_parameters=False trains as the original")
 def test_ndim_based_decay_groups_train_as_the_original(base):
     o, t = pair(base)
 
@@ -244,3 +245,39 @@ def test_ffp_from_modules_trains_as_the_eager_loop():
         torch.testing.assert_close(fp.ln_bias, torch.stack([n.bias for n in o.lns]), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(fp.weight, o.lin.weight, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(fp.bias, o.lin.bias, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def base_unstacked():
+    torch.manual_seed(0)
+    m = PerFeature()
+    o = copy.deepcopy(m)
+    return o, recfuse.transform(m, (torch.randn(5, F_ * D_),), stack_parameters=False)
+
+
+def test_unstacked_result_keeps_the_original_parameters(base_unstacked):
+    """`transform(..., stack_parameters=False)`: the original's parameter names and shapes (the
+    graph stacks them on each call), so anything keyed by name or shape sees the original's."""
+    o, t = pair(base_unstacked)
+    assert {n: p.shape for n, p in o.named_parameters()} == {n: p.shape for n, p in t.named_parameters()}
+    assert t.state_dict().keys() == o.state_dict().keys()
+    x = torch.randn(6, F_ * D_)
+    torch.testing.assert_close(t(x), o(x), rtol=1e-5, atol=1e-6)
+
+
+def test_adafactor_trains_as_the_original_with_unstacked_parameters(base_unstacked):
+    """The shape-aware optimizer that trained the stacked result 1.4e-2 off the original
+    (test_adafactor_trains_as_the_original) trains the unstacked one as the original."""
+    o, t = pair(base_unstacked)
+    train(o, t, lambda p: O.Adafactor(p, lr=0.01))
+    assert_same(o, t)
+
+
+def test_ndim_based_decay_groups_train_as_the_original_with_unstacked_parameters(base_unstacked):
+    o, t = pair(base_unstacked)
+
+    def groups(m, _):
+        return [{"params": [p for p in m.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+                {"params": [p for p in m.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+    train(o, t, lambda p: O.AdamW(p, lr=0.01), groups=groups)
+    assert_same(o, t)
