@@ -31,6 +31,7 @@ import os
 import re
 import sys
 import sysconfig
+import threading
 import types
 import warnings
 from collections import OrderedDict
@@ -664,6 +665,9 @@ class _SymbolicProxy(Proxy):
         return _SymbolicProxy
 
 
+_TRACE_LOCK = threading.RLock()
+
+
 class _ModeTracer(Tracer):
     """A Tracer that keeps `self.training` reads as graph nodes and explains foreign modules."""
 
@@ -710,7 +714,19 @@ class _ModeTracer(Tracer):
     def proxy(self, node: Node) -> Proxy:
         return _SymbolicProxy(node, self)
 
+    # The thread tracing (`trace`); module calls and attribute reads of other threads are not ours.
+    _thread = None
+
     def trace(self, root, concrete_args=None):
+        # One recfuse trace at a time in a process: fx patches nn.Module.__call__ / __getattr__
+        # process-wide and restores what it found on exit, so two traces in parallel threads
+        # recorded each other's module calls (a RecfuseError "neither a submodule of the model")
+        # and could leave a finished tracer's patch installed. Re-entrant: a trace may trace.
+        with _TRACE_LOCK:
+            self._thread = threading.get_ident()
+            return self._trace_locked(root, concrete_args)
+
+    def _trace_locked(self, root, concrete_args):
         if self.proxy_every_flag:  # rebuilding saved code: its helpers are recorded, never run
             ctx = _rebuilding(self)
         else:
@@ -787,7 +803,8 @@ class _ValueTracer(_ModeTracer):
     _executing = False
 
     def call_module(self, m, forward, args, kwargs):
-        if self._executing:
+        # Another thread's module call (fx's patch of nn.Module.__call__ is process-wide): run it.
+        if self._executing or threading.get_ident() != self._thread:
             return forward(*args, **kwargs)
         path = self.path_of_module(m)
         if not self._is_leaf(m, path):
@@ -827,7 +844,7 @@ class _ValueTracer(_ModeTracer):
             scope.module_path, scope.module_type = outer
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
-        if self._executing:
+        if self._executing or threading.get_ident() != self._thread:
             return attr_val
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
@@ -2025,7 +2042,7 @@ def _guard_dynamo_specialisation(gm: GraphModule, guards, names: list, args: lis
         elif type(v) in (int, float, str):
             texts.append(f"type({src}) is {type(v).__name__} and {src} == {v!r}")
         elif isinstance(v, nn.Module):
-            texts.append(f"{src} is None or {src} is ___module({runtime.remember_module_argument(v)})")
+            texts.append(f"{src} is None or {src} is ___module({runtime.remember_module_argument(v)!r})")
         elif not isinstance(v, torch.Tensor):
             raise RecfuseError(f"cannot capture {fn_name}: torch.fx failed ({fx_error}), and torch._dynamo.export "
                                f"would bake the {type(v).__name__} argument at {src} into its graph unguarded")

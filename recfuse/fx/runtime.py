@@ -6,6 +6,7 @@ other than the example's, exactly as the original per-slice code did.
 from __future__ import annotations
 
 import functools
+import uuid
 import weakref
 from typing import Optional
 
@@ -98,16 +99,21 @@ def _always_recorded(fn):
 _CAPTURED_MODULES: dict = {}
 
 
-def remember_module_argument(module) -> int:
-    """Register a module argument baked into a transformed graph; returns the token its guard uses."""
-    token = len(_CAPTURED_MODULES)
-    _CAPTURED_MODULES[token] = weakref.ref(module)
+def remember_module_argument(module) -> str:
+    """Register a module argument baked into a transformed graph; returns the token its guard uses.
+
+    A random token, unique across threads and processes: it is saved with the graph, and a count
+    (`len` of this dict) was the same number in two threads transforming at once, or in the process
+    that loaded a saved graph for another module argument, whose guard then accepted that module
+    (and computed with its own copy, silently). The entry goes with the module."""
+    token = uuid.uuid4().hex
+    _CAPTURED_MODULES[token] = weakref.ref(module, lambda _, token=token: _CAPTURED_MODULES.pop(token, None))
     return token
 
 
 @has_side_effect  # a guard: dead-code elimination must keep it
 @_graph_leaf
-def check_module_argument(value, token: int, name: str) -> None:
+def check_module_argument(value, token: str, name: str) -> None:
     """Guard of a module argument the transformed graph owns a copy of.
 
     The graph computes with the copy taken at transform time (its parameters are the ones to
@@ -284,7 +290,7 @@ def check_not_none(value, name: str) -> None:
 _DYNAMO_GUARD_CODE: dict = {}  # guard text -> its compiled code
 
 
-def _module_argument(token: int):
+def _module_argument(token: str):
     ref = _CAPTURED_MODULES.get(token)
     return ref() if ref is not None else None
 
