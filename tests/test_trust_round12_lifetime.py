@@ -315,3 +315,40 @@ def test_saved_modules_run_in_a_spawn_subprocess(tmp_path):
     assert p.exitcode == 0
     with torch.no_grad():
         assert close(torch.tensor(got[0]), tm(x)) and close(torch.tensor(got[1]), fp(x))
+
+
+class _SlowPerFeature(PerFeature):
+    """Sleeps in forward (also while traced): the GIL goes to other threads mid-trace."""
+
+    def forward(self, x):
+        time.sleep(0.02)
+        return super().forward(x)
+
+
+def test_grad_mode_changes_of_another_thread_are_not_recorded_into_a_trace():
+    """The capture's grad-mode, print, setattr and Function patches are process-wide: another
+    thread's `torch.no_grad()` while a transform traced was recorded into that trace's graph
+    (a parallel transform failed with "Argument 'grad_enabled_6' of Node 'set_grad_mode_2' does not
+    belong to this Graph"; an eager model served beside it put grad-mode nodes into the result)."""
+    stop = threading.Event()
+    other, x_other = PerFeature(), torch.randn(3, F * D)
+
+    def serve():
+        while not stop.is_set():
+            with torch.no_grad():
+                other(x_other)
+            with torch.enable_grad():
+                other(x_other).sum()
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        models = [_SlowPerFeature() for _ in range(4)]
+        results = [recfuse.transform(m, (torch.randn(5, F * D),)) for m in models]
+    finally:
+        stop.set()
+        server.join()
+    x = torch.randn(6, F * D)
+    for t, m in zip(results, models):
+        assert not any(n.target is runtime.set_grad_mode for n in t.graph.nodes), t.code
+        assert close(t(x), m(x))

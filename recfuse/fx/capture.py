@@ -92,6 +92,12 @@ def _tracing_user_code() -> Optional["Tracer"]:
     if not _ACTIVE_TRACERS:
         return None
     tracer = _ACTIVE_TRACERS[-1]
+    # The patches that call this are process-wide: another thread's grad-mode changes, prints,
+    # setattrs and Function calls (its own transform, or a model it serves) are not the model's.
+    # (A second transform in parallel recorded its `set_grad_enabled` into this tracer's graph:
+    # "Argument ... does not belong to this Graph".)
+    if getattr(tracer, "_thread", None) != threading.get_ident():
+        return None
     return None if getattr(tracer, "_executing", False) else tracer
 
 
