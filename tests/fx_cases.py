@@ -285,3 +285,13 @@ class PerFeatureChain(PerFeatureBase):
 
     def forward(self, x):
         return ln_tanh_chain(self.lns, self.lin, x, self.lin.in_features)
+
+
+class RandomizedPerFeatureChain(PerFeatureChain):
+    """`PerFeatureChain` with every parameter moved off its default (0.3 * randn added)."""
+
+    def __init__(self, F=F_, D=D_, H=H_):
+        super().__init__(F, D, H)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.add_(0.3 * torch.randn_like(p))

@@ -41,23 +41,14 @@ import torch
 from torch import nn
 
 import recfuse
+from fx_cases import RandomizedPerFeatureChain
 
 F_, D_, H_ = 3, 4, 2
 
 
-class PerFeature(nn.Module):
+def PerFeature():
     """split -> a LayerNorm per slice -> tanh -> stack -> Linear -> relu, randomized parameters."""
-
-    def __init__(self):
-        super().__init__()
-        self.lns = nn.ModuleList([nn.LayerNorm(D_) for _ in range(F_)])
-        self.lin = nn.Linear(D_, H_)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.add_(0.3 * torch.randn_like(p))
-
-    def forward(self, x):
-        return torch.relu(self.lin(torch.stack([torch.tanh(n(t)) for n, t in zip(self.lns, x.split(D_, 1))], 1)))
+    return RandomizedPerFeatureChain(F_, D_, H_)
 
 
 class Outer(nn.Module):

@@ -37,22 +37,15 @@ from torch import nn
 import torch.utils.checkpoint as cp
 
 import recfuse
+from fx_cases import RandomizedPerFeatureChain
 
 F_, D_, H_ = 3, 4, 2
 O = torch.optim
 
 
-class PerFeature(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lns = nn.ModuleList([nn.LayerNorm(D_) for _ in range(F_)])
-        self.lin = nn.Linear(D_, H_)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.add_(0.3 * torch.randn_like(p))
-
-    def forward(self, x):
-        return torch.relu(self.lin(torch.stack([torch.tanh(n(t)) for n, t in zip(self.lns, x.split(D_, 1))], 1)))
+def PerFeature():
+    """split -> a LayerNorm per slice -> tanh -> stack -> Linear -> relu, randomized parameters."""
+    return RandomizedPerFeatureChain(F_, D_, H_)
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +76,12 @@ def assert_same(o, t, tol=1e-5):
     for n, p in o.named_parameters():
         d = ((p - u[n]).abs().max() / p.abs().max()).item()
         assert d < tol, (n, d)
+
+
+def ndim_groups(m, _):
+    """The common recipe: weight decay on matrices, none on vectors (LayerNorm, biases)."""
+    return [{"params": [p for p in m.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in m.parameters() if p.ndim < 2], "weight_decay": 0.0}]
 
 
 def by_name_groups(m, stacked):
@@ -221,10 +220,7 @@ def test_adafactor_trains_as_the_original(base):
 def test_ndim_based_decay_groups_train_as_the_original(base):
     o, t = pair(base)
 
-    def groups(m, _):
-        return [{"params": [p for p in m.parameters() if p.ndim >= 2], "weight_decay": 0.1},
-                {"params": [p for p in m.parameters() if p.ndim < 2], "weight_decay": 0.0}]
-    train(o, t, lambda p: O.AdamW(p, lr=0.01), groups=groups)
+    train(o, t, lambda p: O.AdamW(p, lr=0.01), groups=ndim_groups)
     assert_same(o, t)
 
 
@@ -276,8 +272,5 @@ def test_adafactor_trains_as_the_original_with_unstacked_parameters(base_unstack
 def test_ndim_based_decay_groups_train_as_the_original_with_unstacked_parameters(base_unstacked):
     o, t = pair(base_unstacked)
 
-    def groups(m, _):
-        return [{"params": [p for p in m.parameters() if p.ndim >= 2], "weight_decay": 0.1},
-                {"params": [p for p in m.parameters() if p.ndim < 2], "weight_decay": 0.0}]
-    train(o, t, lambda p: O.AdamW(p, lr=0.01), groups=groups)
+    train(o, t, lambda p: O.AdamW(p, lr=0.01), groups=ndim_groups)
     assert_same(o, t)

@@ -169,7 +169,23 @@ def _refuse_hooks_of_replacement(owner: torch.nn.Module, name: str, value) -> No
         _refuse_hooks(value, children[name][0])
 
 
-class _FusedHolder(torch.nn.Module):
+class _ChecksReplacements:
+    """Mixin of the modules that own a module whose calls fusion replaced (the transformed model,
+    `_FusedHolder`): ``owner.name = module`` and ``add_module`` go through `check_replacement`, and
+    an accepted replacement refuses hooks as the module it replaced did."""
+
+    def __setattr__(self, name, value):
+        check_replacement(self, name, value)
+        super().__setattr__(name, value)
+        _refuse_hooks_of_replacement(self, name, value)
+
+    def add_module(self, name, module):
+        check_replacement(self, name, module)
+        super().add_module(name, module)
+        _refuse_hooks_of_replacement(self, name, module)
+
+
+class _FusedHolder(_ChecksReplacements, torch.nn.Module):
     """Stands at the path of a module whose calls fusion replaced: it holds the tensors that the
     fused graph reads from it (``lin.weight``) and nothing else. Setting a plain attribute on it
     (``ln.eps = 0.1``, ``drop.p = 0.5``) is refused: the fused graph holds the original module's
@@ -187,14 +203,7 @@ class _FusedHolder(torch.nn.Module):
                 f"cannot set `{path}.{name}` = {value!r}: recfuse.transform fused the module that stood here "
                 "into its graph, which keeps the original module's settings and would ignore the new "
                 "value. Set it on the original model before recfuse.transform.")
-        check_replacement(self, name, value)
         super().__setattr__(name, value)
-        _refuse_hooks_of_replacement(self, name, value)
-
-    def add_module(self, name, module):
-        check_replacement(self, name, module)
-        super().add_module(name, module)
-        _refuse_hooks_of_replacement(self, name, module)
 
     def extra_repr(self) -> str:
         return "holds what the fused graph reads"
@@ -496,7 +505,7 @@ def _restore_dropped(gm: GraphModule, attrs: dict) -> None:
             getattr(gm, k).update(attrs[k])
 
 
-class TransformedGraphModule(GraphModule):
+class TransformedGraphModule(_ChecksReplacements, GraphModule):
     """A GraphModule produced by `recfuse.transform`.
 
     Loads a state_dict of the original model (its per-feature keys go to the stacked parameters),
@@ -581,16 +590,6 @@ class TransformedGraphModule(GraphModule):
             [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
         """
         return transformed_parameters(self, params)
-
-    def __setattr__(self, name, value):
-        check_replacement(self, name, value)
-        super().__setattr__(name, value)
-        _refuse_hooks_of_replacement(self, name, value)
-
-    def add_module(self, name, module):
-        check_replacement(self, name, module)
-        super().add_module(name, module)
-        _refuse_hooks_of_replacement(self, name, module)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
