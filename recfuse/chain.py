@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F_
 
-__all__ = ["Chain", "DEFAULT", "NORMS", "ACTIVATIONS", "chain_of", "codes", "apply_norm", "apply_activation",
+__all__ = ["Chain", "DEFAULT", "NORMS", "ACTIVATIONS", "chain_of", "codes", "apply_norm", "normalized_rows", "apply_activation",
            "to_schema", "from_schema", "activation_grad"]
 
 # Kernel codes (constexprs). 0 is "none" for both.
@@ -121,6 +121,29 @@ def apply_norm(x: torch.Tensor, norm: Optional[str], eps: float) -> torch.Tensor
     if norm == "rms_norm":
         return F_.rms_norm(x, (x.shape[-1],), None, eps)
     return x
+
+
+def normalized_rows(x: torch.Tensor, norm: Optional[str], eps: float):
+    """(xhat, rstd): the norm over the last dim without affine, and its per-row rstd (None without
+    a norm), NaN on the rows whose statistic (LayerNorm's variance, RMSNorm's mean square)
+    overflowed in x's dtype, as the kernels give. `apply_norm`'s F.layer_norm / F.rms_norm take
+    rstd = 0 there and return a finite row far from float64's; the batched composite forward and
+    the analytic backward both normalise through this.
+
+    Example:
+        >>> xhat, rstd = normalized_rows(torch.tensor([[1.0, 3.0], [0.0, 1e20]]), "layer_norm", 1e-5)
+        >>> xhat[0].tolist(), bool(xhat[1].isnan().all())
+        ([-0.9999949932098389, 0.9999949932098389], True)
+    """
+    if norm == "layer_norm":
+        var, mean = torch.var_mean(x, -1, keepdim=True, correction=0)
+        rstd = torch.rsqrt(var + eps) + (var - var)
+        return (x - mean) * rstd, rstd
+    if norm == "rms_norm":
+        ms = (x * x).mean(-1, keepdim=True)
+        rstd = torch.rsqrt(ms + eps) + (ms - ms)
+        return x * rstd, rstd
+    return x, None
 
 
 def apply_activation(t: torch.Tensor, activation: Optional[str]) -> torch.Tensor:

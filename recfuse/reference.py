@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F_
 
 from ._checks import check_chain_args, check_op_args
-from .chain import DEFAULT, Chain, apply_activation, apply_norm
+from .chain import DEFAULT, Chain, apply_activation, normalized_rows
 
 __all__ = ["ln_tanh_linear_relu", "batched_ln_tanh_linear_relu", "feature_mlp", "batched_feature_mlp"]
 
@@ -120,25 +120,6 @@ def feature_mlp(
     return torch.stack(outs, dim=feature_dim)
 
 
-def _normalize(xf: torch.Tensor, norm: Optional[str], eps: float) -> torch.Tensor:
-    """The norm without affine, NaN on the rows whose statistic (LayerNorm's variance, RMSNorm's
-    mean square) overflowed in the compute dtype, as the kernels and the compiled CPU path give.
-
-    Not F.layer_norm / F.rms_norm alone: they take rstd = 0 where the float32 statistic overflows
-    and return a finite row (for a row holding one 1e20, relu(W tanh(ln_bias) + b)), silently
-    far from float64's. LayerNorm as var_mean and rsqrt (its two moments, as the compiled path
-    computes them), so that a row F.layer_norm's moments overflow on but whose variance fits
-    (values near 1e19) is computed, not dropped to its bias."""
-    if norm == "layer_norm":
-        var, mean = torch.var_mean(xf, -1, keepdim=True, correction=0)
-        return (xf - mean) * (torch.rsqrt(var + eps) + (var - var))
-    h = apply_norm(xf, norm, eps)
-    if norm == "rms_norm":
-        ms = (xf * xf).mean(-1, keepdim=True)
-        h = h + (ms - ms)
-    return h
-
-
 def batched_feature_mlp(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -169,7 +150,7 @@ def batched_feature_mlp(
 
     xf = up(x)
     xf = xf if feature_dim == 0 else xf.transpose(0, 1)
-    h = _normalize(xf, chain.norm, eps)
+    h, _ = normalized_rows(xf, chain.norm, eps)  # NaN rows where the norm's statistic overflowed
     lw, lb = up(ln_weight), up(ln_bias)
     if lw is not None:
         h = h * per_feature(lw)

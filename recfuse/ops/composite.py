@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..chain import DEFAULT, activation_grad, apply_activation
+from ..chain import DEFAULT, activation_grad, apply_activation, normalized_rows
 
 
 def _empty(x: torch.Tensor) -> torch.Tensor:
@@ -26,19 +26,8 @@ def composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature
         return t if feature_dim == 0 else t.transpose(0, 1)
 
     xf, gy = fm(x), fm(grad_y)
-    if chain.norm == "layer_norm":
-        mean = xf.mean(-1, keepdim=True)
-        xc = xf - mean
-        var = (xc * xc).mean(-1, keepdim=True)
-        # NaN where the variance overflowed, as the kernels give (not rstd = 0 and a finite dx).
-        rstd = torch.rsqrt(var + eps) + (var - var)
-        xhat = xc * rstd
-    elif chain.norm == "rms_norm":
-        ms = (xf * xf).mean(-1, keepdim=True)
-        rstd = torch.rsqrt(ms + eps) + (ms - ms)  # NaN where the mean square overflowed, as forward
-        xhat = xf * rstd
-    else:
-        xhat = xf
+    # NaN where the norm's statistic overflowed, as the kernels give (not rstd = 0 and a finite dx).
+    xhat, rstd = normalized_rows(xf, chain.norm, eps)
     lw = None if ln_weight is None else ln_weight.to(compute)
     lw_b = None if lw is None else (lw.unsqueeze(1) if lw.dim() == 2 else lw)
     a = xhat if lw_b is None else xhat * lw_b

@@ -416,11 +416,17 @@ def table_slug(device: Union[str, int]) -> str:
     if load_table(own):
         return own
     props = torch.cuda.get_device_properties(device)
-    arch = ((props.major, props.minor), props.multi_processor_count)
+    return _same_architecture_table(own, (props.major, props.minor), props.multi_processor_count)
+
+
+@functools.lru_cache(maxsize=16)
+def _same_architecture_table(own: str, capability: tuple, sms: int) -> str:
+    """The first shipped table tuned on a GPU of this compute capability and SM count, else "none"
+    (searched once per device model: every shape's first lookup asks)."""
     for name in sorted(os.listdir(TUNED_DIR)):
-        if name.endswith(".json") and _table_architecture(name[:-5]) == arch:
+        if name.endswith(".json") and _table_architecture(name[:-5]) == (capability, sms):
             log.info("recfuse: no tuned table for %s; using %s's (same compute capability %d.%d and %d SMs)",
-                     own, name[:-5], props.major, props.minor, props.multi_processor_count)
+                     own, name[:-5], capability[0], capability[1], sms)
             return name[:-5]
     return "none"
 
