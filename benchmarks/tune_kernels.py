@@ -31,6 +31,8 @@ import subprocess
 import sys
 import time
 
+from typing import Optional
+
 import torch
 import triton
 
@@ -96,8 +98,8 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
         return []
     out = [base]
     paths = [base.use_dot]
-    if 2 <= H <= 4 and D >= 16:
-        paths.append(True)  # the tensor-core product, H padded to 16, against the broadcast sum
+    if 2 <= H <= 4:
+        paths += [True, False]  # the tensor-core product (H padded to 16) and the per-column sums
     for use_dot in dict.fromkeys(paths):
         rows = (16, 32) if use_dot else (4, 8, 16)
         # Narrow rows: a 16-row tile of 32 bf16 columns is 1 KB in flight per program, far from
@@ -111,6 +113,14 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
             if cfg is not None and configs.backward_fits(cfg, D, H) and cfg.block_b == block_b:
                 out.append(cfg)
         if not use_dot:
+            if 2 <= H <= 4:
+                # each output column on its own (`BackwardConfig.unroll_h`): 2D tiles, so longer
+                # row tiles than the broadcast sum's 8 fit; 2-16 elements of a tile per thread
+                for block_b, warps, pps in itertools.product((4, 8, 16, 32, 64), (2, 4, 8), (2, 4, 8, 16)):
+                    cfg = configs.heuristic_backward(D, H, dtype, use_dot=False, block_b=block_b, num_warps=warps,
+                                                     num_stages=1, programs_per_sm=pps, block_k=0, unroll_h=1)
+                    if cfg is not None and 2 <= cfg.block_b * cfg.block_d / (32 * warps) <= 16:
+                        out.append(cfg)
             continue
         if dtype == torch.bfloat16:
             # the next row tile loaded while this one is computed (`BackwardConfig.prefetch`)
@@ -123,6 +133,25 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
             if cfg is not None and block_k < cfg.block_d and configs.backward_fits(cfg, D, H):
                 out.append(cfg)
     return list(dict.fromkeys(out))
+
+
+def shape_candidates(kind: str, p: dict, only: str, saved: dict) -> list:
+    """The candidates `tune_shape` times for one shape: all of them, or (``only``, backward) the
+    heuristic's config, the saved table's entry for the shape (the incumbent) and the candidates
+    that set that knob: a run that tries one new kernel path against what the table has."""
+    D, H, dtype = p["D"], p["H"], DTYPES[p["dtype"]]
+    if kind == "forward":
+        return forward_candidates(D, H, dtype)
+    cands = backward_candidates(D, H, dtype)
+    if only == "all" or not cands:
+        return cands
+    full = D == triton.next_power_of_2(D)
+    dtype_name = str(dtype).replace("torch.", "")
+    incumbent = [configs.config_from_entry("backward", e["config"], D, H, dtype, True)
+                 for e in saved.get("backward", [])
+                 if (e["D"], e["H"], e["dtype"], e["full_tiles"]) == (D, H, dtype_name, full)]
+    picked = [cands[0]] + [c for c in incumbent if c is not None] + [c for c in cands if getattr(c, only)]
+    return list(dict.fromkeys(picked))
 
 
 def make_inputs(p: dict, device: str, seed: int = 0):
@@ -239,7 +268,8 @@ def masked_rows_ok(p: dict, kind: str, entry: dict) -> bool:
         return False
 
 
-def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress) -> list[dict]:
+def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress, only: str = "all",
+               saved: Optional[dict] = None) -> list[dict]:
     D, H, dtype = p["D"], p["H"], DTYPES[p["dtype"]]
     t = make_inputs(p, "cuda" if torch.cuda.is_available() else "cpu")
     ref = references(t)
@@ -250,7 +280,7 @@ def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress) -> list
     floors = {"forward": (x_bytes + y_bytes) / copy_gbps / 1e3, "backward": (2 * x_bytes + y_bytes) / copy_gbps / 1e3}
     results = []
     for kind in kinds:
-        cands = forward_candidates(D, H, dtype) if kind == "forward" else backward_candidates(D, H, dtype)
+        cands = shape_candidates(kind, p, only, saved or {})
         if t["x"].device.type == "cpu":
             cands = cands[:3]
         rows = []
@@ -311,6 +341,9 @@ def main(argv=None) -> int:
     ap.add_argument("--save", nargs="?", const=configs.TUNED_DIR, help="write <dir>/<gpu>.json (default: the package's table dir)")
     ap.add_argument("--merge", action="store_true", help="keep the saved table's entries for shapes not in this run")
     ap.add_argument("--resume", action="store_true", help="with --merge: skip shapes the saved table has")
+    ap.add_argument("--only", default="all", choices=["all", "unroll_h"],
+                    help="backward: time only the heuristic, the saved entry (with --merge) and the candidates "
+                         "that set this knob")
     ap.add_argument("--compile-worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.compile_worker:
@@ -356,7 +389,8 @@ def main(argv=None) -> int:
                 work.append({"shape": p, "kind": "backward",
                              # one per compiled variant: programs per SM is a runtime argument
                              "candidates": list({json.dumps(dict(e, programs_per_sm=0), sort_keys=True): e for e in (
-                                 configs.config_to_entry(c) for c in backward_candidates(D, H, dtype))}.values())})
+                                 configs.config_to_entry(c)
+                                 for c in shape_candidates("backward", p, args.only, saved))}.values())})
         n_compile = sum(len(w["candidates"]) for w in work)
         log.info("tune: %d shapes, %d kernel variants to compile with %d workers", len(pts), n_compile, args.workers)
         out_dir = os.environ.get("OUT", "/tmp")
@@ -368,7 +402,7 @@ def main(argv=None) -> int:
         quick = bench
         copy_gbps = 10.0
     def n_candidates(p, kind):
-        n = len((forward_candidates if kind == "forward" else backward_candidates)(p["D"], p["H"], DTYPES[p["dtype"]]))
+        n = len(shape_candidates(kind, p, args.only, saved))
         return n if cuda else min(n, 3)
 
     total = sum(n_candidates(p, kind) for p in pts for kind in args.kinds)
@@ -381,7 +415,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     entries = []
     for p in pts:
-        entries += tune_shape(p, args.kinds, bench, quick, copy_gbps, progress)
+        entries += tune_shape(p, args.kinds, bench, quick, copy_gbps, progress, args.only, saved)
         if table_path and cuda:  # after every shape: a run cut short keeps what it measured
             write_table(table_path, saved, entries, args)
     if bar is not None:

@@ -70,12 +70,12 @@ def test_dot_forward_defaults_take_the_persistent_and_chunked_paths(case, dtype,
     assert persistent == (dtype != torch.float32) and (case.B // block_b == 3 or not persistent), seen
 
 
-# Small H and narrow rows (defaults from the H100 tuner): H=2-4 on the 16-wide tl.dot, the forward
-# in whole 32-column chunks of D=160 (fp32; its backward keeps the broadcast sum, faster there),
-# the backward in 4096-element row tiles (128 rows of 32 columns).
+# Small H and narrow rows (defaults from the H100 tuner): the forward of H=2-4 on the 16-wide
+# tl.dot, in whole 32-column chunks of D=160; the backward per output column (`unroll_h`) in tiles
+# of ~16 elements a thread (64 rows of 32 columns, 4 warps).
 SMALL_H_CASES = [
     (Case(2, 40, 160, 4, feature_dim=1, ln="per_feature"), torch.float32, 32, (False, None)),
-    (Case(2, 256, 32, 3, ln="shared", bias="per_feature"), torch.bfloat16, 32, (True, 128)),
+    (Case(2, 256, 32, 3, ln="shared", bias="per_feature"), torch.bfloat16, 32, (False, 64)),
 ]
 
 
@@ -87,6 +87,7 @@ def test_small_h_defaults_take_the_dot_path_in_chunks_and_long_row_tiles(case, d
     assert seen["forward"][:2] == (True, block_k), seen
     use_dot, rows = backward
     assert seen["backward"][0] == use_dot and rows in (None, seen["backward"][2]), seen
+    assert [meta.get("UNROLL_H", False) for kind, _, meta, _ in launches if kind == "backward"] == [True]
 
 
 @pytest.mark.parametrize("feature_dim, strided_copy", [(0, True), (1, False)])
@@ -412,8 +413,9 @@ def test_prefetching_backward_matches_float64_and_the_plain_loop(case, dtype, ch
     stats = launch.forward(*args, case.eps, case.feature_dim, save_stats=True, chain=chain)[1] if saved_stats else None
 
     def run(prefetch):
+        # (unroll_h=0: the prefetching loop and the plain one both take the broadcast sum)
         return forced_backward(gy, args, case, stats, chain, use_dot=use_dot, block_b=16 if use_dot else 8,
-                               programs_per_sm=1, block_k=0, prefetch=prefetch)
+                               programs_per_sm=1, block_k=0, prefetch=prefetch, unroll_h=0)
 
     fetched, meta = run(1)
     plain, plain_meta = run(0)
@@ -444,3 +446,93 @@ def test_masked_tile_config_decides_its_own_row_masks(D, B, H):
         check_against_float64(case, torch.float32)
     forward_meta = [m for kind, _, m, _ in seen if kind == "forward"]
     assert forward_meta and all(m["BLOCK_B"] == 16 and m["EVEN_B"] == (B % 16 == 0) for m in forward_meta)
+
+
+UNROLL_H_CASES = [
+    # (case, dtype, chain): H = 2, 3 (a padded fourth column), 4; masked columns (D=20, 33) and
+    # rows (B not a multiple of the tile); every bias / LayerNorm-affine / weight sharing; the
+    # other out-activations (none: no z at all; sigmoid, tanh) and norms.
+    (Case(2, 37, 32, 4, ln="per_feature"), torch.float32, None),
+    (Case(2, 29, 20, 3, feature_dim=1, strided_view=True, ln="shared", bias="per_feature"), torch.float32, None),
+    (Case(3, 21, 33, 2, per_feature_weight=True, ln="none", bias="none", eps=0.0), torch.float32, None),
+    (Case(2, 40, 16, 4, ln="per_feature", bias="per_feature", per_feature_weight=True), torch.bfloat16, None),
+    (Case(2, 24, 32, 3, feature_dim=1, ln="per_feature"), torch.float32, chain_of("layer_norm", "gelu", "tanh")),
+    (Case(1, 40, 32, 4, ln="none"), torch.float32, chain_of("rms_norm", "silu", None)),
+    (Case(1, 36, 16, 2, ln="none", bias="none"), torch.bfloat16, chain_of(None, "sigmoid", "relu")),
+]
+
+
+@pytest.mark.parametrize("saved_stats", [True, False], ids=["saved-stats", "recomputed-stats"])
+@pytest.mark.parametrize("case, dtype, chain", UNROLL_H_CASES, ids=str)
+def test_unrolled_small_h_backward_matches_float64_and_the_broadcast_sum(case, dtype, chain, saved_stats):
+    # `unroll_h=1`: each output column a row reduction and 2D tiles, instead of the broadcast
+    # sum's [rows, H, D] products. 8- and 16-row tiles, one program per SM (the interpreter counts
+    # 2), so programs walk several tiles, the last one partly padded. Against float64 (the
+    # contract) and the broadcast sum (the same sums in another order).
+    chain = chain or DEFAULT_CHAIN
+    x, w, b, lw, lb, gy = make_inputs(case, generator=torch.Generator().manual_seed(5))
+    if chain.norm != "layer_norm":
+        lb = None
+    args = [None if t is None else t.to(dtype) for t in (x, w, b, lw, lb)]
+    gy = gy.to(dtype)
+    x64, w64, b64, lw64, lb64 = (None if t is None else t.double() for t in args)
+    if chain.out_activation == "relu":  # relu ties: rounding decides the mask on any path
+        z = recfuse.reference.feature_mlp(x64, w64, b64, ln_weight=lw64, ln_bias=lb64, eps=case.eps,
+                                          feature_dim=case.feature_dim, norm=chain.norm,
+                                          activation=chain.activation, out_activation=None)
+        gy = gy.masked_fill(z.abs() < 1e-3, 0)
+    stats = launch.forward(*args, case.eps, case.feature_dim, save_stats=True, chain=chain)[1] if saved_stats else None
+    reference = composite_backward(gy.double(), x64, w64, b64, lw64, lb64, case.eps, case.feature_dim, chain)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    runs = {}
+    for unroll_h, block_b in ((1, 8), (1, 16), (0, 8)):
+        grads, meta = forced_backward(gy, args, case, stats, chain, use_dot=False, block_b=block_b,
+                                      programs_per_sm=1, block_k=0, unroll_h=unroll_h)
+        assert bool(meta.get("UNROLL_H")) == bool(unroll_h) and not meta["USE_DOT"] and meta["BLOCK_B"] == block_b
+        runs[unroll_h, block_b] = grads
+        for name, g, r in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), grads, reference):
+            if r is None or not g.numel():
+                continue
+            assert g.shape == r.shape and g.dtype == args[1 if name == "weight" else 0].dtype or name != "x"
+            err = ((g.double() - r).norm() / r.norm().clamp_min(1e-12)).item()
+            assert err < tol, f"unroll_h={unroll_h} block_b={block_b} {name}: {err:.2e}"
+    for g1, g0 in zip(runs[1, 8], runs[0, 8]):
+        if g1.numel():
+            assert ((g1.double() - g0.double()).norm() / g0.double().norm().clamp_min(1e-12)).item() < tol
+
+
+@pytest.mark.parametrize("H", [1, 3, 16])
+def test_constant_huge_rows_are_exact_or_nan_never_another_finite_row(H):
+    # A constant row v has variance 0, but its mean sum / D can be an ulp off v (the sum D * v is
+    # rounded, and a GPU's fp32 `/` is approximate), and that ulp (~1e23 at 1e30) squared
+    # overflows float32: the row is NaN by the kernels' rule (NaN where the float32 variance
+    # overflows), as torch's own float32 CPU layer_norm gives. A tile-wise fallback that
+    # recentred such rows cost the H100's row forward 2-18% (grid H=1 points, session 10), so
+    # the rule stands: each such row is float64's value or NaN, never another finite row; a row
+    # whose variance really overflows is NaN; the other rows are float64's (y and dx).
+    F, B, D = 2, 6, 7
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(F, B, D, generator=g)
+    x[1, 1, :] = torch.tensor(1e30).nextafter(torch.tensor(float("inf")))  # mean an ulp off under numpy too
+    x[0, 4, :] = -1.0009006647830791e30
+    x[1, 5, :D - 1] = 1.0143029675350543e30
+    x[1, 5, D - 1] = -1e30  # a real overflow
+    w = torch.randn(H, D, generator=g) / D ** 0.5
+    b = torch.rand(H, generator=g)
+    lb = torch.randn(D, generator=g) * 0.5
+    xg = x.clone().requires_grad_(True)
+    forced = lambda D_, H_, dt, full=True: configs.heuristic_forward(D_, H_, dt, full, block_k=0)  # noqa: E731
+    with configs.override(forward=forced):
+        y = recfuse.ln_tanh_linear_relu(xg, w, b, ln_bias=lb)
+        (dx,) = torch.autograd.grad(y, xg, torch.ones_like(y))
+    x64 = x.double().requires_grad_(True)
+    y64 = recfuse.reference.ln_tanh_linear_relu(x64, w.double(), b.double(), ln_bias=lb.double())
+    (dx64,) = torch.autograd.grad(y64, x64, torch.ones_like(y64))
+    assert torch.isnan(y[1, 5]).all()
+    for f, r in ((1, 1), (0, 4)):
+        assert torch.isnan(y[f, r]).all() or torch.allclose(y[f, r].double(), y64[f, r], rtol=1e-5, atol=1e-6), (
+            y[f, r], y64[f, r])
+    ordinary = torch.ones(F, B, dtype=torch.bool)
+    ordinary[1, 1] = ordinary[0, 4] = ordinary[1, 5] = False
+    assert ((y[ordinary].double() - y64[ordinary]).norm() / y64[ordinary].norm()).item() < 1e-5
+    assert ((dx[ordinary].double() - dx64[ordinary]).norm() / dx64[ordinary].norm()).item() < 1e-4

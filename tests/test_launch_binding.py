@@ -99,10 +99,11 @@ def test_a_left_out_constexpr_with_a_default_is_filled_and_one_without_is_not():
 
     cache = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
     n = len(cache.arg_names)
-    assert cache.arg_names[-1] == "PREFETCH"
-    assert cache.trailing_args(range(n - 2), {"BLOCK_H": 16}) == [16, False]
-    assert cache.trailing_args(range(n - 2), {"BLOCK_H": 16, "PREFETCH": True}) == [16, True]
-    assert cache.trailing_args(range(n - 2), {"PREFETCH": True}) is None
+    assert cache.arg_names[-2:] == ["PREFETCH", "UNROLL_H"]
+    assert cache.trailing_args(range(n - 3), {"BLOCK_H": 16}) == [16, False, False]
+    assert cache.trailing_args(range(n - 3), {"BLOCK_H": 16, "PREFETCH": True}) == [16, True, False]
+    assert cache.trailing_args(range(n - 3), {"BLOCK_H": 4, "UNROLL_H": True}) == [4, False, True]
+    assert cache.trailing_args(range(n - 3), {"PREFETCH": True}) is None
 
 
 def _float64_grads(x, params, gy):

@@ -185,3 +185,46 @@ def test_rms_norm_overflow_is_nan_on_the_chunked_kernels_too():
     y64 = R.feature_mlp(x.detach().double(), w.detach().double(), b.detach().double(), **_RMS)
     assert rel_err(y[ok].detach(), y64[ok]) < 1e-5
     assert torch.isfinite(dx[ok]).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels on a GPU")
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole_row", "chunked"])
+@pytest.mark.parametrize("norm", ["rms_norm", "layer_norm"])
+def test_overflowed_norm_statistic_is_nan_on_the_gpu_kernels(chunked, norm):
+    """The NaN rule above as the GPU compiles it (the interpreter tests run the same kernel source
+    in numpy): a row whose float32 statistic overflows is NaN in y and dx, whole-row and K-chunked,
+    and every other row matches float64 (y 1e-5, dx 1e-4)."""
+    from recfuse.ops import configs
+
+    g = torch.Generator().manual_seed(7)
+    F, B, D, H = 3, 40, 64, 16
+    x = torch.randn(F, B, D, generator=g)
+    x[2, 5, 9] = 1e20
+    w = torch.randn(H, D, generator=g) * D ** -0.5
+    b = torch.randn(H, generator=g)
+    gy = torch.randn(F, B, H, generator=g)
+    chain = dict(norm=norm, activation="tanh", out_activation="relu")
+    xc, wc, bc = (t.cuda().requires_grad_(True) for t in (x, w, b))
+
+    def run():
+        y = recfuse.feature_mlp(xc, wc, bc, **chain)
+        (dx,) = torch.autograd.grad(y, xc, gy.cuda())
+        return y.detach().cpu(), dx.cpu()
+
+    if chunked:
+        forward = lambda D_, H_, dtype, full: configs.heuristic_forward(  # noqa: E731
+            D_, H_, dtype, full, use_dot=True, block_b=16, block_k=16)
+        backward = lambda D_, H_, dtype: configs.heuristic_backward(  # noqa: E731
+            D_, H_, dtype, use_dot=True, block_b=16, block_k=16)
+        with configs.override(forward=forward, backward=backward):
+            y, dx = run()
+    else:
+        y, dx = run()
+    assert torch.isnan(y[2, 5]).all() and torch.isnan(dx[2, 5]).all(), (y[2, 5], dx[2, 5])
+    ok = torch.ones(F, B, dtype=torch.bool)
+    ok[2, 5] = False
+    x64 = x.double().requires_grad_(True)
+    y64 = R.feature_mlp(x64, w.double(), b.double(), **chain)
+    (dx64,) = torch.autograd.grad(y64, x64, gy.double())
+    assert rel_err(y[ok], y64[ok].detach()) < 1e-5
+    assert rel_err(dx[ok], dx64[ok]) < 1e-4

@@ -117,6 +117,9 @@ class BackwardConfig(TileConfig):
     # Whole-row kernel only: 1 loads the next row tile (x, grad_y, stats) before computing this
     # one, so that the loads' latency overlaps the tile's arithmetic.
     prefetch: int = 0
+    # No tl.dot, 2 <= H <= 4: 1 takes each output column on its own (row reductions and 2D
+    # tiles, `kernels.ln_tanh_linear_relu_bwd`'s UNROLL_H) instead of the [rows, H, D] broadcast sum.
+    unroll_h: int = 0
 
 
 KernelConfig = ForwardConfig  # the name launch-level code and older tests use
@@ -124,7 +127,7 @@ KernelConfig = ForwardConfig  # the name launch-level code and older tests use
 _FORWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "persistent", "tile_stages", "block_k")
 _BACKWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "programs_per_sm", "num_stages")
 # Knobs an older table's entries may lack: the heuristic's value stands.
-_OPTIONAL_BACKWARD_KNOBS = ("block_k", "prefetch")
+_OPTIONAL_BACKWARD_KNOBS = ("block_k", "prefetch", "unroll_h")
 
 # ---------------------------------------------------------------------------------------------
 # the heuristic
@@ -224,14 +227,17 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
 
     Programs per SM: enough warps in flight (`WARPS_PER_SM`) to hide HBM latency in the serial
     row loop; `programs_per_feature` trims it where the partial sums would cost too many bytes.
-    The broadcast-sum product (2 <= H <= 4, no tl.dot) takes at most 8 rows a tile, for every
-    dtype: 16-row fp32 tiles gave a wrong dx on the H100 (Triton 3.6), and so did 32-row bf16 ones
-    (an H=1 table entry applied to H=2: D=32 B=1000 dx 3.0 off float64); the interpreter shows
-    neither.
+    2 <= H <= 4 takes the per-column product (`BackwardConfig.unroll_h`). The broadcast-sum
+    product (``unroll_h=0``, no tl.dot) takes at most 8 rows a tile, for every dtype: 16-row fp32
+    tiles gave a wrong dx on the H100 (Triton 3.6), and so did 32-row bf16 ones (an H=1 table entry
+    applied to H=2: D=32 B=1000 dx 3.0 off float64); the interpreter shows neither.
 
     Example:
         >>> heuristic_backward(256, 16, torch.bfloat16).use_dot
         True
+        >>> cfg = heuristic_backward(64, 4, torch.float32)
+        >>> cfg.use_dot, cfg.unroll_h, cfg.block_b
+        (False, 1, 32)
         >>> heuristic_backward(1024, 64, torch.float32).block_k  # the K-chunked kernel
         32
         >>> heuristic_backward(128, 64, torch.float32).block_k  # whole rows
@@ -239,13 +245,14 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
         >>> heuristic_backward(16384, 2, torch.float32) is None
         True
     """
-    # fp32 2 <= H <= 4 at D <= 64: the broadcast-sum path's gradients came out ~1e-3 off float64 at
-    # B = 32768 on the H100 (every row config the tuner tried), the tl.dot path's within 1e-4.
-    # H = 2-4 padded to a 16-wide tl.dot also beat the broadcast sum at narrower rows on the H100
-    # (tuned table): bf16 D=32 H=4 1149 vs 6427 us, D=256 776 vs 954; fp32 D=128 620 vs 713.
-    small_h_dot = 2 <= H < DOT_MIN_H and 16 <= D and (
-        (dtype == torch.float32 and D <= 128) or (dtype == torch.bfloat16 and D <= 256))
-    use_dot = knobs.get("use_dot", H >= DOT_MIN_H or small_h_dot)
+    # 2 <= H <= 4: each output column on its own (`unroll_h`: row reductions, 2D tiles). On the
+    # H100 it beat the tl.dot path (H padded to 16) and the [rows, H, D] broadcast sum at 13 of the
+    # 14 H=4 shapes tuned, 1.2-2.3x (fp32 D=32 618 -> 321 us, D=256 572 -> 451; bf16 D=64 762 ->
+    # 426): tune_kernels.py --only unroll_h, recfuse/ops/tuned/. The winners hold ~16 elements of
+    # a tile per thread with 16 programs per SM. (The broadcast sum's gradients were ~1e-3 off
+    # float64 at fp32 D <= 64, B = 32768; the per-column sums keep row slots, as H=1 does.)
+    small_h = 2 <= H < DOT_MIN_H
+    use_dot = knobs.get("use_dot", H >= DOT_MIN_H)
     block_d = triton.next_power_of_2(D)
     use_dot = use_dot and block_d >= 16  # tl.dot needs K >= 16 on the GPU
     block_k = 0
@@ -294,15 +301,20 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
         block_h = triton.next_power_of_2(H)
         if block_h * block_d > BWD_MAX_WEIGHT_TILE:
             return None
-        rows = 16 if dtype == torch.float32 and block_h == 1 else 8
-        block_b = max(1, min(rows, TILE_BUDGET // (4 * block_d * block_h)))
-        num_warps = 8 if block_b * block_d >= 2048 else 4
         x_evict = "evict_first" if dtype == torch.float32 else ""
+        if small_h and knobs.get("unroll_h", 1):
+            num_warps, programs_per_sm = 4, 16
+            block_b = max(4, min(64, 16 * 32 * num_warps // block_d))
+        else:
+            rows = 16 if dtype == torch.float32 and block_h == 1 else 8
+            block_b = max(1, min(rows, TILE_BUDGET // (4 * block_d * block_h)))
+            num_warps = 8 if block_b * block_d >= 2048 else 4
     cfg = BackwardConfig(block_b, block_d, block_h, use_dot, num_warps, x_evict,
-                         programs_per_sm=programs_per_sm or max(1, WARPS_PER_SM // num_warps), block_k=block_k)
+                         programs_per_sm=programs_per_sm or max(1, WARPS_PER_SM // num_warps), block_k=block_k,
+                         unroll_h=int(small_h and not use_dot))
     knobs = {k: v for k, v in knobs.items() if k != "use_dot"}
     cfg = dataclasses.replace(cfg, **knobs) if knobs else cfg
-    if not cfg.use_dot and 2 <= cfg.block_h <= 4 and cfg.block_b > 8:
+    if not cfg.use_dot and 2 <= cfg.block_h <= 4 and cfg.block_b > 8 and not cfg.unroll_h:
         cfg = dataclasses.replace(cfg, block_b=8)
     if "prefetch" not in knobs and cfg.use_dot and not cfg.block_k and dtype == torch.bfloat16 and (
             cfg.block_b * cfg.block_d <= 4096 and cfg.block_h * cfg.block_d <= 4096):

@@ -574,6 +574,33 @@ def _load_bwd_tile(
 
 
 @triton.jit
+def _weight_row(W, f, h: tl.constexpr, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D: tl.constexpr):
+    """Row h of feature f's weight as fp32 [BLOCK_D] (zeros for a padded h >= H)."""
+    ptrs = W + f * stride_w_f + h * stride_w_h + cols
+    if EVEN_D and h == 0:
+        return tl.load(ptrs).to(tl.float32)
+    return tl.load(ptrs, mask=cmask & ((cols * 0 + h) < H), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _column_dz(t, w_h, bias, GY, f, h: tl.constexpr, rows64, rmask, hs, H, stride_gy_f, stride_gy_b, stride_gy_h,
+               OUT_ACT: tl.constexpr, FAST_TANH: tl.constexpr, EVEN_B: tl.constexpr):
+    """dz[:, h] of one output column, fp32 [rows]: z[:, h] = t . w[h] + bias[h] as a row reduction,
+    then the out-activation's derivative times grad_y[:, h]. Padded rows and an h >= H give 0."""
+    gy_ptrs = GY + f * stride_gy_f + rows64 * stride_gy_b + h * stride_gy_h
+    if EVEN_B and h == 0:
+        gy = tl.load(gy_ptrs).to(tl.float32)
+    else:
+        gy = tl.load(gy_ptrs, mask=rmask & ((rows64 * 0 + h) < H), other=0.0).to(tl.float32)
+    if OUT_ACT == 0:
+        return gy
+    z = tl.sum(t * w_h[None, :], axis=1) + tl.sum(tl.where(hs == h, bias, 0.0), axis=0)
+    if OUT_ACT == 3:
+        return tl.where(z > 0, gy, 0.0)
+    return gy * _activate_grad(z, _activate(z, OUT_ACT, FAST_TANH), OUT_ACT, FAST_TANH)
+
+
+@triton.jit
 def ln_tanh_linear_relu_bwd(
     GY, X, W, BIAS, LNW, LNB, DX, PARTIAL, STATS,
     B, D, H, rows_per_program, stats_half,
@@ -591,11 +618,17 @@ def ln_tanh_linear_relu_bwd(
     FAST_TANH: tl.constexpr,
     LOAD_STATS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PREFETCH: tl.constexpr = False,
+    UNROLL_H: tl.constexpr = False,
 ):
     # EVEN_B: every program's rows are all < B (B is a multiple of rows_per_program).
     # LOAD_STATS: STATS holds the forward's per-row mean and rstd ([2, F, B] fp32).
     # PREFETCH: the next row tile's x, grad_y (and stats) are loaded before this tile is computed,
     # so that their HBM latency overlaps the tile's arithmetic (B > 0).
+    # UNROLL_H (no tl.dot, BLOCK_H <= 4): each output column on its own, as the H=1 path does
+    # it: z[:, h] a row reduction, dt += dz[:, h] w[h], the weight gradient's column sums in
+    # [BLOCK_B, BLOCK_D] row slots per h. Only 2D tiles: the broadcast sum's [rows, BLOCK_H,
+    # BLOCK_D] products hold BLOCK_H times the registers (and gave wrong dx at 16-row tiles on
+    # the H100, Triton 3.6: see `configs.heuristic_backward`).
     # PARTIAL row of this program: [H*D weight | H bias | D ln_weight | D ln_bias], fp32.
     pid_p = tl.program_id(0)
     f = tl.program_id(1).to(tl.int64)
@@ -627,6 +660,21 @@ def ln_tanh_linear_relu_bwd(
     bias = tl.zeros([BLOCK_H], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
+    if UNROLL_H:
+        w_0 = _weight_row(W, f, 0, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D)
+        acc_w_0 = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+        acc_b_0 = tl.zeros([BLOCK_B], dtype=tl.float32)
+        if BLOCK_H > 1:
+            w_1 = _weight_row(W, f, 1, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D)
+            acc_w_1 = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+            acc_b_1 = tl.zeros([BLOCK_B], dtype=tl.float32)
+        if BLOCK_H > 2:
+            w_2 = _weight_row(W, f, 2, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D)
+            w_3 = _weight_row(W, f, 3, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D)
+            acc_w_2 = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+            acc_w_3 = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+            acc_b_2 = tl.zeros([BLOCK_B], dtype=tl.float32)
+            acc_b_3 = tl.zeros([BLOCK_B], dtype=tl.float32)
     acc_w = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     acc_b_rows = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
     # Column sums over rows are kept per row slot ([BLOCK_B, BLOCK_D], elementwise adds) and
@@ -673,50 +721,74 @@ def ln_tanh_linear_relu_bwd(
                 EVEN_D, EVEN_B, X_EVICT, NORM, ACT,
             )
             # Any strides: the gradient of `y.sum()` is an expanded scalar (all strides 0), read as it is.
-            gy_ptrs = GY + f * stride_gy_f + rows64[:, None] * stride_gy_b + hs[None, :] * stride_gy_h
-            if EVEN_B and BLOCK_H == 1:
-                gy = tl.load(gy_ptrs).to(tl.float32)
-            else:
-                gy = tl.load(gy_ptrs, mask=rmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
-        if SPLIT16:
-            t0, t1, t2 = _split16(t, BWD_DOT_DTYPE, T_PARTS)
-        # out_act'(z) from z recomputed in fp32 (one small dot): the relu mask is that of the
-        # exact function even where a bf16 forward rounded z across zero, and y need not be kept.
-        if OUT_ACT == 0:
-            dz = gy
+            if not UNROLL_H:
+                gy_ptrs = GY + f * stride_gy_f + rows64[:, None] * stride_gy_b + hs[None, :] * stride_gy_h
+                if EVEN_B and BLOCK_H == 1:
+                    gy = tl.load(gy_ptrs).to(tl.float32)
+                else:
+                    gy = tl.load(gy_ptrs, mask=rmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
+        if UNROLL_H:
+            dz_0 = _column_dz(t, w_0, bias, GY, f, 0, rows64, rmask, hs, H, stride_gy_f, stride_gy_b, stride_gy_h,
+                              OUT_ACT, FAST_TANH, EVEN_B)
+            dt = dz_0[:, None] * w_0[None, :]
+            acc_w_0 += dz_0[:, None] * t
+            acc_b_0 += dz_0
+            if BLOCK_H > 1:
+                dz_1 = _column_dz(t, w_1, bias, GY, f, 1, rows64, rmask, hs, H, stride_gy_f, stride_gy_b, stride_gy_h,
+                                  OUT_ACT, FAST_TANH, EVEN_B)
+                dt += dz_1[:, None] * w_1[None, :]
+                acc_w_1 += dz_1[:, None] * t
+                acc_b_1 += dz_1
+            if BLOCK_H > 2:
+                dz_2 = _column_dz(t, w_2, bias, GY, f, 2, rows64, rmask, hs, H, stride_gy_f, stride_gy_b, stride_gy_h,
+                                  OUT_ACT, FAST_TANH, EVEN_B)
+                dz_3 = _column_dz(t, w_3, bias, GY, f, 3, rows64, rmask, hs, H, stride_gy_f, stride_gy_b, stride_gy_h,
+                                  OUT_ACT, FAST_TANH, EVEN_B)
+                dt += dz_2[:, None] * w_2[None, :] + dz_3[:, None] * w_3[None, :]
+                acc_w_2 += dz_2[:, None] * t
+                acc_w_3 += dz_3[:, None] * t
+                acc_b_2 += dz_2
+                acc_b_3 += dz_3
         else:
             if SPLIT16:
-                # t (and an fp32 weight) in 16-bit parts: z to ~fp32 accuracy, so the mask is
-                # the exact function's as in the fp32-operand path.
-                z = _dot_parts(t0, t1, t2, tl.trans(w0), tl.trans(w1), tl.trans(w2),
-                               tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32),
-                               SPLIT_Z, W_PARTS, SPLIT_Z, DOT_UPCAST) + bias[None, :]
+                t0, t1, t2 = _split16(t, BWD_DOT_DTYPE, T_PARTS)
+            # out_act'(z) from z recomputed in fp32 (one small dot): the relu mask is that of the
+            # exact function even where a bf16 forward rounded z across zero, and y need not be kept.
+            if OUT_ACT == 0:
+                dz = gy
             else:
-                z = _row_linear(t, w, USE_DOT, BLOCK_H, BWD_DOT_PRECISION) + bias[None, :]
-            if OUT_ACT == 3:
-                dz = tl.where(z > 0, gy, 0.0)
+                if SPLIT16:
+                    # t (and an fp32 weight) in 16-bit parts: z to ~fp32 accuracy, so the mask is
+                    # the exact function's as in the fp32-operand path.
+                    z = _dot_parts(t0, t1, t2, tl.trans(w0), tl.trans(w1), tl.trans(w2),
+                                   tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32),
+                                   SPLIT_Z, W_PARTS, SPLIT_Z, DOT_UPCAST) + bias[None, :]
+                else:
+                    z = _row_linear(t, w, USE_DOT, BLOCK_H, BWD_DOT_PRECISION) + bias[None, :]
+                if OUT_ACT == 3:
+                    dz = tl.where(z > 0, gy, 0.0)
+                else:
+                    dz = gy * _activate_grad(z, _activate(z, OUT_ACT, FAST_TANH), OUT_ACT, FAST_TANH)
+            if USE_DOT and BWD_DOT_DTYPE == tl.float32:
+                dt = tl.dot(dz, w, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
+                acc_w += tl.dot(tl.trans(dz), t, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
+            elif USE_DOT:
+                # 16-bit tensor cores with fp32 accumulation. dx = rstd * (projection of dt) cancels,
+                # so a dz rounded to bf16 would cost ~3e-2 relative error in dx: dz goes in as 16-bit
+                # parts (and so does an fp32 weight), so dt is fp32-accurate.
+                dz0, dz1, dz2 = _split16(dz, BWD_DOT_DTYPE, DZ_PARTS)
+                dt = _dot_parts(dz0, dz1, dz2, w0, w1, w2, tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32),
+                                min(DZ_PARTS, SPLIT_DT), W_PARTS, SPLIT_DT, DOT_UPCAST)
+                acc_w = _dot_parts(tl.trans(dz0), tl.trans(dz1), tl.trans(dz2), t0, t1, t2, acc_w,
+                                   min(DZ_PARTS, SPLIT_DW), T_DW_PARTS, SPLIT_DW, DOT_UPCAST)
+            elif BLOCK_H == 1:
+                dz1 = tl.sum(dz, axis=1)
+                dt = dz1[:, None] * tl.sum(w, axis=0)[None, :]
+                acc_w_rows += dz1[:, None] * t
             else:
-                dz = gy * _activate_grad(z, _activate(z, OUT_ACT, FAST_TANH), OUT_ACT, FAST_TANH)
-        if USE_DOT and BWD_DOT_DTYPE == tl.float32:
-            dt = tl.dot(dz, w, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
-            acc_w += tl.dot(tl.trans(dz), t, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
-        elif USE_DOT:
-            # 16-bit tensor cores with fp32 accumulation. dx = rstd * (projection of dt) cancels,
-            # so a dz rounded to bf16 would cost ~3e-2 relative error in dx: dz goes in as 16-bit
-            # parts (and so does an fp32 weight), so dt is fp32-accurate.
-            dz0, dz1, dz2 = _split16(dz, BWD_DOT_DTYPE, DZ_PARTS)
-            dt = _dot_parts(dz0, dz1, dz2, w0, w1, w2, tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32),
-                            min(DZ_PARTS, SPLIT_DT), W_PARTS, SPLIT_DT, DOT_UPCAST)
-            acc_w = _dot_parts(tl.trans(dz0), tl.trans(dz1), tl.trans(dz2), t0, t1, t2, acc_w,
-                               min(DZ_PARTS, SPLIT_DW), T_DW_PARTS, SPLIT_DW, DOT_UPCAST)
-        elif BLOCK_H == 1:
-            dz1 = tl.sum(dz, axis=1)
-            dt = dz1[:, None] * tl.sum(w, axis=0)[None, :]
-            acc_w_rows += dz1[:, None] * t
-        else:
-            dt = tl.sum(dz[:, :, None] * w[None, :, :], axis=1)
-            acc_w += tl.sum(dz[:, :, None] * t[:, None, :], axis=0)
-        acc_b_rows += dz
+                dt = tl.sum(dz[:, :, None] * w[None, :, :], axis=1)
+                acc_w += tl.sum(dz[:, :, None] * t[:, None, :], axis=0)
+            acc_b_rows += dz
         da = dt * _activate_grad(a, t, ACT, FAST_TANH)
         if not (EVEN_D and EVEN_B):
             da = tl.where(mask, da, 0.0)
@@ -748,12 +820,24 @@ def ln_tanh_linear_relu_bwd(
         else:
             tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=mask)
     part = PARTIAL + (f * n_prog + pid_p) * stride_part_prog
-    if BLOCK_H == 1 and not USE_DOT:
-        acc_w += tl.sum(acc_w_rows, axis=0)[None, :]
-    tl.store(part + hs[:, None] * D + cols[None, :], acc_w, mask=hmask[:, None] & cmask[None, :])
-    part += H * D
-    tl.store(part + hs, tl.sum(acc_b_rows, axis=0), mask=hmask)
-    part += H
+    if UNROLL_H:
+        # Rows h >= H of a padded BLOCK_H hold zeros; masked like the other paths' stores.
+        tl.store(part + cols, tl.sum(acc_w_0, axis=0), mask=cmask)
+        db = tl.where(hs == 0, tl.sum(acc_b_0, axis=0), 0.0)
+        if BLOCK_H > 1:
+            tl.store(part + D + cols, tl.sum(acc_w_1, axis=0), mask=cmask & (cols * 0 + 1 < H))
+            db += tl.where(hs == 1, tl.sum(acc_b_1, axis=0), 0.0)
+        if BLOCK_H > 2:
+            tl.store(part + 2 * D + cols, tl.sum(acc_w_2, axis=0), mask=cmask & (cols * 0 + 2 < H))
+            tl.store(part + 3 * D + cols, tl.sum(acc_w_3, axis=0), mask=cmask & (cols * 0 + 3 < H))
+            db += tl.where(hs == 2, tl.sum(acc_b_2, axis=0), 0.0) + tl.where(hs == 3, tl.sum(acc_b_3, axis=0), 0.0)
+        tl.store(part + H * D + hs, db, mask=hmask)
+    else:
+        if BLOCK_H == 1 and not USE_DOT:
+            acc_w += tl.sum(acc_w_rows, axis=0)[None, :]
+        tl.store(part + hs[:, None] * D + cols[None, :], acc_w, mask=hmask[:, None] & cmask[None, :])
+        tl.store(part + H * D + hs, tl.sum(acc_b_rows, axis=0), mask=hmask)
+    part += H * D + H
     # Absent LayerNorm affine: zeros, so the reduction stays one uniform pass.
     tl.store(part + cols, tl.sum(acc_lnw_rows, axis=0), mask=cmask)
     tl.store(part + D + cols, tl.sum(acc_lnb_rows, axis=0), mask=cmask)
