@@ -75,6 +75,14 @@ def forward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Forwa
         per_thread = block_b * block_d * row_block_h / (warps * 32)
         if H <= 4 and 4 <= per_thread <= 16 and block_b * block_d * row_block_h <= 2 * configs.TILE_BUDGET:
             out.append(configs.ForwardConfig(block_b, block_d, row_block_h, False, warps))
+    if 2 <= H <= 16:
+        # one output column at a time (`ForwardConfig.unroll_h`): a row reduction per column
+        for block_b, warps in itertools.product((4, 8, 16, 32, 64), (1, 2, 4, 8)):
+            per_thread = block_b * block_d / (warps * 32)
+            if 4 <= per_thread <= 16:
+                out.append(configs.heuristic_forward(D, H, dtype, full, use_dot=False, block_b=block_b,
+                                                     num_warps=warps, persistent=0, tile_stages=1, block_k=0,
+                                                     unroll_h=1))
     if block_d >= 16 and H >= 2 and 16 * block_d <= configs.TILE_BUDGET:
         block_h = configs.dot_block_h(H)
         if full:
@@ -98,7 +106,7 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
         return []
     out = [base]
     paths = [base.use_dot]
-    if 2 <= H <= 4:
+    if 2 <= H <= 8:
         paths += [True, False]  # the tensor-core product (H padded to 16) and the per-column sums
     for use_dot in dict.fromkeys(paths):
         rows = (16, 32) if use_dot else (4, 8, 16)
@@ -107,13 +115,16 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
         rows += tuple(r for r in (32, 64, 128, 256) if r > rows[-1] and r * base.block_d <= NARROW_TILE)
         # programs per SM: 2 never won a tl.dot shape on the H100 (0 of 49 table entries)
         pps_range = (4, 8, 16) if use_dot else (2, 4, 8, 16)
+        # without tl.dot: the [rows, H, D] broadcast sum (H <= 4), then the per-column candidates
         for block_b, warps, stages, pps in itertools.product(rows, (4, 8), (1, 2), pps_range):
+            if not use_dot and H > 4:
+                break
             cfg = configs.heuristic_backward(D, H, dtype, use_dot=use_dot, block_b=block_b, num_warps=warps,
-                                             num_stages=stages, programs_per_sm=pps, block_k=0)
+                                             num_stages=stages, programs_per_sm=pps, block_k=0, unroll_h=0)
             if cfg is not None and configs.backward_fits(cfg, D, H) and cfg.block_b == block_b:
                 out.append(cfg)
         if not use_dot:
-            if 2 <= H <= 4:
+            if 2 <= H <= 8:
                 # each output column on its own (`BackwardConfig.unroll_h`): 2D tiles, so longer
                 # row tiles than the broadcast sum's 8 fit; 2-16 elements of a tile per thread
                 for block_b, warps, pps in itertools.product((4, 8, 16, 32, 64), (2, 4, 8), (2, 4, 8, 16)):
@@ -136,19 +147,17 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
 
 
 def shape_candidates(kind: str, p: dict, only: str, saved: dict) -> list:
-    """The candidates `tune_shape` times for one shape: all of them, or (``only``, backward) the
-    heuristic's config, the saved table's entry for the shape (the incumbent) and the candidates
-    that set that knob: a run that tries one new kernel path against what the table has."""
+    """The candidates `tune_shape` times for one shape: all of them, or (``only``) the heuristic's
+    config, the saved table's entry for the shape (the incumbent) and the candidates that set that
+    knob: a run that tries one new kernel path against what the table has."""
     D, H, dtype = p["D"], p["H"], DTYPES[p["dtype"]]
-    if kind == "forward":
-        return forward_candidates(D, H, dtype)
-    cands = backward_candidates(D, H, dtype)
+    full = D == triton.next_power_of_2(D)
+    cands = forward_candidates(D, H, dtype) if kind == "forward" else backward_candidates(D, H, dtype)
     if only == "all" or not cands:
         return cands
-    full = D == triton.next_power_of_2(D)
     dtype_name = str(dtype).replace("torch.", "")
-    incumbent = [configs.config_from_entry("backward", e["config"], D, H, dtype, True)
-                 for e in saved.get("backward", [])
+    incumbent = [configs.config_from_entry(kind, e["config"], D, H, dtype, full)
+                 for e in saved.get(kind, [])
                  if (e["D"], e["H"], e["dtype"], e["full_tiles"]) == (D, H, dtype_name, full)]
     picked = [cands[0]] + [c for c in incumbent if c is not None] + [c for c in cands if getattr(c, only)]
     return list(dict.fromkeys(picked))
@@ -342,8 +351,8 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", action="store_true", help="keep the saved table's entries for shapes not in this run")
     ap.add_argument("--resume", action="store_true", help="with --merge: skip shapes the saved table has")
     ap.add_argument("--only", default="all", choices=["all", "unroll_h"],
-                    help="backward: time only the heuristic, the saved entry (with --merge) and the candidates "
-                         "that set this knob")
+                    help="time only the heuristic, the saved entry (with --merge) and the candidates that set "
+                         "this knob")
     ap.add_argument("--compile-worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.compile_worker:
@@ -384,7 +393,8 @@ def main(argv=None) -> int:
             D, H, dtype = p["D"], p["H"], DTYPES[p["dtype"]]
             if "forward" in args.kinds:
                 work.append({"shape": p, "kind": "forward",
-                             "candidates": [configs.config_to_entry(c) for c in forward_candidates(D, H, dtype)]})
+                             "candidates": [configs.config_to_entry(c)
+                                            for c in shape_candidates("forward", p, args.only, saved)]})
             if "backward" in args.kinds:
                 work.append({"shape": p, "kind": "backward",
                              # one per compiled variant: programs per SM is a runtime argument

@@ -95,3 +95,13 @@ def test_a_shapes_own_whole_row_winner_stands_where_the_heuristic_chunks(monkeyp
     configs._cached_backward_config.cache_clear()
     table[("backward", 256, 16, "float32", True)] = {k: v for k, v in whole_row.items() if k != "block_k"}
     assert configs.backward_config(256, 16, torch.float32, 0) == heuristic
+
+
+def test_a_per_column_backward_entry_is_not_borrowed_past_eight_columns():
+    """The per-column backward (`unroll_h`) has 8 column slots: a tuned H=8 entry lent to H=12
+    (the nearest tuned H by bit length) would launch the [rows, 16, D] broadcast sum instead;
+    the heuristic decides there, and H <= 8 keeps the entry."""
+    entry = configs.config_to_entry(configs.heuristic_backward(64, 8, torch.float32, use_dot=False, unroll_h=1))
+    assert configs.config_from_entry("backward", entry, 64, 12, torch.float32) is None
+    cfg = configs.config_from_entry("backward", entry, 64, 6, torch.float32)
+    assert cfg is not None and cfg.unroll_h and not cfg.use_dot and cfg.block_h == 8

@@ -459,6 +459,9 @@ UNROLL_H_CASES = [
     (Case(2, 24, 32, 3, feature_dim=1, ln="per_feature"), torch.float32, chain_of("layer_norm", "gelu", "tanh")),
     (Case(1, 40, 32, 4, ln="none"), torch.float32, chain_of("rms_norm", "silu", None)),
     (Case(1, 36, 16, 2, ln="none", bias="none"), torch.bfloat16, chain_of(None, "sigmoid", "relu")),
+    # BLOCK_H = 8: H = 6 (two padded columns) and 8
+    (Case(2, 27, 24, 6, ln="per_feature", bias="per_feature", per_feature_weight=True), torch.float32, None),
+    (Case(1, 40, 32, 8, feature_dim=1, ln="shared"), torch.bfloat16, None),
 ]
 
 
@@ -466,7 +469,7 @@ UNROLL_H_CASES = [
 @pytest.mark.parametrize("case, dtype, chain", UNROLL_H_CASES, ids=str)
 def test_unrolled_small_h_backward_matches_float64_and_the_broadcast_sum(case, dtype, chain, saved_stats):
     # `unroll_h=1`: each output column a row reduction and 2D tiles, instead of the broadcast
-    # sum's [rows, H, D] products. 8- and 16-row tiles, one program per SM (the interpreter counts
+    # sum's [rows, H, D] products (or, H > 4, the tl.dot path). 8- and 16-row tiles, one program per SM (the interpreter counts
     # 2), so programs walk several tiles, the last one partly padded. Against float64 (the
     # contract) and the broadcast sum (the same sums in another order).
     chain = chain or DEFAULT_CHAIN
@@ -536,3 +539,20 @@ def test_constant_huge_rows_are_exact_or_nan_never_another_finite_row(H):
     ordinary[1, 1] = ordinary[0, 4] = ordinary[1, 5] = False
     assert ((y[ordinary].double() - y64[ordinary]).norm() / y64[ordinary].norm()).item() < 1e-5
     assert ((dx[ordinary].double() - dx64[ordinary]).norm() / dx64[ordinary].norm()).item() < 1e-4
+
+
+@pytest.mark.parametrize("case, dtype, chain", [
+    (Case(2, 37, 32, 4, ln="per_feature"), torch.float32, None),
+    (Case(2, 29, 20, 3, feature_dim=1, strided_view=True, ln="shared", bias="per_feature"), torch.bfloat16, None),
+    (Case(1, 24, 16, 16, per_feature_weight=True, ln="none", bias="none"), torch.float32, None),
+    (Case(2, 20, 24, 6, ln="none"), torch.float32, chain_of("rms_norm", "silu", "tanh")),
+], ids=str)
+def test_per_column_forward_matches_float64(case, dtype, chain):
+    # `ForwardConfig(unroll_h=1)`: one output column at a time (BLOCK_H = 1, a row reduction
+    # each), not blocks of 4 columns as broadcast sums or a tl.dot; masked rows and columns.
+    forced = lambda D, H, dt, full=True: configs.heuristic_forward(  # noqa: E731
+        D, H, dt, full, use_dot=False, unroll_h=1, block_b=8, num_warps=2, persistent=0, tile_stages=1, block_k=0)
+    with configs.override(forward=forced), launch.trace_launches() as launches:
+        check_against_float64(case, dtype, chain=chain)
+    metas = [meta for kind, _, meta, _ in launches if kind == "forward"]
+    assert metas and all(m["BLOCK_H"] == 1 and not m["USE_DOT"] for m in metas), metas

@@ -88,6 +88,9 @@ class ForwardConfig(TileConfig):
     tile_stages: int = 1
     # tl.dot path only: columns normalised and multiplied at a time (0: the whole row).
     block_k: int = 0
+    # No tl.dot, H > 1: 1 takes one output column at a time (BLOCK_H = 1: a row reduction per
+    # column, 2D tiles) instead of blocks of up to 4 columns as [rows, 4, D] broadcast sums.
+    unroll_h: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,7 @@ class BackwardConfig(TileConfig):
 KernelConfig = ForwardConfig  # the name launch-level code and older tests use
 
 _FORWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "persistent", "tile_stages", "block_k")
+_OPTIONAL_FORWARD_KNOBS = ("unroll_h",)
 _BACKWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "programs_per_sm", "num_stages")
 # Knobs an older table's entries may lack: the heuristic's value stands.
 _OPTIONAL_BACKWARD_KNOBS = ("block_k", "prefetch", "unroll_h")
@@ -151,7 +155,10 @@ def heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool = Tru
         1
     """
     cfg = _heuristic_forward(D, H, dtype, full_tiles)
-    return dataclasses.replace(cfg, **knobs) if knobs else cfg
+    cfg = dataclasses.replace(cfg, **knobs) if knobs else cfg
+    if cfg.unroll_h and not cfg.use_dot:
+        cfg = dataclasses.replace(cfg, block_h=1)
+    return cfg
 
 
 def chunk_width(D: int, widest: int) -> int:
@@ -509,12 +516,19 @@ def config_from_entry(kind: str, entry: dict, D: int, H: int, dtype: torch.dtype
     try:
         if kind == "forward":
             knobs = {k: entry[k] for k in _FORWARD_KNOBS}
-            block_h = dot_block_h(H) if knobs["use_dot"] else min(triton.next_power_of_2(H), 4)
+            knobs.update({k: entry[k] for k in _OPTIONAL_FORWARD_KNOBS if k in entry})
+            if knobs["use_dot"]:
+                block_h = dot_block_h(H)
+            else:
+                block_h = 1 if knobs.get("unroll_h") else min(triton.next_power_of_2(H), 4)
             cfg = ForwardConfig(block_d=triton.next_power_of_2(D), block_h=block_h, **knobs)
             return cfg if forward_fits(cfg, D, H) else None
         knobs = {k: entry[k] for k in _BACKWARD_KNOBS}
         knobs.update({k: entry[k] for k in _OPTIONAL_BACKWARD_KNOBS if k in entry})
         cfg = heuristic_backward(D, H, dtype, **knobs)
+        if cfg is not None and cfg.unroll_h and not cfg.use_dot and not 2 <= cfg.block_h <= 8:
+            # a per-column entry (H <= 8) borrowed by a wider H: that kernel path stops at 8 columns
+            return None
         return cfg if cfg is not None and backward_fits(cfg, D, H) else None
     except (KeyError, TypeError, ValueError):  # a table from another version of this file
         return None
@@ -644,5 +658,8 @@ def config_to_entry(cfg: Union[ForwardConfig, BackwardConfig]) -> dict:
         >>> config_to_entry(heuristic_backward(64, 1, torch.float32))["num_stages"]
         1
     """
-    knobs = _FORWARD_KNOBS if isinstance(cfg, ForwardConfig) else _BACKWARD_KNOBS + _OPTIONAL_BACKWARD_KNOBS
+    if isinstance(cfg, ForwardConfig):
+        knobs = _FORWARD_KNOBS + _OPTIONAL_FORWARD_KNOBS
+    else:
+        knobs = _BACKWARD_KNOBS + _OPTIONAL_BACKWARD_KNOBS
     return {k: getattr(cfg, k) for k in knobs}

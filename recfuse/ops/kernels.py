@@ -574,12 +574,16 @@ def _load_bwd_tile(
 
 
 @triton.jit
-def _weight_row(W, f, h: tl.constexpr, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D: tl.constexpr):
-    """Row h of feature f's weight as fp32 [BLOCK_D] (zeros for a padded h >= H)."""
+def _column_init(W, f, h: tl.constexpr, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D: tl.constexpr,
+                 BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Row h of feature f's weight as fp32 [BLOCK_D] (zeros for a padded h >= H), and zeroed
+    [BLOCK_B, BLOCK_D] weight-gradient and [BLOCK_B] bias-gradient row slots of that column."""
     ptrs = W + f * stride_w_f + h * stride_w_h + cols
     if EVEN_D and h == 0:
-        return tl.load(ptrs).to(tl.float32)
-    return tl.load(ptrs, mask=cmask & ((cols * 0 + h) < H), other=0.0).to(tl.float32)
+        w_h = tl.load(ptrs).to(tl.float32)
+    else:
+        w_h = tl.load(ptrs, mask=cmask & ((cols * 0 + h) < H), other=0.0).to(tl.float32)
+    return w_h, tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32), tl.zeros([BLOCK_B], dtype=tl.float32)
 
 
 @triton.jit
@@ -598,6 +602,25 @@ def _column_dz(t, w_h, bias, GY, f, h: tl.constexpr, rows64, rmask, hs, H, strid
     if OUT_ACT == 3:
         return tl.where(z > 0, gy, 0.0)
     return gy * _activate_grad(z, _activate(z, OUT_ACT, FAST_TANH), OUT_ACT, FAST_TANH)
+
+
+@triton.jit
+def _column_step(t, dt, w_h, acc_w_h, acc_b_h, bias, GY, f, h: tl.constexpr, rows64, rmask, hs, H,
+                 stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT: tl.constexpr, FAST_TANH: tl.constexpr,
+                 EVEN_B: tl.constexpr):
+    """One output column of a row tile: dt += dz[:, h] w[h], and dz[:, h] added into that column's
+    weight- and bias-gradient row slots (summed over rows once, after the row loop)."""
+    dz_h = _column_dz(t, w_h, bias, GY, f, h, rows64, rmask, hs, H, stride_gy_f, stride_gy_b, stride_gy_h,
+                      OUT_ACT, FAST_TANH, EVEN_B)
+    return dt + dz_h[:, None] * w_h[None, :], acc_w_h + dz_h[:, None] * t, acc_b_h + dz_h
+
+
+@triton.jit
+def _column_store(part, acc_w_h, acc_b_h, h: tl.constexpr, cols, cmask, hs, D, H):
+    """Store column h's weight-gradient row into the program's partial row (nothing for a padded
+    h >= H); return its bias-gradient sum placed at h of a [BLOCK_H] vector."""
+    tl.store(part + h * D + cols, tl.sum(acc_w_h, axis=0), mask=cmask & ((cols * 0 + h) < H))
+    return tl.where(hs == h, tl.sum(acc_b_h, axis=0), 0.0)
 
 
 @triton.jit
@@ -624,7 +647,7 @@ def ln_tanh_linear_relu_bwd(
     # LOAD_STATS: STATS holds the forward's per-row mean and rstd ([2, F, B] fp32).
     # PREFETCH: the next row tile's x, grad_y (and stats) are loaded before this tile is computed,
     # so that their HBM latency overlaps the tile's arithmetic (B > 0).
-    # UNROLL_H (no tl.dot, BLOCK_H <= 4): each output column on its own, as the H=1 path does
+    # UNROLL_H (no tl.dot, 2 <= BLOCK_H <= 8): each output column on its own, as the H=1 path does
     # it: z[:, h] a row reduction, dt += dz[:, h] w[h], the weight gradient's column sums in
     # [BLOCK_B, BLOCK_D] row slots per h. Only 2D tiles: the broadcast sum's [rows, BLOCK_H,
     # BLOCK_D] products hold BLOCK_H times the registers (and gave wrong dx at 16-row tiles on
@@ -661,20 +684,23 @@ def ln_tanh_linear_relu_bwd(
     if HAS_BIAS:
         bias = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
     if UNROLL_H:
-        w_0 = _weight_row(W, f, 0, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D)
-        acc_w_0 = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
-        acc_b_0 = tl.zeros([BLOCK_B], dtype=tl.float32)
-        if BLOCK_H > 1:
-            w_1 = _weight_row(W, f, 1, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D)
-            acc_w_1 = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
-            acc_b_1 = tl.zeros([BLOCK_B], dtype=tl.float32)
+        # Column h's weight row, and its weight-gradient row slots and bias-gradient slots.
+        w_0, acc_w_0, acc_b_0 = _column_init(W, f, 0, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D, BLOCK_B, BLOCK_D)
+        w_1, acc_w_1, acc_b_1 = _column_init(W, f, 1, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D, BLOCK_B, BLOCK_D)
         if BLOCK_H > 2:
-            w_2 = _weight_row(W, f, 2, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D)
-            w_3 = _weight_row(W, f, 3, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D)
-            acc_w_2 = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
-            acc_w_3 = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
-            acc_b_2 = tl.zeros([BLOCK_B], dtype=tl.float32)
-            acc_b_3 = tl.zeros([BLOCK_B], dtype=tl.float32)
+            w_2, acc_w_2, acc_b_2 = _column_init(W, f, 2, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D, BLOCK_B,
+                                                 BLOCK_D)
+            w_3, acc_w_3, acc_b_3 = _column_init(W, f, 3, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D, BLOCK_B,
+                                                 BLOCK_D)
+        if BLOCK_H > 4:
+            w_4, acc_w_4, acc_b_4 = _column_init(W, f, 4, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D, BLOCK_B,
+                                                 BLOCK_D)
+            w_5, acc_w_5, acc_b_5 = _column_init(W, f, 5, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D, BLOCK_B,
+                                                 BLOCK_D)
+            w_6, acc_w_6, acc_b_6 = _column_init(W, f, 6, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D, BLOCK_B,
+                                                 BLOCK_D)
+            w_7, acc_w_7, acc_b_7 = _column_init(W, f, 7, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D, BLOCK_B,
+                                                 BLOCK_D)
     acc_w = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     acc_b_rows = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
     # Column sums over rows are kept per row slot ([BLOCK_B, BLOCK_D], elementwise adds) and
@@ -728,27 +754,25 @@ def ln_tanh_linear_relu_bwd(
                 else:
                     gy = tl.load(gy_ptrs, mask=rmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
         if UNROLL_H:
-            dz_0 = _column_dz(t, w_0, bias, GY, f, 0, rows64, rmask, hs, H, stride_gy_f, stride_gy_b, stride_gy_h,
-                              OUT_ACT, FAST_TANH, EVEN_B)
-            dt = dz_0[:, None] * w_0[None, :]
-            acc_w_0 += dz_0[:, None] * t
-            acc_b_0 += dz_0
-            if BLOCK_H > 1:
-                dz_1 = _column_dz(t, w_1, bias, GY, f, 1, rows64, rmask, hs, H, stride_gy_f, stride_gy_b, stride_gy_h,
-                                  OUT_ACT, FAST_TANH, EVEN_B)
-                dt += dz_1[:, None] * w_1[None, :]
-                acc_w_1 += dz_1[:, None] * t
-                acc_b_1 += dz_1
+            dt = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+            dt, acc_w_0, acc_b_0 = _column_step(t, dt, w_0, acc_w_0, acc_b_0, bias, GY, f, 0, rows64, rmask, hs, H,
+                                                stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+            dt, acc_w_1, acc_b_1 = _column_step(t, dt, w_1, acc_w_1, acc_b_1, bias, GY, f, 1, rows64, rmask, hs, H,
+                                                stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
             if BLOCK_H > 2:
-                dz_2 = _column_dz(t, w_2, bias, GY, f, 2, rows64, rmask, hs, H, stride_gy_f, stride_gy_b, stride_gy_h,
-                                  OUT_ACT, FAST_TANH, EVEN_B)
-                dz_3 = _column_dz(t, w_3, bias, GY, f, 3, rows64, rmask, hs, H, stride_gy_f, stride_gy_b, stride_gy_h,
-                                  OUT_ACT, FAST_TANH, EVEN_B)
-                dt += dz_2[:, None] * w_2[None, :] + dz_3[:, None] * w_3[None, :]
-                acc_w_2 += dz_2[:, None] * t
-                acc_w_3 += dz_3[:, None] * t
-                acc_b_2 += dz_2
-                acc_b_3 += dz_3
+                dt, acc_w_2, acc_b_2 = _column_step(t, dt, w_2, acc_w_2, acc_b_2, bias, GY, f, 2, rows64, rmask, hs,
+                                                    H, stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+                dt, acc_w_3, acc_b_3 = _column_step(t, dt, w_3, acc_w_3, acc_b_3, bias, GY, f, 3, rows64, rmask, hs,
+                                                    H, stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+            if BLOCK_H > 4:
+                dt, acc_w_4, acc_b_4 = _column_step(t, dt, w_4, acc_w_4, acc_b_4, bias, GY, f, 4, rows64, rmask, hs,
+                                                    H, stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+                dt, acc_w_5, acc_b_5 = _column_step(t, dt, w_5, acc_w_5, acc_b_5, bias, GY, f, 5, rows64, rmask, hs,
+                                                    H, stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+                dt, acc_w_6, acc_b_6 = _column_step(t, dt, w_6, acc_w_6, acc_b_6, bias, GY, f, 6, rows64, rmask, hs,
+                                                    H, stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+                dt, acc_w_7, acc_b_7 = _column_step(t, dt, w_7, acc_w_7, acc_b_7, bias, GY, f, 7, rows64, rmask, hs,
+                                                    H, stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
         else:
             if SPLIT16:
                 t0, t1, t2 = _split16(t, BWD_DOT_DTYPE, T_PARTS)
@@ -821,16 +845,16 @@ def ln_tanh_linear_relu_bwd(
             tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=mask)
     part = PARTIAL + (f * n_prog + pid_p) * stride_part_prog
     if UNROLL_H:
-        # Rows h >= H of a padded BLOCK_H hold zeros; masked like the other paths' stores.
-        tl.store(part + cols, tl.sum(acc_w_0, axis=0), mask=cmask)
-        db = tl.where(hs == 0, tl.sum(acc_b_0, axis=0), 0.0)
-        if BLOCK_H > 1:
-            tl.store(part + D + cols, tl.sum(acc_w_1, axis=0), mask=cmask & (cols * 0 + 1 < H))
-            db += tl.where(hs == 1, tl.sum(acc_b_1, axis=0), 0.0)
+        db = _column_store(part, acc_w_0, acc_b_0, 0, cols, cmask, hs, D, H)
+        db += _column_store(part, acc_w_1, acc_b_1, 1, cols, cmask, hs, D, H)
         if BLOCK_H > 2:
-            tl.store(part + 2 * D + cols, tl.sum(acc_w_2, axis=0), mask=cmask & (cols * 0 + 2 < H))
-            tl.store(part + 3 * D + cols, tl.sum(acc_w_3, axis=0), mask=cmask & (cols * 0 + 3 < H))
-            db += tl.where(hs == 2, tl.sum(acc_b_2, axis=0), 0.0) + tl.where(hs == 3, tl.sum(acc_b_3, axis=0), 0.0)
+            db += _column_store(part, acc_w_2, acc_b_2, 2, cols, cmask, hs, D, H)
+            db += _column_store(part, acc_w_3, acc_b_3, 3, cols, cmask, hs, D, H)
+        if BLOCK_H > 4:
+            db += _column_store(part, acc_w_4, acc_b_4, 4, cols, cmask, hs, D, H)
+            db += _column_store(part, acc_w_5, acc_b_5, 5, cols, cmask, hs, D, H)
+            db += _column_store(part, acc_w_6, acc_b_6, 6, cols, cmask, hs, D, H)
+            db += _column_store(part, acc_w_7, acc_b_7, 7, cols, cmask, hs, D, H)
         tl.store(part + H * D + hs, db, mask=hmask)
     else:
         if BLOCK_H == 1 and not USE_DOT:

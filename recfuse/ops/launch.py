@@ -530,7 +530,7 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
         meta["BLOCK_K"] = cfg.block_k
     elif cfg.prefetch and B > 0:
         meta["PREFETCH"] = True
-    elif cfg.unroll_h and not cfg.use_dot and 2 <= cfg.block_h <= 4:
+    elif cfg.unroll_h and not cfg.use_dot and 2 <= cfg.block_h <= 8:
         meta["UNROLL_H"] = True
     per_feature = (weight.dim() == 3,
                    bias is not None and bias.dim() == 2,
