@@ -1447,14 +1447,22 @@ class _PlainStateSnapshot:
         return {k: (id(v) if type(v) is tuple or isinstance(v, _ATOMS) else _fingerprint(v))
                 for k, v in mod.__dict__.items() if k not in _MODULE_INTERNALS}
 
-    def check(self, fn_name: str, dynamo: bool = False, graph: Optional[Graph] = None) -> None:
+    def check(self, fn_name: str, dynamo: bool = False, graph: Optional[Graph] = None,
+              tracer: Optional[Tracer] = None) -> None:
         # A module the graph calls (a call_module leaf: a FusedFeatureProcessor, whose plan cache
         # fills on its first call) runs its own forward on every call of the result, so what it
         # changes in place changes as in the original; a new attribute is still looked for (the
         # caller's code may have set it: `self.lin.tagged = True`).
         leaves = {n.target for n in graph.nodes if n.op == "call_module"} if graph is not None else set()
+        # torch.fx stores a tensor constant made in forward (`li, lj = torch.tril_indices(...)`,
+        # `torch.tensor([...])` indices in a DLRM interaction) as a new attribute `_tensor_constantN`
+        # of the traced root (a copy of the model): the tracer's doing, not the model's. Round 13:
+        # such a DLRM was refused as "changed the attribute `_tensor_constant0` ... in place".
+        made = ({q for t, q in tracer.tensor_attrs.items() if "." not in q} if tracer is not None else set())
         for path, mod, old in self.modules:
             state = self._state(mod)
+            if made and path == "":
+                state = {k: v for k, v in state.items() if k in old or k not in made}
             # path or one of its parents is a leaf: walk the dotted prefixes (a set lookup each, not
             # a scan of the leaves: 10,000 modules x 10,000 leaves took 15 s)
             if leaves and (path in leaves or any(path[:i] in leaves for i, c in enumerate(path) if c == ".")):
@@ -1794,7 +1802,9 @@ def _capture(model, example_inputs, codegen: bool, share: bool) -> tuple[GraphMo
     except RecfuseError:
         _check_guard(guard)
         raise
-    except (torch.fx.proxy.TraceError, TypeError, RuntimeError, NotImplementedError) as e:
+    # ValueError too (round 13): torch.vmap refuses a Proxy as a batched argument with one, which
+    # escaped transform as a bare ValueError instead of the Dynamo fallback / a RecfuseError.
+    except (torch.fx.proxy.TraceError, TypeError, ValueError, RuntimeError, NotImplementedError) as e:
         _check_guard(guard)
         if shared:
             raise _RetryWithCopy() from None  # Dynamo runs the model too: only ever on a full copy
@@ -1810,7 +1820,7 @@ def _capture(model, example_inputs, codegen: bool, share: bool) -> tuple[GraphMo
         _check_guard(guard)
         raise
     _check_guard(guard)
-    containers.check(fn_name, graph=graph)
+    containers.check(fn_name, graph=graph, tracer=tracer)
     _warn_dropped_output(tracer, fn_name)
     _release_trace_state(tracer)
     graph._tracer_cls = None  # a loaded copy re-traces its code with RebuildTracer
