@@ -55,14 +55,17 @@ Found wrong (each a test below that fails before its fix):
   traced value with a ValueError, which escaped `transform` bare (not a RecfuseError, no Dynamo
   fallback). Now ValueError goes the way TypeError / RuntimeError went: the Dynamo fallback, then a
   RecfuseError naming both failures.
+* `for k in sorted(feats)` over a dict argument (a common way to make the feature order
+  deterministic): the capture saw the dict iterated and refused a call with the same keys in
+  another order ("has keys in the order ... but the model iterates it"), although the original
+  does not depend on the order. Now `sorted` in the model's code sorts the example's keys and the
+  guard checks the key set (other keys are still refused). `sorted(feats.items())` /
+  `sorted(feats.keys())` are still refused in another order (clear error; pinned below).
 
 Left as they are (clear refusals or unfused with a reason, pinned below):
 
 * One processor module called on two inputs (a shared tower): left unfused, "layer_norm weight
   `p.lns.0.weight` is also used outside this group; stacking it would untie it"; equal numbers.
-* `for k in sorted(feats)` over a dict argument: the capture sees the dict iterated, so a call with
-  the keys in another order is refused by name although the original does not depend on the
-  order (xfail strict pins the wish; the refusal is clear).
 * A wrapper whose forward takes `*args, **kwargs` (nn.DataParallel on CPU, a hand-written
   `Wrapper`): refused, "*args/**kwargs ... are not supported"; transforming `.module` works.
 * A gradient-reversal `autograd.Function` (DANN-style adversarial head): captured by Dynamo; its
@@ -981,19 +984,32 @@ def _feats(b, order):
     return {k: torch.randn(b, D) for k in order}
 
 
-def test_sorted_dict_argument_in_the_transform_order_matches_and_another_order_is_refused():
-    g, _ = check_against_original(_r(SortedDict), lambda: (_feats(B, "abcd"),), lambda: (_feats(6, "abcd"),))
+def test_sorted_dict_argument_accepts_another_key_order():
+    """Before: RecfuseError "`feats` has keys in the order ['c', 'a', 'd', 'b'], but the model
+    iterates it" for `for k in sorted(feats)`, whose result does not depend on the order."""
+    g, _ = check_against_original(_r(SortedDict), lambda: (_feats(B, "abcd"),), lambda: (_feats(6, "cadb"),))
+    ref = randomized(SortedDict())
+    g = recfuse.transform(copy.deepcopy(ref), (_feats(B, "dbca"),))
+    for order in ("abcd", "cadb", "dcba"):
+        feats = _feats(6, order)
+        assert _rel(g(feats), ref(feats)) < 1e-5, order
+    with pytest.raises(RecfuseError, match=r"has the keys \['a', 'b', 'c'\], but the model iterates `sorted"):
+        g(_feats(6, "abc"))  # the original would process 3 features: refused
+    with pytest.raises(RecfuseError, match=r"has the keys \['a', 'b', 'c', 'd', 'e'\]"):
+        g(_feats(6, "abcde"))
+
+
+class SortedItems(SortedDict):
+    def forward(self, feats: dict):
+        return torch.relu(self.lin(torch.stack([torch.tanh(self.lns[k](v)) for k, v in sorted(feats.items())], 1)))
+
+
+def test_sorted_items_of_a_dict_argument_is_refused_in_another_order():
+    """`sorted(feats.items())` is not recognised: the dict is iterated through `.items()`, so a call
+    with another key order is refused (clearly); the transform-time order matches."""
+    g, _ = check_against_original(_r(SortedItems), lambda: (_feats(B, "abcd"),), lambda: (_feats(6, "abcd"),))
     with pytest.raises(RecfuseError, match="has keys in the order .* but the model iterates it"):
         g(_feats(6, "cadb"))
-
-
-@pytest.mark.xfail(strict=True, reason="sorted(d) over a dict argument is recorded as an iteration in "
-                                       "the caller's key order; another order is refused")
-def test_sorted_dict_argument_accepts_another_key_order():
-    model = randomized(SortedDict())
-    g = recfuse.transform(copy.deepcopy(model), (_feats(B, "abcd"),))
-    feats = _feats(6, "cadb")
-    assert _rel(g(feats), model(feats)) < 1e-5
 
 
 class Wrapper(nn.Module):
