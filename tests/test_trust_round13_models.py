@@ -54,7 +54,9 @@ Found wrong (each a test below that fails before its fix):
 * `torch.vmap` over the features inside forward (a `stack_module_state` ensemble): vmap refuses a
   traced value with a ValueError, which escaped `transform` bare (not a RecfuseError, no Dynamo
   fallback). Now ValueError goes the way TypeError / RuntimeError went: the Dynamo fallback, then a
-  RecfuseError naming both failures.
+  RecfuseError naming both failures. (In a process where other tests ran first the fx failure is
+  a TypeError from vmap's `_add_batch_dim`, which already took that path; run alone, the test
+  fails before the fix.)
 * `for k in sorted(feats)` over a dict argument (a common way to make the feature order
   deterministic): the capture saw the dict iterated and refused a call with the same keys in
   another order ("has keys in the order ... but the model iterates it"), although the original
