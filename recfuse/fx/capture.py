@@ -566,7 +566,7 @@ def _skip_globals_of(filename: str) -> bool:
     return filename.startswith(_STDLIB_DIR) and "-packages" + os.sep not in filename  # site-/dist-packages are not stdlib
 
 
-def _namespaces_naming_type(root: nn.Module, fn: Any) -> list:
+def _namespaces_naming_type(root: nn.Module, fn: Any, name: str = "type") -> list:
     """Global namespaces of code the trace may run that reads the global name `type`: the methods of the
     model's module classes, the function, and the functions and classes that code names, followed
     through user code (not torch, recfuse.fx or the standard library). A namespace that binds
@@ -599,7 +599,7 @@ def _namespaces_naming_type(root: nn.Module, fn: Any) -> list:
                 names.update(c.co_names)
                 codes.extend(k for k in c.co_consts if inspect.iscode(k))
             g = obj.__globals__
-            if "type" in names and "type" not in g:
+            if name in names and name not in g:
                 found[id(g)] = g
             stack.extend(g[n] for n in names if n in g)
             for cell in obj.__closure__ or ():
@@ -610,18 +610,35 @@ def _namespaces_naming_type(root: nn.Module, fn: Any) -> list:
     return list(found.values())
 
 
+def _traced_sorted(iterable, /, *, key=None, reverse=False):
+    """Stands for the builtin `sorted` in the model's modules while they are traced. Round 13:
+    `for k in sorted(feats)` over a dict argument was recorded as an iteration in the caller's key
+    order, so a call with the same keys in another order was refused although the original does
+    not depend on it; here the keys are sorted from the example and the guard checks the key set."""
+    if isinstance(iterable, Proxy) and key is None and isinstance(iterable.tracer, _ValueTracer):
+        d = iterable.node.meta.get(_LIVE)
+        if isinstance(d, Mapping) and all(builtins.type(k) is str for k in d):
+            iterable.tracer.key_set_guards.append((iterable.node, tuple(builtins.sorted(d))))
+            return builtins.sorted(d, reverse=reverse)
+    return builtins.sorted(iterable, key=key, reverse=reverse)
+
+
 @contextlib.contextmanager
 def _traced_type_builtin(root: nn.Module, fn: Any):
-    """`type` in the model's code is `_TracedType` while it is traced, restored afterwards."""
-    namespaces = _namespaces_naming_type(root, fn)
-    for g in namespaces:
-        g["type"] = _TracedType
+    """`type` in the model's code is `_TracedType` while it is traced (and `sorted` is
+    `_traced_sorted`), restored afterwards."""
+    patched = [(name, stand_in, _namespaces_naming_type(root, fn, name))
+               for name, stand_in in (("type", _TracedType), ("sorted", _traced_sorted))]
+    for name, stand_in, namespaces in patched:
+        for g in namespaces:
+            g[name] = stand_in
     try:
         yield
     finally:
-        for g in namespaces:
-            if g.get("type") is _TracedType:
-                del g["type"]
+        for name, stand_in, namespaces in patched:
+            for g in namespaces:
+                if g.get(name) is stand_in:
+                    del g[name]
 
 
 # Each with a trailing separator: a bare ".../site-packages/torch" prefix also matched
@@ -695,6 +712,7 @@ class _ModeTracer(Tracer):
         self.proxy_buffer_attributes = True
         self.mode_guards: dict[str, tuple[bool, str]] = {}  # training target -> (flag, where)
         self.key_order_guards: list[tuple[Node, tuple]] = []  # dict node -> keys iterated
+        self.key_set_guards: list[tuple[Node, tuple]] = []  # dict node -> its sorted keys (`sorted(d)`)
         self._training_saved: list[tuple[nn.Module, bool]] = []
 
     # `self.training` read in traced code becomes a node reading the flag at run time, so that
@@ -1447,14 +1465,22 @@ class _PlainStateSnapshot:
         return {k: (id(v) if type(v) is tuple or isinstance(v, _ATOMS) else _fingerprint(v))
                 for k, v in mod.__dict__.items() if k not in _MODULE_INTERNALS}
 
-    def check(self, fn_name: str, dynamo: bool = False, graph: Optional[Graph] = None) -> None:
+    def check(self, fn_name: str, dynamo: bool = False, graph: Optional[Graph] = None,
+              tracer: Optional[Tracer] = None) -> None:
         # A module the graph calls (a call_module leaf: a FusedFeatureProcessor, whose plan cache
         # fills on its first call) runs its own forward on every call of the result, so what it
         # changes in place changes as in the original; a new attribute is still looked for (the
         # caller's code may have set it: `self.lin.tagged = True`).
         leaves = {n.target for n in graph.nodes if n.op == "call_module"} if graph is not None else set()
+        # torch.fx stores a tensor constant made in forward (`li, lj = torch.tril_indices(...)`,
+        # `torch.tensor([...])` indices in a DLRM interaction) as a new attribute `_tensor_constantN`
+        # of the traced root (a copy of the model): the tracer's doing, not the model's. Round 13:
+        # such a DLRM was refused as "changed the attribute `_tensor_constant0` ... in place".
+        made = ({q for t, q in tracer.tensor_attrs.items() if "." not in q} if tracer is not None else set())
         for path, mod, old in self.modules:
             state = self._state(mod)
+            if made and path == "":
+                state = {k: v for k, v in state.items() if k in old or k not in made}
             # path or one of its parents is a leaf: walk the dotted prefixes (a set lookup each, not
             # a scan of the leaves: 10,000 modules x 10,000 leaves took 15 s)
             if leaves and (path in leaves or any(path[:i] in leaves for i, c in enumerate(path) if c == ".")):
@@ -1558,11 +1584,17 @@ def _insert_guards(gm: GraphModule, tracer: "_ModeTracer") -> bool:
         seen.add((node, keys))
         with graph.inserting_after(node):
             graph.call_function(runtime.check_key_order, (node, keys, node.name))
+    for node, keys in getattr(tracer, "key_set_guards", ()):
+        if (node, keys, "set") in seen or node.graph is not graph:
+            continue
+        seen.add((node, keys, "set"))
+        with graph.inserting_after(node):
+            graph.call_function(runtime.check_key_set, (node, keys, node.name))
     return bool(tracer.mode_guards or seen or value_guards)
 
 
 _NOT_REGION_USERS = (runtime.set_grad_mode, runtime.grad_enabled, runtime.check_specialized, runtime.check_dynamo_guards,
-                     runtime.check_key_order, runtime.check_none, runtime.check_not_none,
+                     runtime.check_key_order, runtime.check_key_set, runtime.check_none, runtime.check_not_none,
                      runtime.check_training_mode)
 
 
@@ -1794,7 +1826,9 @@ def _capture(model, example_inputs, codegen: bool, share: bool) -> tuple[GraphMo
     except RecfuseError:
         _check_guard(guard)
         raise
-    except (torch.fx.proxy.TraceError, TypeError, RuntimeError, NotImplementedError) as e:
+    # ValueError too (round 13): torch.vmap refuses a Proxy as a batched argument with one, which
+    # escaped transform as a bare ValueError instead of the Dynamo fallback / a RecfuseError.
+    except (torch.fx.proxy.TraceError, TypeError, ValueError, RuntimeError, NotImplementedError) as e:
         _check_guard(guard)
         if shared:
             raise _RetryWithCopy() from None  # Dynamo runs the model too: only ever on a full copy
@@ -1810,7 +1844,7 @@ def _capture(model, example_inputs, codegen: bool, share: bool) -> tuple[GraphMo
         _check_guard(guard)
         raise
     _check_guard(guard)
-    containers.check(fn_name, graph=graph)
+    containers.check(fn_name, graph=graph, tracer=tracer)
     _warn_dropped_output(tracer, fn_name)
     _release_trace_state(tracer)
     graph._tracer_cls = None  # a loaded copy re-traces its code with RebuildTracer

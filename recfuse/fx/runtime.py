@@ -20,6 +20,7 @@ from ..errors import RecfuseError
 __all__ = [
     "check_training_mode",
     "check_key_order",
+    "check_key_set",
     "check_module_argument",
     "check_specialized",
     "check_none",
@@ -169,6 +170,21 @@ def check_key_order(d, keys: tuple, name: str) -> None:
             f"{{k: d[k] for k in {list(keys)!r}}}), or transform with example inputs in this order.")
 
 
+
+@has_side_effect
+@_graph_leaf
+def check_key_set(d, keys: tuple, name: str) -> None:
+    """Guard of a dict argument the model read through ``sorted(d)``: any order of the same keys
+    gives the original's result; other keys are refused (the graph holds the example's).
+
+    Example:
+        >>> check_key_set({"b": 1, "a": 2}, ("a", "b"), "features")
+    """
+    if tuple(sorted(d.keys())) != keys:
+        raise RecfuseError(
+            f"`{name}` has the keys {sorted(d.keys())}, but the model iterates `sorted({name})` and was "
+            f"transformed with the keys {list(keys)}; the transformed graph holds those only. Transform "
+            f"with example inputs that have these keys.")
 
 
 def piece_count(split: tuple) -> int:
