@@ -379,6 +379,25 @@ def test_fp32_default_backward_keeps_relu_masks_of_near_ties():
     check_against_float64(Case(F=4, B=1024, D=256, H=64, feature_dim=0, ln="shared"), torch.float32)
 
 
+def backward_inputs(case, dtype, chain, saved_stats, seed):
+    """Inputs of a forced-config backward test: (args in ``dtype``, grad_y zeroed at relu ties,
+    the forward's saved row stats or None, the float64 composite's gradients)."""
+    x, w, b, lw, lb, gy = make_inputs(case, generator=torch.Generator().manual_seed(seed))
+    if chain.norm != "layer_norm":
+        lb = None
+    args = [None if t is None else t.to(dtype) for t in (x, w, b, lw, lb)]
+    gy = gy.to(dtype)
+    x64, w64, b64, lw64, lb64 = (None if t is None else t.double() for t in args)
+    if chain.out_activation == "relu":  # relu ties: rounding decides the mask on any path
+        z = recfuse.reference.feature_mlp(x64, w64, b64, ln_weight=lw64, ln_bias=lb64, eps=case.eps,
+                                          feature_dim=case.feature_dim, norm=chain.norm,
+                                          activation=chain.activation, out_activation=None)
+        gy = gy.masked_fill(z.abs() < 1e-3, 0)
+    stats = launch.forward(*args, case.eps, case.feature_dim, save_stats=True, chain=chain)[1] if saved_stats else None
+    reference = composite_backward(gy.double(), x64, w64, b64, lw64, lb64, case.eps, case.feature_dim, chain)
+    return args, gy, stats, reference
+
+
 PREFETCH_CASES = [
     # (case, dtype, chain, use_dot): the row reduction (H=1), the broadcast sum (H=3), the tl.dot
     # path; masked columns (D=40, 48) and rows (B not a multiple of the tile), saved stats or not.
@@ -399,18 +418,7 @@ def test_prefetching_backward_matches_float64_and_the_plain_loop(case, dtype, ch
     # program's last one re-read it (no row masks on the loads). 8-row tiles and one program per
     # SM (the interpreter counts 2), so programs walk several tiles, the last one partly padded.
     chain = chain or DEFAULT_CHAIN
-    x, w, b, lw, lb, gy = make_inputs(case, generator=torch.Generator().manual_seed(3))
-    if chain.norm != "layer_norm":
-        lb = None
-    args = [None if t is None else t.to(dtype) for t in (x, w, b, lw, lb)]
-    gy = gy.to(dtype)
-    x64, w64, b64, lw64, lb64 = (None if t is None else t.double() for t in args)
-    if chain.out_activation == "relu":  # relu ties: rounding decides the mask on any path
-        z = recfuse.reference.feature_mlp(x64, w64, b64, ln_weight=lw64, ln_bias=lb64, eps=case.eps,
-                                          feature_dim=case.feature_dim, norm=chain.norm,
-                                          activation=chain.activation, out_activation=None)
-        gy = gy.masked_fill(z.abs() < 1e-3, 0)
-    stats = launch.forward(*args, case.eps, case.feature_dim, save_stats=True, chain=chain)[1] if saved_stats else None
+    args, gy, stats, reference = backward_inputs(case, dtype, chain, saved_stats, seed=3)
 
     def run(prefetch):
         # (unroll_h=0: the prefetching loop and the plain one both take the broadcast sum)
@@ -420,7 +428,6 @@ def test_prefetching_backward_matches_float64_and_the_plain_loop(case, dtype, ch
     fetched, meta = run(1)
     plain, plain_meta = run(0)
     assert meta.get("PREFETCH") and not plain_meta.get("PREFETCH") and meta["USE_DOT"] == use_dot
-    reference = composite_backward(gy.double(), x64, w64, b64, lw64, lb64, case.eps, case.feature_dim, chain)
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
     for name, g, gp, r in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), fetched, plain, reference):
         if r is None or not g.numel():
@@ -469,23 +476,11 @@ UNROLL_H_CASES = [
 @pytest.mark.parametrize("case, dtype, chain", UNROLL_H_CASES, ids=str)
 def test_unrolled_small_h_backward_matches_float64_and_the_broadcast_sum(case, dtype, chain, saved_stats):
     # `unroll_h=1`: each output column a row reduction and 2D tiles, instead of the broadcast
-    # sum's [rows, H, D] products (or, H > 4, the tl.dot path). 8- and 16-row tiles, one program per SM (the interpreter counts
-    # 2), so programs walk several tiles, the last one partly padded. Against float64 (the
-    # contract) and the broadcast sum (the same sums in another order).
+    # sum's [rows, H, D] products (or, H > 4, the tl.dot path). 8- and 16-row tiles, one program
+    # per SM (the interpreter counts 2), so programs walk several tiles, the last one partly
+    # padded. Against float64 (the contract) and the broadcast sum (the same sums in another order).
     chain = chain or DEFAULT_CHAIN
-    x, w, b, lw, lb, gy = make_inputs(case, generator=torch.Generator().manual_seed(5))
-    if chain.norm != "layer_norm":
-        lb = None
-    args = [None if t is None else t.to(dtype) for t in (x, w, b, lw, lb)]
-    gy = gy.to(dtype)
-    x64, w64, b64, lw64, lb64 = (None if t is None else t.double() for t in args)
-    if chain.out_activation == "relu":  # relu ties: rounding decides the mask on any path
-        z = recfuse.reference.feature_mlp(x64, w64, b64, ln_weight=lw64, ln_bias=lb64, eps=case.eps,
-                                          feature_dim=case.feature_dim, norm=chain.norm,
-                                          activation=chain.activation, out_activation=None)
-        gy = gy.masked_fill(z.abs() < 1e-3, 0)
-    stats = launch.forward(*args, case.eps, case.feature_dim, save_stats=True, chain=chain)[1] if saved_stats else None
-    reference = composite_backward(gy.double(), x64, w64, b64, lw64, lb64, case.eps, case.feature_dim, chain)
+    args, gy, stats, reference = backward_inputs(case, dtype, chain, saved_stats, seed=5)
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
     runs = {}
     for unroll_h, block_b in ((1, 8), (1, 16), (0, 8)):
