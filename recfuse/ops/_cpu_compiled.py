@@ -232,11 +232,19 @@ def _make_forward(eps: float, feature_dim: int, save: bool, y_transposed: bool =
         compute = _compute_dtype(x.dtype)
         xf = x.to(compute)
         D = x.shape[-1]
-        var, mean = torch.var_mean(xf, dim=-1, keepdim=True, correction=0)
+        # Statistics of the rows shifted by their first element: a constant row (one value c in
+        # all D columns) is then exactly 0, its mean exactly c and its variance 0, as the eager
+        # composite gives. Inductor's var_mean of the unshifted row left its mean a few ulps off
+        # c, which rstd = eps**-0.5 carried into h (red-team round 13: y 2.5e-4 off float64 at
+        # c = 1000.1, D=24 H=1; finite rows where the reference gives NaN at eps = 0).
+        pivot = xf[..., :1]
+        xs = xf - pivot
+        var, shift = torch.var_mean(xs, dim=-1, keepdim=True, correction=0)
+        mean = pivot + shift
         # NaN where the float32 variance overflowed (rows near 1e19 and up), as the kernels and
         # the eager composite give, not rstd = 0 and a silently finite row.
         rstd = torch.where(torch.isinf(var), float("nan"), torch.rsqrt(var + eps))
-        h = (xf - mean) * rstd
+        h = (xs - shift) * rstd
         lw, lb = _per_feature(ln_weight, compute, feature_dim), _per_feature(ln_bias, compute, feature_dim)
         if lw is not None:
             h = h * lw

@@ -196,8 +196,18 @@ def _norm_act_tile(
     else:
         # `/ D`, not `* inv_d`: measured on the H100 (F=128 B=8192 D=256 fp32, 8-row tiles)
         # the multiply form compiled to a 466 us forward, the divide to 400 us.
-        mean = tl.sum(x, axis=1) / D
-        xc = x - mean[:, None]
+        # Shifted by the row's first element: a row of one repeated value c (a constant feature
+        # slice) is then exactly 0, so its mean is exactly c and its variance exactly 0, as
+        # torch's (Welford) LayerNorm gives. Unshifted, sum(x) / D of such a row rounds in fp32
+        # (3c is not 3 * c), x - mean was a few ulps of c, and rstd = eps**-0.5 carried that
+        # into xhat: y 0.45 off float64 at c = -12345.678 (D=24 H=17), and a finite row where
+        # torch gives NaN at eps = 0 (red-team round 13). Costs one more row reduction.
+        pivot = tl.sum(tl.where(cols[None, :] == 0, x, 0.0), axis=1)
+        xs = x - pivot[:, None]
+        if not EVEN_D:
+            xs = tl.where(cmask[None, :], xs, 0.0)
+        mean = pivot + tl.sum(xs, axis=1) / D
+        xc = x - mean[:, None]  # as from saved stats (LOAD_STATS): the same bits either way
         if not EVEN_D:
             xc = tl.where(cmask[None, :], xc, 0.0)
         var = tl.sum(xc * xc, axis=1) / D
@@ -349,12 +359,18 @@ def _chunked_norm_act_linear(
     hs = tl.arange(0, BLOCK_H)
     mean = tl.zeros([BLOCK_B], dtype=tl.float32)
     m2 = tl.zeros([BLOCK_B], dtype=tl.float32)
+    # LayerNorm statistics of the rows shifted by their first element: a constant row is exactly
+    # 0, its mean exactly its value and its variance 0 (see `_norm_act_tile`).
+    pivot = tl.zeros([BLOCK_B], dtype=tl.float32)
+    if NORM == 1:
+        pivot = tl.load(x_rows, mask=rmask, other=0.0).to(tl.float32)
     if NORM != 0:
         for kc in tl.static_range(K_CHUNKS):
             xk = _load_rows(x_rows[:, None] + (kc * BLOCK_K + ks)[None, :] * stride_x_d, rmask, EVEN_B, X_EVICT)
             if NORM == 2:
                 m2 = m2 + tl.sum(xk * xk, axis=1)  # mean stays 0
             else:
+                xk = xk - pivot[:, None]
                 mk = tl.sum(xk, axis=1) / BLOCK_K
                 dk = xk - mk[:, None]
                 delta = mk - mean
@@ -362,6 +378,7 @@ def _chunked_norm_act_linear(
                 mean = mean + delta * (BLOCK_K / (kc * BLOCK_K + BLOCK_K))
                 m2 = m2 + tl.sum(dk * dk, axis=1) + delta * delta * (kc * BLOCK_K * BLOCK_K / (kc * BLOCK_K + BLOCK_K))
     var = m2 / D
+    mean = pivot + mean
     if NORM == 1:
         rstd = 1.0 / tl.sqrt(var + eps) + (var - var)  # NaN where the variance overflowed (see above)
     elif NORM == 2:
@@ -975,13 +992,17 @@ def ln_tanh_linear_relu_bwd_chunked(
             rstd = tl.load(STATS + stats_half + f * B + rows64, mask=rmask, other=0.0)
         else:
             s1 = tl.zeros([BLOCK_B], dtype=tl.float32)
+            # LayerNorm: the rows shifted by their first element, so that a constant row has
+            # exactly its value as mean and variance 0 (see `_norm_act_tile`).
+            pivot = tl.zeros([BLOCK_B], dtype=tl.float32)
             if NORM == 1:
+                pivot = tl.load(X + x_row_off, mask=rmask, other=0.0).to(tl.float32)
                 for k0 in range(0, D, BLOCK_K):
                     cols = k0 + ks
                     xk = tl.load(X + x_row_off[:, None] + cols[None, :] * stride_x_d,
                                  mask=rmask[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
-                    s1 += tl.sum(xk, axis=1)
-            mean = s1 * inv_d
+                    s1 += tl.sum(tl.where((cols < D)[None, :], xk - pivot[:, None], 0.0), axis=1)
+            mean = pivot + s1 * inv_d
             s2 = tl.zeros([BLOCK_B], dtype=tl.float32)
             for k0 in range(0, D, BLOCK_K):
                 cols = k0 + ks
