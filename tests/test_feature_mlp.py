@@ -292,8 +292,8 @@ def test_small_h_broadcast_sum_on_cuda_matches_float64(D, H, dtype):
         block_d, block_h = triton.next_power_of_2(D), min(triton.next_power_of_2(H), 4)
         return configs.ForwardConfig(max(1, 2048 // (block_d * block_h)), block_d, block_h, False, 4)
 
-    def row_backward(D, H, dtype):
-        return configs.heuristic_backward(D, H, dtype, use_dot=False)
+    def row_backward(D, H, dtype):  # the broadcast sum, not the per-column product (unroll_h)
+        return configs.heuristic_backward(D, H, dtype, use_dot=False, unroll_h=0)
 
     case = Case(F=3, B=1000, D=D, H=H, feature_dim=1, strided_view=True, ln="per_feature")
     with configs.override(forward=row_forward, backward=row_backward):

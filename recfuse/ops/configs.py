@@ -543,7 +543,8 @@ _OVERRIDE: contextvars.ContextVar = contextvars.ContextVar("recfuse_config_overr
 
 @contextlib.contextmanager
 def override(forward: ConfigSource = None, backward: ConfigSource = None, use_tables: bool = True):
-    """Force kernel configs inside a ``with`` block (this thread / task only).
+    """Force kernel configs inside a ``with`` block (this thread / task only; the backward of an
+    op called inside the block uses them too, on whichever thread autograd runs it).
 
     ``forward``: a `ForwardConfig`, or ``f(D, H, dtype, full_tiles) -> ForwardConfig``;
     ``backward``: a `BackwardConfig` or ``f(D, H, dtype) -> BackwardConfig | None``. None keeps
@@ -557,6 +558,23 @@ def override(forward: ConfigSource = None, backward: ConfigSource = None, use_ta
         2
     """
     token = _OVERRIDE.set((forward, backward, use_tables))
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def current_override():
+    """The open `override` block's state, None outside one. The op's autograd node keeps it for
+    its backward: autograd runs a CUDA backward on a device thread of its own, which a context
+    variable set by the caller does not reach (a forced backward config was silently not used)."""
+    return _OVERRIDE.get()
+
+
+@contextlib.contextmanager
+def reopened(state):
+    """Re-open an `override` block from `current_override`'s state (in another thread)."""
+    token = _OVERRIDE.set(state)
     try:
         yield
     finally:

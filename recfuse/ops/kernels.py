@@ -136,7 +136,7 @@ def _activate_grad(a, t, ACT: tl.constexpr, FAST_TANH: tl.constexpr):
 
 @triton.jit
 def _normalize_activate(
-    x_ptrs, mask, cmask, f, cols, D, eps,
+    x_ptrs, pivot_ptrs, mask, cmask, f, cols, D, eps,
     LNW, LNB, stride_lnw_f, stride_lnb_f,
     mean_ptrs, rstd_ptrs, rmask,
     HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr, FAST_TANH: tl.constexpr, LOAD_STATS: tl.constexpr,
@@ -165,19 +165,30 @@ def _normalize_activate(
         else:
             mean = tl.load(mean_ptrs, mask=rmask, other=0.0)
             rstd = tl.load(rstd_ptrs, mask=rmask, other=0.0)
-    return _norm_act_tile(x, mean, rstd, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
-                          HAS_LNW, HAS_LNB, FAST_TANH, LOAD_STATS, EVEN_D, EVEN_B, NORM, ACT)
+    # fp32 LayerNorm statistics are taken about each row's first value (see `_norm_act_tile`):
+    # one [rows] load, no reduction (a row reduction for it cost the row forward 3-7%, H100).
+    pivot = mean
+    if NORM == 1 and not LOAD_STATS and x_ptrs.dtype.element_ty == tl.float32:
+        if EVEN_B:
+            pivot = tl.load(pivot_ptrs).to(tl.float32)
+        else:
+            pivot = tl.load(pivot_ptrs, mask=rmask, other=0.0).to(tl.float32)
+    return _norm_act_tile(x, pivot, mean, rstd, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
+                          HAS_LNW, HAS_LNB, FAST_TANH, LOAD_STATS, EVEN_D, EVEN_B, NORM, ACT,
+                          x_ptrs.dtype.element_ty == tl.float32)
 
 
 @triton.jit
 def _norm_act_tile(
-    x, mean, rstd, mask, cmask, f, cols, D, eps,
+    x, pivot, mean, rstd, mask, cmask, f, cols, D, eps,
     LNW, LNB, stride_lnw_f, stride_lnb_f,
     HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr, FAST_TANH: tl.constexpr, LOAD_STATS: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
+    SHIFT: tl.constexpr,
 ):
     """`_normalize_activate` of a tile of x already loaded (fp32, padded lanes 0), with the rows'
-    saved mean and rstd when LOAD_STATS."""
+    saved mean and rstd when LOAD_STATS. SHIFT (fp32 inputs): `pivot` holds each row's first
+    value, about which the LayerNorm statistics are taken."""
     if NORM == 0:
         mean = tl.zeros([x.shape[0]], dtype=tl.float32)
         rstd = tl.full([x.shape[0]], 1.0, tl.float32)
@@ -196,17 +207,22 @@ def _norm_act_tile(
     else:
         # `/ D`, not `* inv_d`: measured on the H100 (F=128 B=8192 D=256 fp32, 8-row tiles)
         # the multiply form compiled to a 466 us forward, the divide to 400 us.
-        # Shifted by the row's first element: a row of one repeated value c (a constant feature
-        # slice) is then exactly 0, so its mean is exactly c and its variance exactly 0, as
-        # torch's (Welford) LayerNorm gives. Unshifted, sum(x) / D of such a row rounds in fp32
-        # (3c is not 3 * c), x - mean was a few ulps of c, and rstd = eps**-0.5 carried that
-        # into xhat: y 0.45 off float64 at c = -12345.678 (D=24 H=17), and a finite row where
-        # torch gives NaN at eps = 0 (red-team round 13). Costs one more row reduction.
-        pivot = tl.sum(tl.where(cols[None, :] == 0, x, 0.0), axis=1)
-        xs = x - pivot[:, None]
-        if not EVEN_D:
-            xs = tl.where(cmask[None, :], xs, 0.0)
-        mean = pivot + tl.sum(xs, axis=1) / D
+        # A row of one repeated value c (a constant feature slice) has mean c and variance 0, as
+        # torch's (Welford) LayerNorm gives. Its fp32 sum rounds (3c is not 3 * c), x - sum / D
+        # was a few ulps of c, and rstd = eps**-0.5 carried that into xhat: y 0.45 off float64 at
+        # c = -12345.678 (D=24 H=17), a finite row where torch gives NaN at eps = 0 (red-team
+        # round 13). fp32 rows are shifted by their first value (exactly 0 for such a row);
+        # 16-bit values sum exactly in fp32, and a correctly rounded `/` (not the GPU's
+        # approximate one) gives c back. H100, same run: the fp32 shift cost the forward +0-4%
+        # (row path and tl.dot), nothing measurable in training; taken for 16-bit rows too it
+        # cost their chunked forward up to 22% (benchmarks/NOTES.md).
+        if SHIFT:
+            xs = x - pivot[:, None]
+            if not EVEN_D:
+                xs = tl.where(cmask[None, :], xs, 0.0)
+            mean = pivot + tl.sum(xs, axis=1) / D
+        else:
+            mean = tl.math.div_rn(tl.sum(x, axis=1), tl.full([x.shape[0]], D, tl.float32))
         xc = x - mean[:, None]  # as from saved stats (LOAD_STATS): the same bits either way
         if not EVEN_D:
             xc = tl.where(cmask[None, :], xc, 0.0)
@@ -362,7 +378,7 @@ def _chunked_norm_act_linear(
     # LayerNorm statistics of the rows shifted by their first element: a constant row is exactly
     # 0, its mean exactly its value and its variance 0 (see `_norm_act_tile`).
     pivot = tl.zeros([BLOCK_B], dtype=tl.float32)
-    if NORM == 1:
+    if NORM == 1 and x_rows.dtype.element_ty == tl.float32:  # 16-bit chunk sums are exact
         pivot = tl.load(x_rows, mask=rmask, other=0.0).to(tl.float32)
     if NORM != 0:
         for kc in tl.static_range(K_CHUNKS):
@@ -443,7 +459,7 @@ def _forward_tile(
         )
     else:
         _, _, t, mean, rstd, _ = _normalize_activate(
-            x_ptrs, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
+            x_ptrs, x_rows, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
             stat_ptrs, stat_ptrs + stats_half, rmask, HAS_LNW, HAS_LNB, FAST_TANH, False,
             EVEN_D, EVEN_B, X_EVICT, NORM, ACT,
         )
@@ -584,6 +600,10 @@ def _load_bwd_tile(
     if LOAD_STATS:
         mean = tl.load(STATS + f * B + rows64)
         rstd = tl.load(STATS + stats_half + f * B + rows64)
+    elif X.dtype.element_ty == tl.float32:
+        # not saved: the rows' first values in its place, the pivot of their LayerNorm statistics
+        mean = tl.load(X + f * stride_x_f + rows64 * stride_x_b).to(tl.float32)
+        rstd = tl.full([rows.shape[0]], 1.0, tl.float32)
     else:
         mean = tl.zeros([rows.shape[0]], dtype=tl.float32)
         rstd = tl.full([rows.shape[0]], 1.0, tl.float32)
@@ -750,8 +770,9 @@ def ln_tanh_linear_relu_bwd(
                 stride_x_f, stride_x_b, stride_x_d, stride_gy_f, stride_gy_b, stride_gy_h,
                 LOAD_STATS and NORM != 0, EVEN_D, X_EVICT, BLOCK_H)
             xhat, a, t, _, rstd, g = _norm_act_tile(
-                x_cur.to(tl.float32), mean_cur, rstd_cur, mask, cmask, f, cols, D, eps, LNW, LNB,
-                stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, LOAD_STATS, EVEN_D, EVEN_B, NORM, ACT)
+                x_cur.to(tl.float32), mean_cur, mean_cur, rstd_cur, mask, cmask, f, cols, D, eps, LNW, LNB,
+                stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, LOAD_STATS, EVEN_D, EVEN_B, NORM, ACT,
+                X.dtype.element_ty == tl.float32)
             gy = gy_cur.to(tl.float32)
             if not EVEN_B:
                 gy = tl.where(rmask[:, None], gy, 0.0)  # padded rows re-read the last row
@@ -759,7 +780,7 @@ def ln_tanh_linear_relu_bwd(
             x_ptrs = X + f * stride_x_f + rows64[:, None] * stride_x_b + cols[None, :] * stride_x_d
             stat_ptrs = STATS + f * B + rows64
             xhat, a, t, _, rstd, g = _normalize_activate(
-                x_ptrs, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
+                x_ptrs, X + f * stride_x_f + rows64 * stride_x_b, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
                 stat_ptrs, stat_ptrs + stats_half, rmask, HAS_LNW, HAS_LNB, FAST_TANH, LOAD_STATS,
                 EVEN_D, EVEN_B, X_EVICT, NORM, ACT,
             )
@@ -995,14 +1016,18 @@ def ln_tanh_linear_relu_bwd_chunked(
             # LayerNorm: the rows shifted by their first element, so that a constant row has
             # exactly its value as mean and variance 0 (see `_norm_act_tile`).
             pivot = tl.zeros([BLOCK_B], dtype=tl.float32)
-            if NORM == 1:
+            if NORM == 1 and X.dtype.element_ty == tl.float32:  # 16-bit sums are exact
                 pivot = tl.load(X + x_row_off, mask=rmask, other=0.0).to(tl.float32)
+            if NORM == 1:
                 for k0 in range(0, D, BLOCK_K):
                     cols = k0 + ks
                     xk = tl.load(X + x_row_off[:, None] + cols[None, :] * stride_x_d,
                                  mask=rmask[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
                     s1 += tl.sum(tl.where((cols < D)[None, :], xk - pivot[:, None], 0.0), axis=1)
-            mean = pivot + s1 * inv_d
+            if X.dtype.element_ty == tl.float32:
+                mean = pivot + s1 * inv_d
+            else:  # a correctly rounded `/`: a constant 16-bit row's exact sum gives its value back
+                mean = tl.math.div_rn(s1, tl.full([BLOCK_B], D, tl.float32))
             s2 = tl.zeros([BLOCK_B], dtype=tl.float32)
             for k0 in range(0, D, BLOCK_K):
                 cols = k0 + ks

@@ -30,7 +30,7 @@ import torch.autograd.forward_ad as _fwAD
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .._checks import ValidatedSignatures, check_op_args
-from . import _cpu_compiled
+from . import _cpu_compiled, configs
 from ..chain import DEFAULT
 from ..reference import batched_feature_mlp, batched_ln_tanh_linear_relu
 from .composite import _empty, composite_backward
@@ -174,6 +174,7 @@ def _setup_context(ctx, inputs, output, chain=DEFAULT):
     ctx.eps = eps
     ctx.feature_dim = feature_dim
     ctx.chain = chain
+    ctx.config_override = configs.current_override()
 
 
 def _differentiable_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, chain=DEFAULT):
@@ -198,6 +199,10 @@ def _differentiable_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, f
 
 def _backward(ctx, grad_y, backward_fn=_bwd_op, n_nontensor=2):
     """Gradients of the five tensor inputs, then None for the `n_nontensor` other inputs."""
+    if ctx.config_override is not None and not configs.override_active():
+        # The forward ran inside `configs.override`; autograd's CUDA device thread does not see it.
+        with configs.reopened(ctx.config_override):
+            return _backward(ctx, grad_y, backward_fn, n_nontensor)
     x, weight, bias, ln_weight, ln_bias = ctx.saved_tensors
     if torch.is_grad_enabled() and _any_requires_grad(grad_y, x, weight, bias, ln_weight, ln_bias):
         # create_graph=True (grad mode is off in a plain backward): the gradients must be
