@@ -501,13 +501,12 @@ def test_unrolled_small_h_backward_matches_float64_and_the_broadcast_sum(case, d
 
 @pytest.mark.parametrize("H", [1, 3, 16])
 def test_constant_huge_rows_are_exact_or_nan_never_another_finite_row(H):
-    # A constant row v has variance 0, but its mean sum / D can be an ulp off v (the sum D * v is
-    # rounded, and a GPU's fp32 `/` is approximate), and that ulp (~1e23 at 1e30) squared
-    # overflows float32: the row is NaN by the kernels' rule (NaN where the float32 variance
-    # overflows), as torch's own float32 CPU layer_norm gives. A tile-wise fallback that
-    # recentred such rows cost the H100's row forward 2-18% (grid H=1 points, session 10), so
-    # the rule stands: each such row is float64's value or NaN, never another finite row; a row
-    # whose variance really overflows is NaN; the other rows are float64's (y and dx).
+    # A constant row v has variance 0, but its fp32 sum D * v rounds and a GPU's fp32 `/` is
+    # approximate: its mean came out an ulp off v, and that ulp (~1e23 at 1e30) squared overflowed
+    # float32, a NaN row where float64 is finite (H100). fp32 statistics are now taken about each
+    # row's first value (red-team 13a), which makes such a row exact; the test keeps "float64's
+    # value or NaN, never another finite row", a row whose variance really overflows is NaN, and
+    # the other rows are float64's (y and dx).
     F, B, D = 2, 6, 7
     g = torch.Generator().manual_seed(2)
     x = torch.randn(F, B, D, generator=g)

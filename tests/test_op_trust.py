@@ -449,9 +449,9 @@ def test_constant_huge_row_is_finite_on_the_kernels(path):
     # tanh(ln_bias) + b), finite, as float64 gives. torch's float32 CPU layer_norm gives NaN
     # there (its moments overflow); the interpreted kernels, the compiled CPU path and (since
     # red-team round 10: var_mean, not F.layer_norm) the eager composite give the exact value.
-    # The GPU's kernels give NaN (their rule: NaN where the float32 variance overflows): their
-    # fp32 `/` is approximate, the mean lands an ulp off 1e30 and that ulp squared overflows
-    # (H100, session 10). Never another finite row (tests/test_kernels.py has the same case).
+    # The GPU's kernels gave NaN until their fp32 statistics were taken about each row's first
+    # value (session 10: the approximate fp32 `/` put the mean an ulp off 1e30, and that ulp
+    # squared overflowed); NaN is still accepted there, never another finite row.
     _on_path(path)
     F, B, D, H = 2, 3, 5, 2
     x = torch.randn(F, B, D)
