@@ -105,3 +105,19 @@ def test_a_per_column_backward_entry_is_not_borrowed_past_eight_columns():
     assert configs.config_from_entry("backward", entry, 64, 12, torch.float32) is None
     cfg = configs.config_from_entry("backward", entry, 64, 6, torch.float32)
     assert cfg is not None and cfg.unroll_h and not cfg.use_dot and cfg.block_h == 8
+
+
+def test_the_per_column_heuristic_stays_within_the_measured_widths():
+    """The heuristic takes the per-column backward where the H100 tuner measured it faster (H = 2-4
+    up to 512 columns; fp32 H = 5-8 at 256-512 columns) and keeps the earlier paths past 512
+    columns, where 8 row slots of 1024+ elements per column would spill (a D=4096 H=8 fp32 backward
+    fell to the composite with it)."""
+    for D in (1000, 1024, 2048, 4096):
+        for H in (2, 3, 4, 6, 8):
+            cfg = configs.heuristic_backward(D, H, torch.float32)
+            assert cfg is not None and not cfg.unroll_h, (D, H, cfg)
+    assert configs.heuristic_backward(256, 8, torch.float32).unroll_h
+    assert configs.heuristic_backward(160, 6, torch.float32).unroll_h
+    assert configs.heuristic_backward(128, 8, torch.float32).use_dot
+    assert configs.heuristic_backward(256, 8, torch.bfloat16).use_dot
+    assert configs.heuristic_backward(512, 4, torch.bfloat16).unroll_h

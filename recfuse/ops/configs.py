@@ -258,9 +258,15 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
     # 426): tune_kernels.py --only unroll_h, recfuse/ops/tuned/. The winners hold ~16 elements of
     # a tile per thread with 16 programs per SM. (The broadcast sum's gradients were ~1e-3 off
     # float64 at fp32 D <= 64, B = 32768; the per-column sums keep row slots, as H=1 does.)
-    small_h = 2 <= H < DOT_MIN_H
-    use_dot = knobs.get("use_dot", H >= DOT_MIN_H)
     block_d = triton.next_power_of_2(D)
+    # fp32 H = 5-8 at rows of 256+ columns (D=160 pads to 256): per column too, 1.37-1.67x faster
+    # than the tl.dot padded to 16 at D=160/256/512 on the H100 (the dot stayed faster at D <= 128
+    # and for bf16; checks/tune_unroll_h8_h100.txt).
+    # Rows wider than 512 columns (not measured) keep the earlier paths: per column they would hold
+    # 8 row slots of 4 x 1024+ elements.
+    small_h = block_d <= 512 and (2 <= H < DOT_MIN_H or (dtype == torch.float32 and DOT_MIN_H <= H <= 8
+                                                         and block_d >= 256))
+    use_dot = knobs.get("use_dot", not small_h and H >= DOT_MIN_H)
     use_dot = use_dot and block_d >= 16  # tl.dot needs K >= 16 on the GPU
     block_k = 0
     programs_per_sm = 0  # 0: from the final num_warps (WARPS_PER_SM in flight)
@@ -311,7 +317,8 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
         x_evict = "evict_first" if dtype == torch.float32 else ""
         if small_h and knobs.get("unroll_h", 1):
             num_warps, programs_per_sm = 4, 16
-            block_b = max(4, min(64, 16 * 32 * num_warps // block_d))
+            # ~16 elements of a tile a thread (8 with 8 columns' row slots to hold)
+            block_b = max(4, min(64, (16 if block_h <= 4 else 8) * 32 * num_warps // block_d))
         else:
             rows = 16 if dtype == torch.float32 and block_h == 1 else 8
             block_b = max(1, min(rows, TILE_BUDGET // (4 * block_d * block_h)))
