@@ -295,3 +295,15 @@ class RandomizedPerFeatureChain(PerFeatureChain):
         with torch.no_grad():
             for p in self.parameters():
                 p.add_(0.3 * torch.randn_like(p))
+
+
+class GradReverse(torch.autograd.Function):
+    """Identity forward, negated gradient (a DANN-style gradient-reversal layer)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -g

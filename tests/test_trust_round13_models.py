@@ -87,6 +87,7 @@ import torch.nn.utils.parametrize as P
 from torch import nn
 
 import recfuse
+from fx_cases import GradReverse
 from recfuse.errors import RecfuseError
 
 Fn, D, H, B = 4, 8, 3, 5
@@ -1036,16 +1037,6 @@ def test_star_args_wrapper_is_refused_and_its_module_transforms(wrap):
     assert _rel(g(x), model(x)) < 1e-5
 
 
-class _GradReverse(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return -g
-
-
 class Adversarial(Proc):
     def __init__(self):
         super().__init__()
@@ -1053,7 +1044,7 @@ class Adversarial(Proc):
 
     def forward(self, x):
         y = super().forward(x)
-        return y.sum(-1), self.disc(_GradReverse.apply(y.flatten(1)))
+        return y.sum(-1), self.disc(GradReverse.apply(y.flatten(1)))
 
 
 def test_gradient_reversal_model_trains_as_the_original_and_refuses_no_grad_calls():

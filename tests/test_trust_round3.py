@@ -12,8 +12,8 @@ from torch import nn
 import recfuse
 from recfuse.errors import RecfuseError
 
-from fx_cases import (PerFeatureBase, assert_same_forward_backward, assert_same_tensor, forward_backward, randomized,
-                      train_side_by_side)
+from fx_cases import (GradReverse, PerFeatureBase, assert_same_forward_backward, assert_same_tensor, forward_backward,
+                      randomized, train_side_by_side)
 
 F_, D, H = 4, 8, 3
 rnd, assert_close = randomized, assert_same_tensor
@@ -112,16 +112,6 @@ def test_inplace_activation_module_in_chain(act, side, no_hang):
 
 
 # -- custom autograd.Function: torch.fx traced its forward and dropped its backward --------------
-
-
-class GradReverse(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return -g
 
 
 class ClipGrad(torch.autograd.Function):
