@@ -492,7 +492,7 @@ def test_row_path_and_small_d_gradients_match_float64(path, H, D):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels on a GPU")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("D, H", [(32, 4), (48, 3), (256, 2), (256, 4), (512, 4), (64, 8), (160, 6)])
 def test_unrolled_small_h_backward_on_the_gpu_matches_float64(D, H, dtype):
     """The per-column backward (`BackwardConfig.unroll_h`) as the GPU compiles it, at short and
