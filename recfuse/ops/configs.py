@@ -555,7 +555,11 @@ def override(forward: ConfigSource = None, backward: ConfigSource = None, use_ta
 
     ``forward``: a `ForwardConfig`, or ``f(D, H, dtype, full_tiles) -> ForwardConfig``;
     ``backward``: a `BackwardConfig` or ``f(D, H, dtype) -> BackwardConfig | None``. None keeps
-    the usual source. ``use_tables=False`` ignores the tuned tables (the heuristic alone).
+    the usual source (inside another block: that block's). ``use_tables=False`` ignores the tuned
+    tables (the heuristic alone; a nested block cannot turn them back on).
+    An eager op's backward takes the block its forward ran in, wherever and whenever it runs. A
+    torch.compile'd backward does not: it looks its config up when it runs (known gap,
+    tests/test_trust_round14_paths.py).
     Launches inside the block bypass the per-signature launch cache, so the config is what runs.
 
     Example:
@@ -564,6 +568,14 @@ def override(forward: ConfigSource = None, backward: ConfigSource = None, use_ta
         ...     forward_config(256, 1, torch.float32, "cpu").num_warps
         2
     """
+    outer = _OVERRIDE.get()
+    if outer is not None:
+        # A nested block keeps what it does not force from the block around it ("None keeps the
+        # usual source", which inside a block is that block's): an inner override(forward=...)
+        # silently dropped the outer block's forced backward (red-team round 14).
+        forward = outer[0] if forward is None else forward
+        backward = outer[1] if backward is None else backward
+        use_tables = use_tables and outer[2]
     token = _OVERRIDE.set((forward, backward, use_tables))
     try:
         yield

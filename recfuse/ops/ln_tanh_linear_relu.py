@@ -199,8 +199,12 @@ def _differentiable_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, f
 
 def _backward(ctx, grad_y, backward_fn=_bwd_op, n_nontensor=2):
     """Gradients of the five tensor inputs, then None for the `n_nontensor` other inputs."""
-    if ctx.config_override is not None and not configs.override_active():
-        # The forward ran inside `configs.override`; autograd's CUDA device thread does not see it.
+    if ctx.config_override is not configs.current_override():
+        # The forward's `configs.override` block (or none), whatever is open where the backward
+        # runs: autograd's CUDA device thread sees no block, a CPU backward sees the caller's. With
+        # "reopen only where none is open" a CPU backward run inside another block (or after the
+        # forward's closed and another opened) took that block's config, where CUDA took the
+        # forward's (red-team round 14).
         with configs.reopened(ctx.config_override):
             return _backward(ctx, grad_y, backward_fn, n_nontensor)
     x, weight, bias, ln_weight, ln_bias = ctx.saved_tensors
