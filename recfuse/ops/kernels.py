@@ -611,20 +611,22 @@ def _load_bwd_tile(
 
 
 @triton.jit
-def _column_init(W, f, h: tl.constexpr, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D: tl.constexpr,
+def _column_init(W, bias, hs, f, h: tl.constexpr, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D: tl.constexpr,
                  BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Row h of feature f's weight as fp32 [BLOCK_D] (zeros for a padded h >= H), and zeroed
-    [BLOCK_B, BLOCK_D] weight-gradient and [BLOCK_B] bias-gradient row slots of that column."""
+    """Row h of feature f's weight as fp32 [BLOCK_D] (zeros for a padded h >= H), its bias (a
+    scalar taken from the [BLOCK_H] `bias` once, not per row tile), and zeroed [BLOCK_B, BLOCK_D]
+    weight-gradient and [BLOCK_B] bias-gradient row slots of that column."""
     ptrs = W + f * stride_w_f + h * stride_w_h + cols
     if EVEN_D and h == 0:
         w_h = tl.load(ptrs).to(tl.float32)
     else:
         w_h = tl.load(ptrs, mask=cmask & ((cols * 0 + h) < H), other=0.0).to(tl.float32)
-    return w_h, tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32), tl.zeros([BLOCK_B], dtype=tl.float32)
+    b_h = tl.sum(tl.where(hs == h, bias, 0.0), axis=0)
+    return w_h, b_h, tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32), tl.zeros([BLOCK_B], dtype=tl.float32)
 
 
 @triton.jit
-def _column_dz(t, w_h, bias, GY, f, h: tl.constexpr, rows64, rmask, hs, H, stride_gy_f, stride_gy_b, stride_gy_h,
+def _column_dz(t, w_h, b_h, GY, f, h: tl.constexpr, rows64, rmask, H, stride_gy_f, stride_gy_b, stride_gy_h,
                OUT_ACT: tl.constexpr, FAST_TANH: tl.constexpr, EVEN_B: tl.constexpr):
     """dz[:, h] of one output column, fp32 [rows]: z[:, h] = t . w[h] + bias[h] as a row reduction,
     then the out-activation's derivative times grad_y[:, h]. Padded rows and an h >= H give 0."""
@@ -635,19 +637,19 @@ def _column_dz(t, w_h, bias, GY, f, h: tl.constexpr, rows64, rmask, hs, H, strid
         gy = tl.load(gy_ptrs, mask=rmask & ((rows64 * 0 + h) < H), other=0.0).to(tl.float32)
     if OUT_ACT == 0:
         return gy
-    z = tl.sum(t * w_h[None, :], axis=1) + tl.sum(tl.where(hs == h, bias, 0.0), axis=0)
+    z = tl.sum(t * w_h[None, :], axis=1) + b_h
     if OUT_ACT == 3:
         return tl.where(z > 0, gy, 0.0)
     return gy * _activate_grad(z, _activate(z, OUT_ACT, FAST_TANH), OUT_ACT, FAST_TANH)
 
 
 @triton.jit
-def _column_step(t, dt, w_h, acc_w_h, acc_b_h, bias, GY, f, h: tl.constexpr, rows64, rmask, hs, H,
+def _column_step(t, dt, w_h, b_h, acc_w_h, acc_b_h, GY, f, h: tl.constexpr, rows64, rmask, H,
                  stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT: tl.constexpr, FAST_TANH: tl.constexpr,
                  EVEN_B: tl.constexpr):
     """One output column of a row tile: dt += dz[:, h] w[h], and dz[:, h] added into that column's
     weight- and bias-gradient row slots (summed over rows once, after the row loop)."""
-    dz_h = _column_dz(t, w_h, bias, GY, f, h, rows64, rmask, hs, H, stride_gy_f, stride_gy_b, stride_gy_h,
+    dz_h = _column_dz(t, w_h, b_h, GY, f, h, rows64, rmask, H, stride_gy_f, stride_gy_b, stride_gy_h,
                       OUT_ACT, FAST_TANH, EVEN_B)
     return dt + dz_h[:, None] * w_h[None, :], acc_w_h + dz_h[:, None] * t, acc_b_h + dz_h
 
@@ -721,23 +723,25 @@ def ln_tanh_linear_relu_bwd(
     if HAS_BIAS:
         bias = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
     if UNROLL_H:
-        # Column h's weight row, and its weight-gradient row slots and bias-gradient slots.
-        w_0, acc_w_0, acc_b_0 = _column_init(W, f, 0, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D, BLOCK_B, BLOCK_D)
-        w_1, acc_w_1, acc_b_1 = _column_init(W, f, 1, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D, BLOCK_B, BLOCK_D)
+        # Column h's weight row and bias, and its weight-gradient and bias-gradient row slots.
+        w_0, b_0, acc_w_0, acc_b_0 = _column_init(W, bias, hs, f, 0, stride_w_f, stride_w_h, cols, cmask, H,
+                                                    EVEN_D, BLOCK_B, BLOCK_D)
+        w_1, b_1, acc_w_1, acc_b_1 = _column_init(W, bias, hs, f, 1, stride_w_f, stride_w_h, cols, cmask, H,
+                                                    EVEN_D, BLOCK_B, BLOCK_D)
         if BLOCK_H > 2:
-            w_2, acc_w_2, acc_b_2 = _column_init(W, f, 2, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D, BLOCK_B,
-                                                 BLOCK_D)
-            w_3, acc_w_3, acc_b_3 = _column_init(W, f, 3, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D, BLOCK_B,
-                                                 BLOCK_D)
+            w_2, b_2, acc_w_2, acc_b_2 = _column_init(W, bias, hs, f, 2, stride_w_f, stride_w_h, cols, cmask, H,
+                                                        EVEN_D, BLOCK_B, BLOCK_D)
+            w_3, b_3, acc_w_3, acc_b_3 = _column_init(W, bias, hs, f, 3, stride_w_f, stride_w_h, cols, cmask, H,
+                                                        EVEN_D, BLOCK_B, BLOCK_D)
         if BLOCK_H > 4:
-            w_4, acc_w_4, acc_b_4 = _column_init(W, f, 4, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D, BLOCK_B,
-                                                 BLOCK_D)
-            w_5, acc_w_5, acc_b_5 = _column_init(W, f, 5, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D, BLOCK_B,
-                                                 BLOCK_D)
-            w_6, acc_w_6, acc_b_6 = _column_init(W, f, 6, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D, BLOCK_B,
-                                                 BLOCK_D)
-            w_7, acc_w_7, acc_b_7 = _column_init(W, f, 7, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D, BLOCK_B,
-                                                 BLOCK_D)
+            w_4, b_4, acc_w_4, acc_b_4 = _column_init(W, bias, hs, f, 4, stride_w_f, stride_w_h, cols, cmask, H,
+                                                        EVEN_D, BLOCK_B, BLOCK_D)
+            w_5, b_5, acc_w_5, acc_b_5 = _column_init(W, bias, hs, f, 5, stride_w_f, stride_w_h, cols, cmask, H,
+                                                        EVEN_D, BLOCK_B, BLOCK_D)
+            w_6, b_6, acc_w_6, acc_b_6 = _column_init(W, bias, hs, f, 6, stride_w_f, stride_w_h, cols, cmask, H,
+                                                        EVEN_D, BLOCK_B, BLOCK_D)
+            w_7, b_7, acc_w_7, acc_b_7 = _column_init(W, bias, hs, f, 7, stride_w_f, stride_w_h, cols, cmask, H,
+                                                        EVEN_D, BLOCK_B, BLOCK_D)
     acc_w = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     acc_b_rows = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
     # Column sums over rows are kept per row slot ([BLOCK_B, BLOCK_D], elementwise adds) and
@@ -777,10 +781,11 @@ def ln_tanh_linear_relu_bwd(
             if not EVEN_B:
                 gy = tl.where(rmask[:, None], gy, 0.0)  # padded rows re-read the last row
         else:
-            x_ptrs = X + f * stride_x_f + rows64[:, None] * stride_x_b + cols[None, :] * stride_x_d
+            x_rows = X + f * stride_x_f + rows64 * stride_x_b
+            x_ptrs = x_rows[:, None] + cols[None, :] * stride_x_d
             stat_ptrs = STATS + f * B + rows64
             xhat, a, t, _, rstd, g = _normalize_activate(
-                x_ptrs, X + f * stride_x_f + rows64 * stride_x_b, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
+                x_ptrs, x_rows, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
                 stat_ptrs, stat_ptrs + stats_half, rmask, HAS_LNW, HAS_LNB, FAST_TANH, LOAD_STATS,
                 EVEN_D, EVEN_B, X_EVICT, NORM, ACT,
             )
@@ -793,24 +798,24 @@ def ln_tanh_linear_relu_bwd(
                     gy = tl.load(gy_ptrs, mask=rmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
         if UNROLL_H:
             dt = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
-            dt, acc_w_0, acc_b_0 = _column_step(t, dt, w_0, acc_w_0, acc_b_0, bias, GY, f, 0, rows64, rmask, hs, H,
-                                                stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
-            dt, acc_w_1, acc_b_1 = _column_step(t, dt, w_1, acc_w_1, acc_b_1, bias, GY, f, 1, rows64, rmask, hs, H,
-                                                stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+            dt, acc_w_0, acc_b_0 = _column_step(t, dt, w_0, b_0, acc_w_0, acc_b_0, GY, f, 0, rows64, rmask, H,
+                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+            dt, acc_w_1, acc_b_1 = _column_step(t, dt, w_1, b_1, acc_w_1, acc_b_1, GY, f, 1, rows64, rmask, H,
+                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
             if BLOCK_H > 2:
-                dt, acc_w_2, acc_b_2 = _column_step(t, dt, w_2, acc_w_2, acc_b_2, bias, GY, f, 2, rows64, rmask, hs,
-                                                    H, stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
-                dt, acc_w_3, acc_b_3 = _column_step(t, dt, w_3, acc_w_3, acc_b_3, bias, GY, f, 3, rows64, rmask, hs,
-                                                    H, stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+                dt, acc_w_2, acc_b_2 = _column_step(t, dt, w_2, b_2, acc_w_2, acc_b_2, GY, f, 2, rows64, rmask, H,
+                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+                dt, acc_w_3, acc_b_3 = _column_step(t, dt, w_3, b_3, acc_w_3, acc_b_3, GY, f, 3, rows64, rmask, H,
+                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
             if BLOCK_H > 4:
-                dt, acc_w_4, acc_b_4 = _column_step(t, dt, w_4, acc_w_4, acc_b_4, bias, GY, f, 4, rows64, rmask, hs,
-                                                    H, stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
-                dt, acc_w_5, acc_b_5 = _column_step(t, dt, w_5, acc_w_5, acc_b_5, bias, GY, f, 5, rows64, rmask, hs,
-                                                    H, stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
-                dt, acc_w_6, acc_b_6 = _column_step(t, dt, w_6, acc_w_6, acc_b_6, bias, GY, f, 6, rows64, rmask, hs,
-                                                    H, stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
-                dt, acc_w_7, acc_b_7 = _column_step(t, dt, w_7, acc_w_7, acc_b_7, bias, GY, f, 7, rows64, rmask, hs,
-                                                    H, stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+                dt, acc_w_4, acc_b_4 = _column_step(t, dt, w_4, b_4, acc_w_4, acc_b_4, GY, f, 4, rows64, rmask, H,
+                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+                dt, acc_w_5, acc_b_5 = _column_step(t, dt, w_5, b_5, acc_w_5, acc_b_5, GY, f, 5, rows64, rmask, H,
+                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+                dt, acc_w_6, acc_b_6 = _column_step(t, dt, w_6, b_6, acc_w_6, acc_b_6, GY, f, 6, rows64, rmask, H,
+                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+                dt, acc_w_7, acc_b_7 = _column_step(t, dt, w_7, b_7, acc_w_7, acc_b_7, GY, f, 7, rows64, rmask, H,
+                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
         else:
             if SPLIT16:
                 t0, t1, t2 = _split16(t, BWD_DOT_DTYPE, T_PARTS)
