@@ -124,6 +124,20 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
             if cfg is not None and configs.backward_fits(cfg, D, H) and cfg.block_b == block_b:
                 out.append(cfg)
         if not use_dot:
+            # the row loop pipelined (`BackwardConfig.loop_stages`): tiles of x in flight while one
+            # is computed, which lets narrow warps (2) and many programs per SM (up to 32) pay
+            for block_b, warps, stages, pps in itertools.product((4, 8, 16, 32, 64, 128), (2, 4, 8), (2, 3),
+                                                                 (4, 8, 16, 32)):
+                per_thread = block_b * base.block_d / (32 * warps)  # H > 1 holds H row slots too
+                if not ((4 if H == 1 else 2) <= per_thread <= (32 if H == 1 else 16)) or (
+                        block_b * base.block_d > NARROW_TILE):
+                    continue
+                for col_sums in ((0, 1) if H == 1 else (0,)):
+                    cfg = configs.heuristic_backward(D, H, dtype, use_dot=False, block_b=block_b, num_warps=warps,
+                                                     num_stages=1, programs_per_sm=pps, block_k=0,
+                                                     unroll_h=int(H > 1), loop_stages=stages, col_sums=col_sums)
+                    if cfg is not None and configs.backward_fits(cfg, D, H) and cfg.block_b == block_b:
+                        out.append(cfg)
             if 2 <= H <= 8:
                 # each output column on its own (`BackwardConfig.unroll_h`): 2D tiles, so longer
                 # row tiles than the broadcast sum's 8 fit; 2-16 elements of a tile per thread
@@ -136,6 +150,9 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
         if dtype == torch.bfloat16:
             # the next row tile loaded while this one is computed (`BackwardConfig.prefetch`)
             out += [dataclasses.replace(c, prefetch=1 - c.prefetch) for c in out if c.use_dot and not c.block_k]
+        # Triton's pipelining of the row loop instead (`BackwardConfig.loop_stages`)
+        out += [dataclasses.replace(c, prefetch=0, loop_stages=stages) for c in list(out)
+                if c.use_dot and not c.block_k and not c.loop_stages for stages in (2, 3)]
         # K-chunked tiles (`kernels.ln_tanh_linear_relu_bwd_chunked`): columns at a time, so
         # longer row tiles fit the registers
         for block_k, block_b, warps, pps in itertools.product((32, 64), (16, 32, 64), (4, 8), (2, 4, 8, 16)):
@@ -350,7 +367,7 @@ def main(argv=None) -> int:
     ap.add_argument("--save", nargs="?", const=configs.TUNED_DIR, help="write <dir>/<gpu>.json (default: the package's table dir)")
     ap.add_argument("--merge", action="store_true", help="keep the saved table's entries for shapes not in this run")
     ap.add_argument("--resume", action="store_true", help="with --merge: skip shapes the saved table has")
-    ap.add_argument("--only", default="all", choices=["all", "unroll_h"],
+    ap.add_argument("--only", default="all", choices=["all", "unroll_h", "loop_stages"],
                     help="time only the heuristic, the saved entry (with --merge) and the candidates that set "
                          "this knob")
     ap.add_argument("--compile-worker", nargs=3, help=argparse.SUPPRESS)

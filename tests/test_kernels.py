@@ -501,6 +501,52 @@ def test_unrolled_small_h_backward_matches_float64_and_the_broadcast_sum(case, d
             assert ((g1.double() - g0.double()).norm() / g0.double().norm().clamp_min(1e-12)).item() < tol
 
 
+PIPELINED_CASES = [
+    # (case, dtype, chain, path knobs): H=1 rows (with and without per-tile column sums), the
+    # per-column H=4 product, the tl.dot path; masked columns (D=40, 48) and rows (B not a
+    # multiple of the tile), per-feature parameters, other chains.
+    (Case(2, 37, 32, 1, ln="per_feature"), torch.float32, None, dict(use_dot=False)),
+    (Case(2, 45, 48, 1, feature_dim=1, strided_view=True, ln="shared", bias="per_feature"), torch.bfloat16, None,
+     dict(use_dot=False)),
+    (Case(1, 40, 16, 1, ln="none", bias="none", eps=0.0), torch.float32, chain_of("rms_norm", "silu", "tanh"),
+     dict(use_dot=False)),
+    (Case(2, 29, 40, 4, per_feature_weight=True, ln="per_feature"), torch.float32, None,
+     dict(use_dot=False, unroll_h=1)),
+    (Case(2, 33, 32, 16, ln="per_feature", bias="per_feature"), torch.bfloat16, None, dict(use_dot=True)),
+    (Case(1, 36, 32, 6, ln="none"), torch.float32, chain_of(None, "sigmoid", "relu"), dict(use_dot=True)),
+]
+
+
+@pytest.mark.parametrize("saved_stats", [True, False], ids=["saved-stats", "recomputed-stats"])
+@pytest.mark.parametrize("case, dtype, chain, path", PIPELINED_CASES, ids=str)
+def test_pipelined_row_loop_and_column_sums_match_float64_and_the_plain_loop(case, dtype, chain, path, saved_stats):
+    # `loop_stages=3`: the row loop as `tl.range(num_stages=3)` (the interpreter runs it as a plain
+    # loop: this checks the kernel's indexing and every path through it, not the pipelining), and
+    # `col_sums=1` (H = 1): gradient columns summed per tile instead of per row slot. 8- or
+    # 16-row tiles, one program per SM (the interpreter counts 2), so programs walk several tiles,
+    # the last partly padded. Against float64 (the contract) and the plain loop (same sums, and
+    # for row slots the same order: bitwise).
+    chain = chain or DEFAULT_CHAIN
+    args, gy, stats, reference = backward_inputs(case, dtype, chain, saved_stats, seed=7)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    knobs = dict(path, block_b=16 if path["use_dot"] else 8, programs_per_sm=1, block_k=0, prefetch=0)
+    plain, plain_meta = forced_backward(gy, args, case, stats, chain, **knobs)
+    assert "LOOP_STAGES" not in plain_meta
+    variants = [dict(loop_stages=3)] + ([dict(loop_stages=3, col_sums=1), dict(col_sums=1)] if case.H == 1 else [])
+    for extra in variants:
+        grads, meta = forced_backward(gy, args, case, stats, chain, **knobs, **extra)
+        assert meta.get("LOOP_STAGES") == extra.get("loop_stages") and bool(meta.get("COL_SUMS")) == bool(
+            extra.get("col_sums")) and meta["USE_DOT"] == path["use_dot"]
+        for name, g, gp, r in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), grads, plain, reference):
+            if r is None or not g.numel():
+                continue
+            assert g.shape == r.shape
+            err = ((g.double() - r).norm() / r.norm().clamp_min(1e-12)).item()
+            assert err < tol, f"{extra} {name}: {err:.2e}"
+            if not extra.get("col_sums"):
+                assert torch.equal(g, gp), f"{extra} {name}"
+
+
 @pytest.mark.parametrize("H", [1, 3, 16])
 def test_constant_huge_rows_are_exact_or_nan_never_another_finite_row(H):
     # A constant row v has variance 0, but its fp32 sum D * v rounds and a GPU's fp32 `/` is

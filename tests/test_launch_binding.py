@@ -99,11 +99,13 @@ def test_a_left_out_constexpr_with_a_default_is_filled_and_one_without_is_not():
 
     cache = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
     n = len(cache.arg_names)
-    assert cache.arg_names[-2:] == ["PREFETCH", "UNROLL_H"]
-    assert cache.trailing_args(range(n - 3), {"BLOCK_H": 16}) == [16, False, False]
-    assert cache.trailing_args(range(n - 3), {"BLOCK_H": 16, "PREFETCH": True}) == [16, True, False]
-    assert cache.trailing_args(range(n - 3), {"BLOCK_H": 4, "UNROLL_H": True}) == [4, False, True]
-    assert cache.trailing_args(range(n - 3), {"PREFETCH": True}) is None
+    assert cache.arg_names[-4:] == ["PREFETCH", "UNROLL_H", "LOOP_STAGES", "COL_SUMS"]
+    assert cache.trailing_args(range(n - 5), {"BLOCK_H": 16}) == [16, False, False, None, False]
+    assert cache.trailing_args(range(n - 5), {"BLOCK_H": 16, "PREFETCH": True}) == [16, True, False, None, False]
+    assert cache.trailing_args(range(n - 5), {"BLOCK_H": 4, "UNROLL_H": True}) == [4, False, True, None, False]
+    assert cache.trailing_args(range(n - 5), {"BLOCK_H": 1, "LOOP_STAGES": 3, "COL_SUMS": True}) == [
+        1, False, False, 3, True]
+    assert cache.trailing_args(range(n - 5), {"PREFETCH": True}) is None
 
 
 def _float64_grads(x, params, gy):

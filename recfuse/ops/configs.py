@@ -123,6 +123,12 @@ class BackwardConfig(TileConfig):
     # No tl.dot, 2 <= H <= 4: 1 takes each output column on its own (row reductions and 2D
     # tiles, `kernels.ln_tanh_linear_relu_bwd`'s UNROLL_H) instead of the [rows, H, D] broadcast sum.
     unroll_h: int = 0
+    # Whole-row kernel only: n > 0 pipelines its row loop n deep (`tl.range(num_stages=n)`: the
+    # next n - 1 tiles' loads in flight while one is computed); 0 a plain loop. `num_stages` is
+    # the launch option, which leaves a loop whose loads feed no tl.dot unpipelined.
+    loop_stages: int = 0
+    # No tl.dot, H = 1: 1 sums the gradient columns per row tile instead of in row slots.
+    col_sums: int = 0
 
 
 KernelConfig = ForwardConfig  # the name launch-level code and older tests use
@@ -131,7 +137,7 @@ _FORWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "persistent", "t
 _OPTIONAL_FORWARD_KNOBS = ("unroll_h",)
 _BACKWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "programs_per_sm", "num_stages")
 # Knobs an older table's entries may lack: the heuristic's value stands.
-_OPTIONAL_BACKWARD_KNOBS = ("block_k", "prefetch", "unroll_h")
+_OPTIONAL_BACKWARD_KNOBS = ("block_k", "prefetch", "unroll_h", "loop_stages", "col_sums")
 
 # ---------------------------------------------------------------------------------------------
 # the heuristic
@@ -270,6 +276,7 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
     use_dot = use_dot and block_d >= 16  # tl.dot needs K >= 16 on the GPU
     block_k = 0
     programs_per_sm = 0  # 0: from the final num_warps (WARPS_PER_SM in flight)
+    loop_stages = 0
     if use_dot:
         block_h = max(16, triton.next_power_of_2(H))
         # bf16 runs its dots on bf16 tensor cores: 32-row tiles fit (H100: D=256 H=16 758 us
@@ -319,13 +326,20 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
             num_warps, programs_per_sm = 4, 16
             # ~16 elements of a tile a thread (8 with 8 columns' row slots to hold)
             block_b = max(4, min(64, (16 if block_h <= 4 else 8) * 32 * num_warps // block_d))
+        elif block_h == 1:
+            # The row loop pipelined 3 deep (`loop_stages`), 2-warp programs of ~2048 elements,
+            # 16 per SM: what the H100 tuner picked for most H = 1 shapes once the pipelined loop
+            # existed (fp32 D=256 320 -> 222 us, D=512 363 -> 221, D=32 269 -> 246; this
+            # heuristic's earlier serial loop took 474 / 503 / 259 us there;
+            # recfuse/ops/tuned/h100-80gb-hbm3.json, benchmarks/NOTES.md).
+            num_warps, programs_per_sm, loop_stages = 2, 16, 3
+            block_b = max(1, min(128, 2048 // block_d))
         else:
-            rows = 16 if dtype == torch.float32 and block_h == 1 else 8
-            block_b = max(1, min(rows, TILE_BUDGET // (4 * block_d * block_h)))
+            block_b = max(1, min(8, TILE_BUDGET // (4 * block_d * block_h)))
             num_warps = 8 if block_b * block_d >= 2048 else 4
     cfg = BackwardConfig(block_b, block_d, block_h, use_dot, num_warps, x_evict,
                          programs_per_sm=programs_per_sm or max(1, WARPS_PER_SM // num_warps), block_k=block_k,
-                         unroll_h=int(small_h and not use_dot))
+                         unroll_h=int(small_h and not use_dot), loop_stages=loop_stages)
     knobs = {k: v for k, v in knobs.items() if k != "use_dot"}
     cfg = dataclasses.replace(cfg, **knobs) if knobs else cfg
     if not cfg.use_dot and 2 <= cfg.block_h <= 4 and cfg.block_b > 8 and not cfg.unroll_h:
@@ -357,7 +371,7 @@ def programs_per_feature(cfg: BackwardConfig, F: int, B: int, D: int, H: int, x_
     Example:
         >>> cfg = heuristic_backward(256, 1, torch.float32)
         >>> programs_per_feature(cfg, F=64, B=4096, D=256, H=1, x_bytes=64 * 4096 * 256 * 4, sms=132)
-        9
+        33
     """
     n_tiles = triton.cdiv(max(B, 1), cfg.block_b)
     P = max(1, min(n_tiles, triton.cdiv(cfg.programs_per_sm * sms, max(F, 1))))

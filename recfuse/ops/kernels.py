@@ -680,7 +680,7 @@ def ln_tanh_linear_relu_bwd(
     FAST_TANH: tl.constexpr,
     LOAD_STATS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PREFETCH: tl.constexpr = False,
-    UNROLL_H: tl.constexpr = False,
+    UNROLL_H: tl.constexpr = False, LOOP_STAGES: tl.constexpr = None, COL_SUMS: tl.constexpr = False,
 ):
     # EVEN_B: every program's rows are all < B (B is a multiple of rows_per_program).
     # LOAD_STATS: STATS holds the forward's per-row mean and rstd ([2, F, B] fp32).
@@ -691,6 +691,11 @@ def ln_tanh_linear_relu_bwd(
     # [BLOCK_B, BLOCK_D] row slots per h. Only 2D tiles: the broadcast sum's [rows, BLOCK_H,
     # BLOCK_D] products hold BLOCK_H times the registers (and gave wrong dx at 16-row tiles on
     # the H100, Triton 3.6: see `configs.heuristic_backward`).
+    # LOOP_STAGES (None: a plain loop): Triton's software pipelining of the row loop, the loads of
+    # the next LOOP_STAGES - 1 tiles in flight (shared memory) while this one is computed. The
+    # launch's num_stages does not pipeline a loop whose loads feed no tl.dot; `tl.range` does.
+    # COL_SUMS (no tl.dot, H = 1): the gradient columns summed per tile (one cross-warp reduction
+    # a tile) instead of [BLOCK_B, BLOCK_D] row slots, whose registers cap the programs per SM.
     # PARTIAL row of this program: [H*D weight | H bias | D ln_weight | D ln_bias], fp32.
     pid_p = tl.program_id(0)
     f = tl.program_id(1).to(tl.int64)
@@ -752,7 +757,8 @@ def ln_tanh_linear_relu_bwd(
     # weight and its accumulator cost registers, and a dot tile is long enough to pay for one
     # cross-warp reduction (H100, F=64 x 256 MB, 32-row tiles: bf16 D=256 H=16 1197 -> 758 us,
     # D=64 1061 -> 796 us, fp32 D=128 787 -> 705 us; benchmarks/NOTES.md).
-    ACC_ROWS: tl.constexpr = 1 if USE_DOT else BLOCK_B
+    SUM_PER_TILE: tl.constexpr = USE_DOT or (COL_SUMS and BLOCK_H == 1 and not UNROLL_H)
+    ACC_ROWS: tl.constexpr = 1 if SUM_PER_TILE else BLOCK_B
     acc_lnw_rows = tl.zeros([ACC_ROWS, BLOCK_D], dtype=tl.float32)
     acc_lnb_rows = tl.zeros([ACC_ROWS, BLOCK_D], dtype=tl.float32)
     row_start = pid_p * rows_per_program
@@ -762,7 +768,7 @@ def ln_tanh_linear_relu_bwd(
             X, GY, STATS, f, row_start + tl.arange(0, BLOCK_B), last_row, cols, cmask, hs, hmask, B, stats_half,
             stride_x_f, stride_x_b, stride_x_d, stride_gy_f, stride_gy_b, stride_gy_h,
             LOAD_STATS and NORM != 0, EVEN_D, X_EVICT, BLOCK_H)
-    for r0 in range(row_start, row_start + rows_per_program, BLOCK_B):
+    for r0 in tl.range(row_start, row_start + rows_per_program, BLOCK_B, num_stages=LOOP_STAGES):
         rows = r0 + tl.arange(0, BLOCK_B)
         rmask = rows < B
         rows64 = rows.to(tl.int64)
@@ -851,7 +857,10 @@ def ln_tanh_linear_relu_bwd(
             elif BLOCK_H == 1:
                 dz1 = tl.sum(dz, axis=1)
                 dt = dz1[:, None] * tl.sum(w, axis=0)[None, :]
-                acc_w_rows += dz1[:, None] * t
+                if SUM_PER_TILE:
+                    acc_w += tl.sum(dz1[:, None] * t, axis=0, keep_dims=True)
+                else:
+                    acc_w_rows += dz1[:, None] * t
             else:
                 dt = tl.sum(dz[:, :, None] * w[None, :, :], axis=1)
                 acc_w += tl.sum(dz[:, :, None] * t[:, None, :], axis=0)
@@ -860,12 +869,12 @@ def ln_tanh_linear_relu_bwd(
         if not (EVEN_D and EVEN_B):
             da = tl.where(mask, da, 0.0)
         if HAS_LNW:
-            if USE_DOT:
+            if SUM_PER_TILE:
                 acc_lnw_rows += tl.sum(da * xhat, axis=0, keep_dims=True)
             else:
                 acc_lnw_rows += da * xhat
         if HAS_LNB:
-            if USE_DOT:
+            if SUM_PER_TILE:
                 acc_lnb_rows += tl.sum(da, axis=0, keep_dims=True)
             else:
                 acc_lnb_rows += da
@@ -900,7 +909,7 @@ def ln_tanh_linear_relu_bwd(
             db += _column_store(part, acc_w_7, acc_b_7, 7, cols, cmask, hs, D, H)
         tl.store(part + H * D + hs, db, mask=hmask)
     else:
-        if BLOCK_H == 1 and not USE_DOT:
+        if BLOCK_H == 1 and not SUM_PER_TILE:
             acc_w += tl.sum(acc_w_rows, axis=0)[None, :]
         tl.store(part + hs[:, None] * D + cols[None, :], acc_w, mask=hmask[:, None] & cmask[None, :])
         tl.store(part + H * D + hs, tl.sum(acc_b_rows, axis=0), mask=hmask)
@@ -1004,7 +1013,7 @@ def ln_tanh_linear_relu_bwd_chunked(
     w_rows = W + f * stride_w_f + hs[:, None] * stride_w_h
     acc_b_rows = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
     row_start = pid_p * rows_per_program
-    for r0 in range(row_start, row_start + rows_per_program, BLOCK_B):
+    for r0 in tl.range(row_start, row_start + rows_per_program, BLOCK_B, num_stages=LOOP_STAGES):
         rows = r0 + tl.arange(0, BLOCK_B)
         rmask = rows < B
         rows64 = rows.to(tl.int64)

@@ -532,6 +532,11 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
         meta["PREFETCH"] = True
     elif cfg.unroll_h and not cfg.use_dot and 2 <= cfg.block_h <= 8:
         meta["UNROLL_H"] = True
+    if not chunked:
+        if cfg.loop_stages > 0 and B > 0:
+            meta["LOOP_STAGES"] = cfg.loop_stages
+        if cfg.col_sums and not cfg.use_dot and cfg.block_h == 1:
+            meta["COL_SUMS"] = True
     per_feature = (weight.dim() == 3,
                    bias is not None and bias.dim() == 2,
                    ln_weight is not None and ln_weight.dim() == 2,
