@@ -1013,7 +1013,7 @@ def ln_tanh_linear_relu_bwd_chunked(
     w_rows = W + f * stride_w_f + hs[:, None] * stride_w_h
     acc_b_rows = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
     row_start = pid_p * rows_per_program
-    for r0 in tl.range(row_start, row_start + rows_per_program, BLOCK_B, num_stages=LOOP_STAGES):
+    for r0 in range(row_start, row_start + rows_per_program, BLOCK_B):
         rows = r0 + tl.arange(0, BLOCK_B)
         rmask = rows < B
         rows64 = rows.to(tl.int64)
