@@ -184,6 +184,19 @@ class _ChecksReplacements:
         super().add_module(name, module)
         _refuse_hooks_of_replacement(self, name, module)
 
+    def register_parameter(self, name, param):
+        # ``owner.weight = nn.Parameter(...)`` comes here (a plain tensor goes to `_StackedAwayNames`,
+        # which raises naming the stacked parameter and row). For a name fusion stacked away,
+        # nn.Module's own check found the name "present" and raised an unexplained KeyError
+        # "attribute 'weight' already exists" (red-team round 15).
+        buffers = self.__dict__.get("_buffers")
+        if (isinstance(buffers, _StackedAwayNames) and name in buffers.away
+                and not dict.__contains__(buffers, name) and name not in self._parameters):
+            from ..errors import RecfuseError
+
+            raise RecfuseError(buffers.away[name])
+        super().register_parameter(name, param)
+
 
 class _FusedHolder(_ChecksReplacements, torch.nn.Module):
     """Stands at the path of a module whose calls fusion replaced: it holds the tensors that the

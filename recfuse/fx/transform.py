@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import RecfuseError
 from .capture import PendingModule, _StateSnapshot, capture, unshare
 from .fuse import fuse_graph
-from .graph_module import mark_stacked_away, module_signature
+from .graph_module import _restore_dropped, mark_stacked_away, module_signature
 from .plan import attr_tensor
 from .registry import FUSIONS, select_fusions
 from .replay import CudaGraphReplayModule
@@ -321,6 +321,12 @@ def transform(model, example_inputs: Optional[tuple] = None, *, verify: bool = F
 def _replaying(gm: GraphModule) -> GraphModule:
     """The same graph and parameters as a `CudaGraphReplayModule` (state_dict hooks carried over)."""
     replay = CudaGraphReplayModule(gm, gm.graph, class_name=type(gm).__name__)
+    # GraphModule's constructor keeps only what the graph reads: without this the replaying
+    # module lost the model's forward hooks (a hook that changed the output was silently
+    # skipped: 2.4 off the original) and the state the graph does not read (unused parameters,
+    # buffers: the original's state_dict no longer loaded). Deepcopy and torch.load restore
+    # them the same way (red-team round 15).
+    _restore_dropped(replay, gm.__dict__)
     stacked = getattr(gm, "_recfuse_stacked", None)
     absorbed = getattr(gm, "_recfuse_absorbed", None)
     if stacked:

@@ -1,0 +1,172 @@
+"""Red-team round 15: what a user does with the results of `recfuse.transform` and
+`FusedFeatureProcessor` around the calls (the transform's options, checkpoints, replacing what
+fusion stacked), on CPU. Each test compares with the untouched original model (a deep copy taken
+before `transform`) or an eager per-feature reference, or checks the error that refuses the case;
+each docstring says what the case gave before its fix.
+
+FINDINGS_PLACEHOLDER
+"""
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import recfuse
+
+F_, D_, H_ = 3, 8, 2
+
+
+class PerFeature(nn.Module):
+    """split -> per-feature LayerNorm -> tanh -> stack -> shared Linear -> relu, with state the
+    forward never reads (an unused Linear, a persistent and a non-persistent buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lns = nn.ModuleList(nn.LayerNorm(D_) for _ in range(F_))
+        self.lin = nn.Linear(D_, H_)
+        self.unused = nn.Linear(2, 2)
+        self.register_buffer("steps", torch.zeros(()))
+        self.register_buffer("scratch", torch.ones(3), persistent=False)
+        with torch.no_grad():
+            for ln in self.lns:
+                ln.weight.normal_()
+                ln.bias.normal_()
+
+    def forward(self, x):
+        ts = [torch.tanh(ln(p)) for ln, p in zip(self.lns, x.split(D_, 1))]
+        return torch.relu(self.lin(torch.stack(ts, 1)))
+
+
+def _halve_input(mod, args):
+    return (args[0] * 0.5,)
+
+
+def _affine_output(mod, args, out):
+    return out * 3.0 + 1.0
+
+
+def _close(a, b, tol=1e-5):
+    torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+# -- transform(..., cuda_graph=True): the replaying module kept only what its graph reads --------
+
+
+@pytest.mark.parametrize("copy_how", ["none", "deepcopy", "save_load"])
+def test_cuda_graph_result_keeps_forward_hooks_and_unread_state(copy_how):
+    """Before: `transform(model, x, cuda_graph=True)` (accepted on any device; CPU calls run the
+    graph as usual) built its `CudaGraphReplayModule` from the transformed GraphModule, whose
+    constructor keeps only what the graph reads: the model's forward hook and forward pre-hook
+    were dropped (y 2.38 off the original, max abs, with a hook ``out * 3 + 1``), and so were the
+    unused Linear and the buffers (``state_dict`` lacked ``unused.weight``, ``unused.bias``,
+    ``steps``; the original's state_dict failed to load: "Unexpected key(s)"). Same result with
+    cuda_graph=False, which has kept them since round 5."""
+    model = PerFeature()
+    model.register_forward_pre_hook(_halve_input)
+    model.register_forward_hook(_affine_output)
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, F_ * D_)
+    g = recfuse.transform(model, (x,), cuda_graph=True)
+    assert "CudaGraphReplayModule" in [c.__name__ for c in type(g).__mro__]
+    if copy_how == "deepcopy":
+        g = copy.deepcopy(g)
+    elif copy_how == "save_load":
+        buf = io.BytesIO()
+        torch.save(g, buf)
+        buf.seek(0)
+        g = torch.load(buf, weights_only=False)
+    _close(g(x), ref(x))
+    stacked = {o for olds in g.stacked_parameters().values() for o in olds}
+    assert set(ref.state_dict()) - stacked <= set(g.state_dict())
+    assert "scratch" not in g.state_dict()  # still non-persistent
+    other = PerFeature()
+    g.load_state_dict(other.state_dict())  # strict: every key of the original is known
+    other.register_forward_pre_hook(_halve_input)
+    other.register_forward_hook(_affine_output)
+    _close(g(x), other(x))
+    g.eval()
+    other.eval()
+    with torch.no_grad():
+        _close(g(x), other(x))
+
+
+# -- FusedFeatureProcessor.load_state_dict of a module with other features -----------------------
+
+
+def _randomized_ffp(names, **kw):
+    fp = recfuse.FusedFeatureProcessor(names, 4, out_features=2, **kw)
+    with torch.no_grad():
+        for p in fp.parameters():
+            p.normal_()
+    return fp
+
+
+@pytest.mark.parametrize("how", ["state_dict", "saved_file", "extra_state_only"])
+def test_state_dict_of_other_features_is_refused_not_loaded_by_position(how):
+    """Before: a checkpoint saved by FusedFeatureProcessor(["u", "i", "c"]) loaded without error
+    into one built with ["u", "c", "x"] (feature "i" dropped, "x" added, same count): rows load by
+    position, so "c" got the dropped "i"'s weights and "x" got "c"'s ("<All keys matched
+    successfully>"); outputs of "c" 1.06 off (max abs, normal(0, 1) parameters, B=5). Only a permutation of the same names was
+    refused (round 4). An eager per-feature ModuleDict refuses the missing and unexpected keys."""
+    a = _randomized_ffp(["u", "i", "c"], shared_linear=False)
+    b = recfuse.FusedFeatureProcessor(["u", "c", "x"], 4, out_features=2, shared_linear=False)
+    sd = a.state_dict()
+    if how == "saved_file":
+        buf = io.BytesIO()
+        torch.save(sd, buf)
+        buf.seek(0)
+        sd = torch.load(buf)
+    elif how == "extra_state_only":
+        sd = dict(sd)  # no _metadata: the names travel in `_extra_state` only
+    before = {k: v.clone() for k, v in b.state_dict().items()}
+    for strict in (True, False):
+        with pytest.raises(RuntimeError, match=r"saved by a module with features \['u', 'i', 'c'\].*not saved: "
+                                               r"\['x'\]; not in this module: \['i'\]"):
+            b.load_state_dict(sd, strict=strict)
+    for k, v in b.state_dict().items():  # nothing loaded
+        assert torch.equal(v, before[k]), k
+    # the same names load, and a module with no per-feature rows loads whatever its features
+    same = recfuse.FusedFeatureProcessor(["u", "i", "c"], 4, out_features=2, shared_linear=False)
+    same.load_state_dict(sd)
+    x = torch.randn(5, 12)
+    _close(same(x), a(x))
+    shared = _randomized_ffp(["u", "i", "c"], shared_layer_norm=True)
+    recfuse.FusedFeatureProcessor(["p", "q", "r"], 4, out_features=2, shared_layer_norm=True).load_state_dict(
+        shared.state_dict())
+
+
+def test_state_dict_of_a_renamed_feature_inside_a_model_is_refused():
+    """Before: the same silent positional load one level down (``model.proc``), via the
+    state_dict's `_metadata`."""
+    a = nn.Sequential(_randomized_ffp(["u", "i"], shared_linear=False))
+    b = nn.Sequential(recfuse.FusedFeatureProcessor(["u", "v"], 4, out_features=2, shared_linear=False))
+    with pytest.raises(RuntimeError, match=r"at '0': the state_dict was saved by a module with features \['u', 'i'\]"):
+        b.load_state_dict(a.state_dict())
+
+
+# -- assigning a Parameter under a name fusion stacked away --------------------------------------
+
+
+def test_a_parameter_assigned_under_a_stacked_name_is_refused_by_name():
+    """Before: ``transformed.lns[1].weight = nn.Parameter(...)`` (through `get_submodule`, as the
+    GraphModule's holders are plain modules) raised nn.Module's bare ``KeyError: "attribute
+    'weight' already exists"``: nothing said that fusion stacked `lns.1.weight` into row 1 of
+    `recfuse_g0_ln_weight`. A plain tensor assigned there already raised that RecfuseError."""
+    model = PerFeature()
+    x = torch.randn(4, F_ * D_)
+    g = recfuse.transform(model, (x,))
+    owner = g.get_submodule("lns.1")
+    with pytest.raises(recfuse.RecfuseError, match=r"`lns\.1\.weight` of the original model is row 1 of the "
+                                                   r"parameter `recfuse_g0_ln_weight`"):
+        owner.weight = nn.Parameter(torch.ones(D_))
+    with pytest.raises(recfuse.RecfuseError, match=r"`lns\.1\.bias` of the original model is row 1"):
+        owner.register_parameter("bias", nn.Parameter(torch.ones(D_)))
+    with pytest.raises(recfuse.RecfuseError, match=r"`lns\.1\.weight` of the original model is row 1"):
+        owner.weight = torch.ones(D_)
+    _close(g(x), model(x))  # nothing was set
+    # a new name on the holder is an ordinary parameter
+    owner.register_parameter("extra", nn.Parameter(torch.ones(1)))
+    assert "lns.1.extra" in dict(g.named_parameters())
