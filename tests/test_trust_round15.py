@@ -170,3 +170,47 @@ def test_a_parameter_assigned_under_a_stacked_name_is_refused_by_name():
     # a new name on the holder is an ordinary parameter
     owner.register_parameter("extra", nn.Parameter(torch.ones(1)))
     assert "lns.1.extra" in dict(g.named_parameters())
+
+
+# -- a module argument changed after transform ---------------------------------------------------
+
+
+def _split_stack_fn(x, lin):
+    ts = [torch.tanh(F.layer_norm(p, (D_,))) for p in x.split(D_, 1)]
+    return torch.relu(lin(torch.stack(ts, 1)))
+
+
+@pytest.mark.parametrize("change", ["add_", "optimizer_step", "data", "new_parameter"])
+def test_a_module_argument_changed_after_transform_is_refused(change):
+    """Before: `transform(fn, (x, lin))` owns a copy of `lin` and accepts a call passing the very
+    `lin` (or none); after ``lin.weight.add_(1)`` (an optimizer step on `lin`, ``.data = ...``,
+    a new Parameter) a call ``g(x, lin)`` still computed with the copy's old weights, silently:
+    0.35 off ``fn(x, lin)`` (max abs, D=8 H=2) with no error. Now such a call is refused naming
+    the argument; the copy's own training (call without `lin`) is unaffected."""
+    fn = _split_stack_fn
+    lin = nn.Linear(D_, H_)
+    x = torch.randn(4, F_ * D_)
+    g = recfuse.transform(fn, (x, lin))
+    _close(g(x, lin), fn(x, lin))
+    _close(g(x), fn(x, lin))
+    if change == "add_":
+        with torch.no_grad():
+            lin.weight.add_(1.0)
+    elif change == "optimizer_step":
+        opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+        fn(x, lin).pow(2).sum().backward()
+        opt.step()
+    elif change == "data":
+        lin.bias.data = torch.full((H_,), 3.0)
+    else:
+        lin.weight = nn.Parameter(torch.randn(H_, D_))
+    assert (fn(x, lin) - g(x)).abs().max() > 1e-3  # the copy still holds the old values
+    with pytest.raises(recfuse.RecfuseError, match=r"argument `lin` changed since recfuse.transform"):
+        g(x, lin)
+    # training the copy, called without the argument, as before
+    copy_params = [p for n, p in g.named_parameters() if n.startswith("lin.")]
+    assert copy_params
+    opt = torch.optim.SGD(g.parameters(), lr=0.1)
+    g(x).sum().backward()
+    opt.step()
+    g(x)
