@@ -214,3 +214,50 @@ def test_a_module_argument_changed_after_transform_is_refused(change):
     g(x).sum().backward()
     opt.step()
     g(x)
+
+
+# -- the original's state_dict keys of stacked rows, with another shape ---------------------------
+
+
+class _PerFeatureD(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.d = d
+        self.lns = nn.ModuleList(nn.LayerNorm(d) for _ in range(F_))
+        self.lin = nn.Linear(d, H_)
+
+    def forward(self, x):
+        ts = [torch.tanh(ln(p)) for ln, p in zip(self.lns, x.split(self.d, 1))]
+        return torch.relu(self.lin(torch.stack(ts, 1)))
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_stacked_row_of_another_shape_is_a_size_mismatch_not_a_broadcast(strict):
+    """Before: loading the original's keys into the stacked parameters did ``row[i] = value``:
+    a checkpoint of a D=16 model into a D=8 transformed one raised a bare "The expanded size of the
+    tensor (8) must match the existing size (16)" (the original: "size mismatch for lns.0.weight"),
+    and a scalar ``lns.1.weight`` (which the original refuses as a size mismatch) was broadcast
+    over row 1 silently: every weight of feature 1 became 5.0."""
+    model = _PerFeatureD(D_)
+    g = recfuse.transform(copy.deepcopy(model), (torch.randn(4, F_ * D_),))
+    with pytest.raises(RuntimeError, match=r"size mismatch for lns\.0\.weight: copying a param with shape "
+                                           r"torch\.Size\(\[16\]\) from checkpoint, the shape in current model is "
+                                           r"torch\.Size\(\[8\]\) \(row 0 of `recfuse_g0_ln_weight`"):
+        g.load_state_dict(_PerFeatureD(16).state_dict(), strict=strict)
+    sd = model.state_dict()
+    sd["lns.1.weight"] = torch.tensor(5.0)
+    with pytest.raises(RuntimeError, match="size mismatch for lns.1.weight"):
+        copy.deepcopy(model).load_state_dict(sd, strict=strict)  # what the original says
+    before = g.recfuse_g0_ln_weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"size mismatch for lns\.1\.weight: copying a param with shape "
+                                           r"torch\.Size\(\[\]\)"):
+        g.load_state_dict(sd, strict=strict)
+    assert torch.equal(g.recfuse_g0_ln_weight[1], before[1])  # row 1 not overwritten by the scalar
+    # matching shapes still load, from the original's keys and in another dtype
+    other = _PerFeatureD(D_)
+    with torch.no_grad():
+        for ln in other.lns:
+            ln.weight.normal_()
+    g.load_state_dict({k: v.double() for k, v in other.state_dict().items()}, strict=strict)
+    x = torch.randn(5, F_ * D_)
+    _close(g(x), other(x))
