@@ -261,3 +261,25 @@ def test_a_stacked_row_of_another_shape_is_a_size_mismatch_not_a_broadcast(stric
     g.load_state_dict({k: v.double() for k, v in other.state_dict().items()}, strict=strict)
     x = torch.randn(5, F_ * D_)
     _close(g(x), other(x))
+
+
+# -- verify=True on a model with a frozen parameter ----------------------------------------------
+
+
+@pytest.mark.parametrize("frozen", ["lin", "lns.1", "lns", "everything"])
+def test_verify_takes_a_model_with_frozen_parameters(frozen):
+    """Before: ``transform(model, x, verify=True)`` (and `recfuse.fx.verify`) raised torch's
+    "RuntimeError: One of the differentiated Tensors does not require grad" for any model with a
+    frozen parameter (a frozen Linear, one frozen LayerNorm, all of them): it asked autograd for the
+    gradient of every parameter. Now frozen parameters are left out of the gradient comparison, and
+    a requires_grad that differs between the original and the result is itself a failure."""
+    model = PerFeature()
+    model.get_submodule(frozen).requires_grad_(False) if frozen != "everything" else model.requires_grad_(False)
+    x = torch.randn(4, F_ * D_)
+    g = recfuse.transform(model, (x,), verify=True)
+    _close(g(x), model(x))
+    assert recfuse.fx.verify(model, g, (x,)) < 1e-4
+    if frozen == "lin":
+        g.lin.weight.requires_grad_(True)  # the result would train what the original does not
+        with pytest.raises(recfuse.RecfuseError, match=r"requires_grad of lin\.weight"):
+            recfuse.fx.verify(model, g, (x,))

@@ -463,9 +463,18 @@ def _verify(model, transformed, example_inputs, rtol, atol) -> float:
         cot = [torch.randn(a.shape, generator=gen, dtype=torch.float64).to(a.dtype) for a, _ in diff_pairs]
         leaves_a = [t for t in tree_flatten(in_a)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         leaves_b = [t for t in tree_flatten(in_b)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        pa = _named_params(model, example_inputs)
-        pb = dict(transformed.named_parameters())
+        # Trainable parameters only: autograd.grad raises "One of the differentiated Tensors does not
+        # require grad" for a frozen one, so verify=True failed on any model with a frozen parameter
+        # (red-team round 15). A frozen parameter has no gradient to compare.
+        all_a, all_b = _named_params(model, example_inputs), dict(transformed.named_parameters())
+        pa = {k: p for k, p in all_a.items() if p.requires_grad}
+        pb = {k: p for k, p in all_b.items() if p.requires_grad}
         stacked = getattr(transformed, "_recfuse_stacked", {})
+        for n, p in all_b.items():  # so the filter cannot hide a frozen parameter made trainable
+            rows = [all_a[o] for o in stacked.get(n, (n,)) if o in all_a]
+            if any(r.requires_grad != p.requires_grad for r in rows):
+                failures.append((float("nan"), f"requires_grad of {n} ({p.requires_grad}; the original's: "
+                                               f"{[r.requires_grad for r in rows]})"))
         names_b = [n for n in pb if n in stacked or n in pa]
         ga = torch.autograd.grad([a for a, _ in diff_pairs], leaves_a + list(pa.values()), cot, allow_unused=True)
         gb = torch.autograd.grad([b for _, b in diff_pairs], leaves_b + [pb[n] for n in names_b], cot, allow_unused=True)
