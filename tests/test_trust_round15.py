@@ -283,3 +283,14 @@ def test_verify_takes_a_model_with_frozen_parameters(frozen):
         g.lin.weight.requires_grad_(True)  # the result would train what the original does not
         with pytest.raises(recfuse.RecfuseError, match=r"requires_grad of lin\.weight"):
             recfuse.fx.verify(model, g, (x,))
+
+
+def test_a_sparse_buffer_input_is_refused_by_name():
+    """Before: a sparse [B, F*D] input to FusedFeatureProcessor failed inside the plan's strided
+    view with aten's "NotImplementedError: Could not run 'aten::view' with arguments from the
+    'SparseCPU' backend"; the op names a sparse x, the module's own input check did not."""
+    fp = recfuse.FusedFeatureProcessor(["a", "b", "c"], 4, out_features=2)
+    x = torch.randn(5, 12)
+    with pytest.raises(TypeError, match=r"input must be a dense \(strided\) tensor, got a sparse_coo tensor"):
+        fp(x.to_sparse())
+    _close(fp(x), fp.forward_reference(x))
