@@ -294,3 +294,88 @@ def test_a_sparse_buffer_input_is_refused_by_name():
     with pytest.raises(TypeError, match=r"input must be a dense \(strided\) tensor, got a sparse_coo tensor"):
         fp(x.to_sparse())
     _close(fp(x), fp.forward_reference(x))
+
+
+# -- torch.inference_mode() inside forward -------------------------------------------------------
+
+
+class _Reverse(torch.autograd.Function):  # torch.fx cannot keep it: such models go to Dynamo
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -g
+
+
+class FrozenFeatures(PerFeature):
+    """The per-feature chain computed under inference_mode (a frozen feature extractor), a
+    trainable head after it."""
+
+    spelling = "with"
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(F_ * H_, 1)
+
+    def features(self, x):
+        return super().forward(x)
+
+    @torch.inference_mode()
+    def features_decorated(self, x):
+        return super().forward(x)
+
+    def forward(self, x):
+        if self.spelling == "decorator":
+            f = self.features_decorated(x)
+        else:
+            with torch.inference_mode():
+                f = self.features(x)
+        y = self.head(f.flatten(1).clone())  # clone: a normal tensor, as inference tensors need
+        return _Reverse.apply(y) if self.spelling == "dynamo" else y
+
+
+@pytest.mark.parametrize("spelling", ["with", "decorator", "dynamo"])
+def test_inference_mode_inside_forward_keeps_its_region(spelling):
+    """Before: `torch.inference_mode()` in forward enters a C++ guard that the fx capture never
+    saw (and Dynamo's `_enter_inference_mode` / `_exit_inference_mode` nodes were dropped as dead
+    code): the transformed model recorded autograd through the fused features, so backward gave
+    gradients to the stacked LayerNorm parameters and `lin` (the original gives them none) and an
+    optimizer step trained what the original keeps frozen. Now the block is a `torch.no_grad()`
+    region of the graph: the same outputs, gradients only for the head."""
+    model = FrozenFeatures()
+    model.spelling = spelling
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, F_ * D_)
+    g = recfuse.transform(model, (x,))
+    assert g.recfuse_report.groups and g.recfuse_report.groups[0].fusion == "vertical_ln_tanh_linear_relu"
+    assert ("dynamo" in g.recfuse_report.capture) == (spelling == "dynamo")
+    y, r = g(x), ref(x)
+    _close(y, r)
+    r.pow(2).sum().backward()
+    y.pow(2).sum().backward()
+    want = {n for n, p in ref.named_parameters() if p.grad is not None}
+    got = {n for n, p in g.named_parameters() if p.grad is not None}
+    assert want == {"head.weight", "head.bias"} and got == want
+    for n in want:
+        _close(dict(g.named_parameters())[n].grad, dict(ref.named_parameters())[n].grad, 1e-4)
+    if spelling == "dynamo":
+        return  # Dynamo's graph is guarded on the grad mode it was captured in (README)
+    with torch.no_grad():  # the caller's mode is restored after the region
+        _close(g(x), ref(x))
+        assert not torch.is_grad_enabled()
+    assert torch.is_grad_enabled()
+
+
+class _InferenceModeOff(PerFeature):
+    def forward(self, x):
+        with torch.inference_mode(False):
+            return super().forward(x)
+
+
+def test_inference_mode_false_inside_forward_is_refused():
+    """`torch.inference_mode(False)` in forward turns grad mode on inside (the C++ guard): not a
+    region the graph keeps, so it is refused by name (before: ignored, like the True case)."""
+    with pytest.raises(recfuse.RecfuseError, match=r"torch\.inference_mode\(False\)"):
+        recfuse.transform(_InferenceModeOff(), (torch.randn(4, F_ * D_),))
