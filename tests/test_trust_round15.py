@@ -1,10 +1,72 @@
 """Red-team round 15: what a user does with the results of `recfuse.transform` and
-`FusedFeatureProcessor` around the calls (the transform's options, checkpoints, replacing what
-fusion stacked), on CPU. Each test compares with the untouched original model (a deep copy taken
+`FusedFeatureProcessor` around the calls (the transform's options cuda_graph / verify /
+stack_parameters, checkpoints, module arguments, replacing what fusion stacked, grad and inference
+modes inside forward), on CPU. Each test compares with the untouched original model (a deep copy taken
 before `transform`) or an eager per-feature reference, or checks the error that refuses the case;
 each docstring says what the case gave before its fix.
 
-FINDINGS_PLACEHOLDER
+Found wrong (each a test below that fails before its fix):
+
+1. `transform(model, x, cuda_graph=True)` (accepted on CPU too) built its replaying module from the
+   GraphModule, whose constructor keeps only what the graph reads: the model's forward hooks and
+   pre-hooks were silently dropped (y 2.38 off with an ``out * 3 + 1`` hook) and so was the state the
+   graph does not read (an unused Linear, buffers: the original's state_dict failed to load).
+   Fixed in `fx/transform.py` `_replaying` (restores them as deepcopy / torch.load do).
+2. `FusedFeatureProcessor.load_state_dict` of a checkpoint saved with *other* feature names of the
+   same count (a feature dropped, another added) loaded row by row: a kept feature got the dropped
+   feature's weights (1.06 off), silently; only a permutation of the same names was refused.
+   Now refused naming the features that differ (`module/processor.py`).
+3. A module argument of a transformed function (`transform(fn, (x, lin))`) changed after transform
+   (``lin.weight.add_``, an optimizer step on `lin`, ``.data =``, a new Parameter) and passed again:
+   the graph computed with its copy's old weights, 0.35 off ``fn(x, lin)``, silently. Now refused
+   (`fx/runtime.py` `check_module_argument`: identity, version and data pointer of its parameters).
+4. `torch.inference_mode()` inside forward (a block or a decorated method): invisible to the fx
+   trace (a C++ guard), and Dynamo's enter/exit nodes were dropped as dead code, so the transformed
+   model recorded autograd through the features the original computes under inference_mode: the
+   stacked LayerNorm parameters and `lin` got gradients the original never gives them and an
+   optimizer trained them. Now a `no_grad` region in both capture paths (`fx/capture.py`);
+   `inference_mode(False)` in forward is refused.
+5. ``verify=True`` / `recfuse.fx.verify` on any model with a frozen parameter raised torch's "One of
+   the differentiated Tensors does not require grad". Fixed (`fx/transform.py`); a requires_grad that
+   differs between original and result is now a verify failure.
+6. An original state_dict key of a stacked row with another shape: a checkpoint of another D raised a
+   bare "The expanded size of the tensor ..." RuntimeError, and a scalar was broadcast over the whole
+   row silently (the original refuses both as "size mismatch"). Now torch's size-mismatch message,
+   naming the row (`fx/graph_module.py` `map_original_keys`).
+7. Unclear errors: assigning an ``nn.Parameter`` under an original name that fusion stacked
+   (``transformed.lns.1.weight = nn.Parameter(...)``) raised a bare ``KeyError: "attribute 'weight'
+   already exists"`` (now the RecfuseError naming the stacked parameter and row); a sparse buffer input
+   to FusedFeatureProcessor failed in aten::view (now refused by name).
+
+Probed and found right (probe scripts, no test of their own): FusedFeatureProcessor's bound fast
+path with feature_dim as -2 / numpy / 0-dim tensor (refused or right), torch.func.functional_call
+with plain and transposed-stride tensors, grads through it, torch.func.grad and vmap of the module;
+the compiled CPU backend (the default; the suite runs eager) through the module over [B, F*D]
+buffers, reordered KeyedTensors (H = 12, bmm path), mixed dims, bf16 inputs with fp32 parameters and
+[F, B, D] views, B = 5, 1, 9, 5 (y and every gradient within 2.3e-7 fp32, 5.7e-3 bf16 of float64);
+a transformed model over batch sizes 5, 1, 7, 0, 2 with gradients accumulated; transform and explain
+leave the original's module classes, hook dicts and settings as they were; stack_parameters=False
+with parameters replaced, `.data` set, `.double()`, save/load, the original's state_dict and
+gradients; FusedFeatureProcessor nested in a model that is transformed; input widths other than the
+example's with zip / chunk / unbind / reversed / negative / tail slices (guarded or right);
+no_grad / set_grad_enabled / detach / saved_tensors_hooks around the features; cuda_graph=True with
+eval()/train(), BatchNorm and dropout; bad FusedFeatureProcessor inputs (int, complex, 1D, 4D,
+wrong width or D, meta, dicts with missing keys / other B / 1D values, a list): clear errors.
+
+Known, not fixed (reported):
+* State-dict hooks of the model itself (``_register_load_state_dict_pre_hook`` that upgrades old
+  checkpoint keys, ``_register_state_dict_hook``) are not carried to the transformed model: an old
+  checkpoint fails a strict load and is silently partly skipped by ``strict=False`` (the original
+  loads it). Carrying them also needs `TransformedGraphModule._load_from_state_dict` to run them
+  before it maps the original keys onto the stacked rows.
+* A module argument trained through the transformed call's gradients is not: backward reaches the
+  copy, so an optimizer built on the original `lin` steps nothing (no error; README says the
+  result owns copies). Only a *changed* `lin` passed again is refused now.
+* ``transformed.lns.1.weight`` (a stacked-away name) reads as None, so ``.data = ...`` on it fails
+  with "'NoneType' object has no attribute 'data'" (None is what functional_call needs there).
+* The eager composite warns "var_mean(): degrees of freedom is <= 0" on a B = 0 call.
+* `recfuse.fx.verify` passes a tensor whose relative error in norm is under rtol even if one element
+  is far off (its `_max_diff` accepts either criterion).
 """
 import copy
 import io
