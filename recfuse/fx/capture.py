@@ -134,6 +134,35 @@ def _traced_autocast_enter(self):
         f"(e.g. `.to(torch.bfloat16)`).")
 
 
+_INFERENCE_ENTER = torch.inference_mode.__enter__
+_INFERENCE_EXIT = torch.inference_mode.__exit__
+
+
+def _traced_inference_enter(self):
+    # `torch.inference_mode()` in the model's code enters a C++ guard, not `_set_grad_enabled`: the
+    # trace saw no region, so the transformed model recorded autograd where the original did not
+    # (gradients reached the LayerNorm and Linear parameters of features the original computed under
+    # inference_mode, and an optimizer trained them; red-team round 15). It is kept as a
+    # `torch.no_grad()` region: the same values, and no autograd record inside it.
+    if _tracing_user_code() is None:
+        return _INFERENCE_ENTER(self)
+    if not self.mode:
+        raise RecfuseError(
+            f"cannot capture `torch.inference_mode(False)` inside the model's forward (at {_user_frame()}): "
+            f"recfuse.transform keeps grad-mode regions, not inference-mode ones. Use `torch.enable_grad()` "
+            f"there, or leave the region out of forward.")
+    region = self.__dict__["_recfuse_region"] = torch.no_grad()
+    region.__enter__()
+    return None
+
+
+def _traced_inference_exit(self, exc_type, exc_value, traceback):
+    region = self.__dict__.pop("_recfuse_region", None)
+    if region is None:
+        return _INFERENCE_EXIT(self, exc_type, exc_value, traceback)
+    return region.__exit__(exc_type, exc_value, traceback)
+
+
 _MODULE_SETATTR = nn.Module.__setattr__
 
 
@@ -285,6 +314,8 @@ def _patched_global_state(tracer: "Tracer"):
     torch.is_grad_enabled = _traced_is_grad_enabled
     torch._C._set_grad_enabled = _traced_set_grad_enabled
     torch.amp.autocast_mode.autocast.__enter__ = _traced_autocast_enter
+    torch.inference_mode.__enter__ = _traced_inference_enter
+    torch.inference_mode.__exit__ = _traced_inference_exit
     nn.Module.__setattr__ = _traced_module_setattr
     torch.autograd.function.Function.apply = classmethod(_traced_function_apply)
     builtins.print = _traced_print
@@ -297,6 +328,8 @@ def _patched_global_state(tracer: "Tracer"):
         torch.is_grad_enabled = _IS_GRAD_ENABLED
         torch._C._set_grad_enabled = _SET_GRAD_ENABLED
         torch.amp.autocast_mode.autocast.__enter__ = _AUTOCAST_ENTER
+        torch.inference_mode.__enter__ = _INFERENCE_ENTER
+        torch.inference_mode.__exit__ = _INFERENCE_EXIT
         nn.Module.__setattr__ = _MODULE_SETATTR
         torch.autograd.function.Function.apply = _FUNCTION_APPLY
         _ACTIVE_TRACERS.pop()
@@ -1990,6 +2023,7 @@ def _capture_dynamo(root: nn.Module, values, constants, fn_name, fx_error) -> tu
             f"({type(e).__name__}: {msg})"
         ) from None
     annotate_from_meta(gm.graph)
+    _inference_mode_as_grad_regions(gm.graph, fn_name)
     _restore_attr_names(gm, root)
     graph = gm.graph
     graph._tracer_cls = None
@@ -2009,6 +2043,43 @@ def _capture_dynamo(root: nn.Module, values, constants, fn_name, fx_error) -> tu
                             f"trace it, which fixes dropout/BatchNorm behaviour at capture time"))
         result.recompile()
     return result, {"how": "torch._dynamo.export", "constants": {}, "shapes": True, "name": fn_name}
+
+
+_ENTER_INFERENCE = getattr(torch.autograd.grad_mode, "_enter_inference_mode", None)
+_EXIT_INFERENCE = getattr(torch.autograd.grad_mode, "_exit_inference_mode", None)
+
+
+def _inference_mode_as_grad_regions(graph: Graph, fn_name: str) -> None:
+    """Dynamo's ``_enter_inference_mode(True)`` / ``_exit_inference_mode(ctx)`` nodes (a
+    ``torch.inference_mode()`` block in forward) as a grad-mode region, as the fx capture keeps it
+    (`_traced_inference_enter`). fx takes those two nodes for pure, and dead-code elimination
+    dropped them: the transformed model recorded autograd inside the block and trained the
+    parameters the original computed under inference_mode (red-team round 15)."""
+    if _ENTER_INFERENCE is None:
+        return
+    changed = False
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not _ENTER_INFERENCE:
+            continue
+        if n.args[:1] != (True,) or n.kwargs:
+            raise RecfuseError(
+                f"cannot capture {fn_name}: it enters torch.inference_mode{n.args} in forward; recfuse.transform "
+                f"keeps grad-mode regions, not inference-mode ones (use torch.no_grad() / torch.enable_grad())")
+        exits = [u for u in n.users if u.op == "call_function" and u.target is _EXIT_INFERENCE]
+        if len(exits) != len(n.users):
+            raise RecfuseError(f"cannot capture {fn_name}: a torch.inference_mode() block of its forward is used "
+                               f"in a way recfuse.transform cannot keep; use torch.no_grad() there")
+        with graph.inserting_before(n):
+            prev = graph.call_function(runtime.grad_enabled, ())
+            graph.call_function(runtime.set_grad_mode, (False,))
+        for e in exits:
+            with graph.inserting_before(e):
+                graph.call_function(runtime.set_grad_mode, (prev,))
+            graph.erase_node(e)
+        graph.erase_node(n)
+        changed = True
+    if changed:
+        _separate_grad_regions(graph)
 
 
 def _flip_requires_grad(args: list) -> Optional[list]:

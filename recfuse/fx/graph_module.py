@@ -15,7 +15,7 @@ import re
 import sys
 import traceback
 import types
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.fx import GraphModule
@@ -68,7 +68,8 @@ def carry_state(dst: torch.nn.Module, src) -> None:
             carry_state(d, m)
 
 
-def map_original_keys(module: torch.nn.Module, state_dict: dict, prefix: str, missing_keys: list) -> None:
+def map_original_keys(module: torch.nn.Module, state_dict: dict, prefix: str, missing_keys: list,
+                      error_msgs: Optional[list] = None) -> None:
     """Rewrite a state_dict of the original model (``lns.3.weight``) onto the stacked parameters of
     `module` (``recfuse_g0_ln_weight`` row 3), in place.
 
@@ -87,7 +88,18 @@ def map_original_keys(module: torch.nn.Module, state_dict: dict, prefix: str, mi
         cur = getattr(module, new).detach().clone()
         for i, k in enumerate(keys):
             if k in state_dict:
-                cur[i] = state_dict.pop(k)
+                value = state_dict.pop(k)
+                if isinstance(value, torch.Tensor) and value.shape != cur[i].shape:
+                    # As nn.Module's own load reports it for the original model. `cur[i] = value`
+                    # raised a bare "expanded size" RuntimeError for a checkpoint of another D, and
+                    # silently broadcast a scalar or [1] tensor over the row (red-team round 15).
+                    if error_msgs is not None:
+                        error_msgs.append(
+                            f"size mismatch for {k}: copying a param with shape {value.shape} from checkpoint, the "
+                            f"shape in current model is {cur[i].shape} (row {i} of `{prefix + new}`, which "
+                            f"recfuse.transform stacked).")
+                    continue
+                cur[i] = value
             else:
                 missing_keys.append(k)
         state_dict[prefix + new] = cur
@@ -183,6 +195,19 @@ class _ChecksReplacements:
         check_replacement(self, name, module)
         super().add_module(name, module)
         _refuse_hooks_of_replacement(self, name, module)
+
+    def register_parameter(self, name, param):
+        # ``owner.weight = nn.Parameter(...)`` comes here (a plain tensor goes to `_StackedAwayNames`,
+        # which raises naming the stacked parameter and row). For a name fusion stacked away,
+        # nn.Module's own check found the name "present" and raised an unexplained KeyError
+        # "attribute 'weight' already exists" (red-team round 15).
+        buffers = self.__dict__.get("_buffers")
+        if (isinstance(buffers, _StackedAwayNames) and name in buffers.away
+                and not dict.__contains__(buffers, name) and name not in self._parameters):
+            from ..errors import RecfuseError
+
+            raise RecfuseError(buffers.away[name])
+        super().register_parameter(name, param)
 
 
 class _FusedHolder(_ChecksReplacements, torch.nn.Module):
@@ -593,7 +618,7 @@ class TransformedGraphModule(_ChecksReplacements, GraphModule):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        map_original_keys(self, state_dict, prefix, missing_keys)
+        map_original_keys(self, state_dict, prefix, missing_keys, error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 

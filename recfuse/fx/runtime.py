@@ -98,6 +98,15 @@ def _always_recorded(fn):
 
 # token -> weak reference to a module passed as an argument at transform time.
 _CAPTURED_MODULES: dict = {}
+# token -> that module's parameters at transform time (`_parameter_state`).
+_CAPTURED_STATE: dict = {}
+
+
+def _parameter_state(module) -> tuple:
+    """Each parameter's identity, in-place version and data pointer: what changes when the module
+    is trained or edited after transform (an optimizer step or ``weight.add_``, ``.data = ...``, a
+    replaced Parameter)."""
+    return tuple((id(p), p._version, p.data_ptr()) for p in module.parameters())
 
 
 def remember_module_argument(module) -> str:
@@ -108,7 +117,13 @@ def remember_module_argument(module) -> str:
     that loaded a saved graph for another module argument, whose guard then accepted that module
     (and computed with its own copy, silently). The entry goes with the module."""
     token = uuid.uuid4().hex
-    _CAPTURED_MODULES[token] = weakref.ref(module, lambda _, token=token: _CAPTURED_MODULES.pop(token, None))
+
+    def forget(_, token=token):
+        _CAPTURED_MODULES.pop(token, None)
+        _CAPTURED_STATE.pop(token, None)
+
+    _CAPTURED_MODULES[token] = weakref.ref(module, forget)
+    _CAPTURED_STATE[token] = _parameter_state(module)
     return token
 
 
@@ -134,6 +149,16 @@ def check_module_argument(value, token: str, name: str) -> None:
             f"argument `{name}` was captured by recfuse.transform: the transformed module computes with "
             f"its own copy of the module given at transform time (train that copy's parameters). Call it "
             f"without `{name}`, or transform again with the new {type(value).__name__}."
+        )
+    if _parameter_state(value) != _CAPTURED_STATE.get(token):
+        # The very module, changed since transform (trained, edited in place, a parameter replaced):
+        # the copy still holds the old values, so accepting it answered with those silently (0.35 off
+        # the original function after ``lin.weight.add_(1)``; red-team round 15).
+        raise RecfuseError(
+            f"argument `{name}` changed since recfuse.transform (a parameter updated in place, replaced, or "
+            f"given new .data): the transformed module computes with its own copy of `{name}` taken at "
+            f"transform time, which still holds the old values. Train the transformed module's parameters "
+            f"(its copy) and call it without `{name}`, or transform again."
         )
 
 @has_side_effect
@@ -308,7 +333,9 @@ _DYNAMO_GUARD_CODE: dict = {}  # guard text -> its compiled code
 
 def _module_argument(token: str):
     ref = _CAPTURED_MODULES.get(token)
-    return ref() if ref is not None else None
+    module = ref() if ref is not None else None
+    # A module changed since transform is no longer the one captured (see check_module_argument).
+    return module if module is not None and _parameter_state(module) == _CAPTURED_STATE.get(token) else None
 
 
 def _dynamo_guard_code(text: str):

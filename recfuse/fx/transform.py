@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import RecfuseError
 from .capture import PendingModule, _StateSnapshot, capture, unshare
 from .fuse import fuse_graph
-from .graph_module import mark_stacked_away, module_signature
+from .graph_module import _restore_dropped, mark_stacked_away, module_signature
 from .plan import attr_tensor
 from .registry import FUSIONS, select_fusions
 from .replay import CudaGraphReplayModule
@@ -321,6 +321,12 @@ def transform(model, example_inputs: Optional[tuple] = None, *, verify: bool = F
 def _replaying(gm: GraphModule) -> GraphModule:
     """The same graph and parameters as a `CudaGraphReplayModule` (state_dict hooks carried over)."""
     replay = CudaGraphReplayModule(gm, gm.graph, class_name=type(gm).__name__)
+    # GraphModule's constructor keeps only what the graph reads: without this the replaying
+    # module lost the model's forward hooks (a hook that changed the output was silently
+    # skipped: 2.4 off the original) and the state the graph does not read (unused parameters,
+    # buffers: the original's state_dict no longer loaded). Deepcopy and torch.load restore
+    # them the same way (red-team round 15).
+    _restore_dropped(replay, gm.__dict__)
     stacked = getattr(gm, "_recfuse_stacked", None)
     absorbed = getattr(gm, "_recfuse_absorbed", None)
     if stacked:
@@ -457,9 +463,18 @@ def _verify(model, transformed, example_inputs, rtol, atol) -> float:
         cot = [torch.randn(a.shape, generator=gen, dtype=torch.float64).to(a.dtype) for a, _ in diff_pairs]
         leaves_a = [t for t in tree_flatten(in_a)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         leaves_b = [t for t in tree_flatten(in_b)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        pa = _named_params(model, example_inputs)
-        pb = dict(transformed.named_parameters())
+        # Trainable parameters only: autograd.grad raises "One of the differentiated Tensors does not
+        # require grad" for a frozen one, so verify=True failed on any model with a frozen parameter
+        # (red-team round 15). A frozen parameter has no gradient to compare.
+        all_a, all_b = _named_params(model, example_inputs), dict(transformed.named_parameters())
+        pa = {k: p for k, p in all_a.items() if p.requires_grad}
+        pb = {k: p for k, p in all_b.items() if p.requires_grad}
         stacked = getattr(transformed, "_recfuse_stacked", {})
+        for n, p in all_b.items():  # so the filter cannot hide a frozen parameter made trainable
+            rows = [all_a[o] for o in stacked.get(n, (n,)) if o in all_a]
+            if any(r.requires_grad != p.requires_grad for r in rows):
+                failures.append((float("nan"), f"requires_grad of {n} ({p.requires_grad}; the original's: "
+                                               f"{[r.requires_grad for r in rows]})"))
         names_b = [n for n in pb if n in stacked or n in pa]
         ga = torch.autograd.grad([a for a, _ in diff_pairs], leaves_a + list(pa.values()), cot, allow_unused=True)
         gb = torch.autograd.grad([b for _, b in diff_pairs], leaves_b + [pb[n] for n in names_b], cot, allow_unused=True)

@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .._checks import check_feature_dim
+from .._checks import _check_strided, check_feature_dim
 from ..chain import DEFAULT
 from ..torchrec import is_keyed_tensor, keyed_tensor_parts, make_keyed_tensor, wait_if_lazy_awaitable
 from .features import FeatureLayout
@@ -118,6 +118,9 @@ class BufferInput:
             layout.check_dims(names, dims, self.what)
         total = sum(dims)
         values = self.values
+        # Before the strided views the plan takes: a sparse buffer failed there with aten's
+        # "Could not run 'aten::view' with arguments from the 'SparseCPU' backend" (round 15).
+        _check_strided(self.what, values)
         if values.dim() != 2 or values.shape[1] != total:
             layout_text = ", ".join(f"{n}:{d}" for n, d in zip(names, dims))
             raise ValueError(

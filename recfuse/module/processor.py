@@ -401,15 +401,29 @@ class FusedFeatureProcessor(nn.Module):
             saved = self._decode_names(state_dict[extra_key])
         per_feature = any(p is not None and p.dim() == ndim for names in self._parameter_names
                           for p, ndim in zip((self._parameters.get(n) for n in names), PER_FEATURE_NDIM))
-        if (per_feature and saved is not None and tuple(saved) != self.feature_names
-                and sorted(saved) == sorted(self.feature_names)):
-            # The same features in another order: row i of each stacked tensor is another feature
-            # here, so a positional load would give every feature another one's weights.
-            error_msgs.append(
-                f"{type(self).__name__} at {prefix[:-1] or 'the root'!r}: the state_dict was saved by a module with "
-                f"features in the order {list(saved)}, this one has {list(self.feature_names)}; its per-feature rows "
-                f"would load into the wrong features. Build the module with feature_names={list(saved)!r} (inputs "
-                f"matched by name, KeyedTensor/dict, are unaffected by the order).")
+        if per_feature and saved is not None and tuple(saved) != self.feature_names:
+            where = f"{type(self).__name__} at {prefix[:-1] or 'the root'!r}"
+            if sorted(saved) == sorted(self.feature_names):
+                # The same features in another order: row i of each stacked tensor is another feature
+                # here, so a positional load would give every feature another one's weights.
+                error_msgs.append(
+                    f"{where}: the state_dict was saved by a module with "
+                    f"features in the order {list(saved)}, this one has {list(self.feature_names)}; its per-feature "
+                    f"rows would load into the wrong features. Build the module with feature_names={list(saved)!r} "
+                    f"(inputs matched by name, KeyedTensor/dict, are unaffected by the order).")
+            else:
+                # Other features (one dropped and one added, a rename) with the same count loaded
+                # row by row without error: a kept feature got the row of whichever feature stood
+                # at its position in the saver ('c' got the dropped 'i''s weights; red-team round 15),
+                # where an eager per-feature ModuleDict refuses the missing and unexpected keys.
+                missing = [n for n in self.feature_names if n not in saved]
+                extra = [n for n in saved if n not in self.feature_names]
+                error_msgs.append(
+                    f"{where}: the state_dict was saved by a module with features {list(saved)}, this one has "
+                    f"{list(self.feature_names)} (not saved: {missing}; not in this module: {extra}); its "
+                    f"per-feature rows are stacked by position, so they would load into other features. Load it "
+                    f"into a module with the saver's feature_names and copy the rows you want by name "
+                    f"(feature_parameters(name)).")
             return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
