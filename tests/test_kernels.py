@@ -529,12 +529,13 @@ def test_pipelined_row_loop_and_column_sums_match_float64_and_the_plain_loop(cas
     chain = chain or DEFAULT_CHAIN
     args, gy, stats, reference = backward_inputs(case, dtype, chain, saved_stats, seed=7)
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
-    knobs = dict(path, block_b=16 if path["use_dot"] else 8, programs_per_sm=1, block_k=0, prefetch=0)
+    knobs = dict(path, block_b=16 if path["use_dot"] else 8, programs_per_sm=1, block_k=0, prefetch=0, loop_stages=0,
+                 col_sums=0)
     plain, plain_meta = forced_backward(gy, args, case, stats, chain, **knobs)
     assert "LOOP_STAGES" not in plain_meta
     variants = [dict(loop_stages=3)] + ([dict(loop_stages=3, col_sums=1), dict(col_sums=1)] if case.H == 1 else [])
     for extra in variants:
-        grads, meta = forced_backward(gy, args, case, stats, chain, **knobs, **extra)
+        grads, meta = forced_backward(gy, args, case, stats, chain, **dict(knobs, **extra))
         assert meta.get("LOOP_STAGES") == extra.get("loop_stages") and bool(meta.get("COL_SUMS")) == bool(
             extra.get("col_sums")) and meta["USE_DOT"] == path["use_dot"]
         for name, g, gp, r in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), grads, plain, reference):
