@@ -497,7 +497,11 @@ def eager_ready(x) -> bool:
         >>> eager_ready(torch.zeros(1)), eager_ready(torch.nn.Parameter(torch.zeros(1)))
         (True, False)
     """
-    return _is_plain_eager(x) and not _functorch_active() and not _autocast_enabled_for(x)
+    # `_is_plain_eager(x) and not _functorch_active() and not _autocast_enabled_for(x)`, written
+    # out (FFP asks on every call): C calls only unless some autocast is on.
+    return (type(x) is _Tensor and not _is_compiling() and not _dispatch_modes() and _tracing_state() is None
+            and not _functorch_transforms_active() and _fwAD._current_level < 0
+            and not (_any_autocast() and _autocast_enabled_for(x)))
 
 
 def call_validated(x, weight, bias, ln_weight, ln_bias, eps: float, feature_dim: int, key, needs_grad: bool,
