@@ -464,21 +464,30 @@ def read_attr(obj, atoms: tuple):
             obj = getattr(obj, name)
         return obj
     for name in atoms:
-        plain = _PLAIN_MODULE_ATTR.get((type(obj), name))  # `_plain_module_attr`, its cache inlined
-        if not (plain or (plain is None and _plain_module_attr(type(obj), name))):
+        t = type(obj)
+        plain = _PLAIN_MODULE_ATTR.get((t, name))  # `_plain_module_attr`, its cache inlined
+        if not (plain or (plain is None and _plain_module_attr(t, name))):
             obj = getattr(obj, name)
             continue
         d = obj.__dict__
-        value = d.get(name, _MISSING)
-        if value is _MISSING:
-            for where in ("_parameters", "_buffers", "_modules"):
-                table = d.get(where)
-                if table is not None and name in table:
-                    value = table[name]
-                    break
-            else:
-                value = getattr(obj, name)  # raises nn.Module's AttributeError
-        obj = value
+        if name in d:  # an instance attribute comes before nn.Module's __getattr__
+            obj = d[name]
+            continue
+        # nn.Module.__getattr__'s order: _parameters, _buffers, _modules. A parameter (the usual
+        # read) is found by the first lookup.
+        table = d.get("_parameters")
+        if table is not None and name in table:
+            obj = table[name]
+            continue
+        table = d.get("_buffers")
+        if table is not None and name in table:
+            obj = table[name]
+            continue
+        table = d.get("_modules")
+        if table is not None and name in table:
+            obj = table[name]
+            continue
+        obj = getattr(obj, name)  # raises nn.Module's AttributeError
     return obj
 
 
@@ -503,7 +512,83 @@ def lean_attribute_reads(graph, code):
         replaced = replaced or n > 0
     if not replaced:
         return code
-    return dataclasses.replace(code, src=src, globals={**code.globals, _READ_ATTR_NAME: read_attr})
+    src = _group_reads(src)
+    return dataclasses.replace(code, src=src, globals={**code.globals, _READ_ATTR_NAME: read_attr,
+                                                       _READ_ATTRS_NAME: read_attrs})
+
+
+_READ_ATTRS_NAME = "recfuse_fx_graph_module_read_attrs"
+_READ_LINE = re.compile(r"^(\s+)(\w+) = " + _READ_ATTR_NAME + r"\(self, (\(.*\))\)$")
+
+
+def _group_reads(src: str) -> str:
+    """Consecutive read lines ``a = read_attr(self, A)`` / ``b = read_attr(self, B)`` as one call
+    over the same lines, ``a, b = read_attrs(self, (A,`` / ``    B))``: one frame and one tracing
+    check for all of them (the puzzler's graph reads four in a row). Line numbers are kept."""
+    lines = src.split("\n")
+    out, i = [], 0
+    while i < len(lines):
+        m = _READ_LINE.match(lines[i])
+        run = [m] if m else []
+        j = i + 1
+        while m and j < len(lines):
+            nxt = _READ_LINE.match(lines[j])
+            if not nxt or nxt.group(1) != m.group(1):
+                break
+            run.append(nxt)
+            j += 1
+        if len(run) < 2:
+            out.append(lines[i])
+            i += 1
+            continue
+        indent = run[0].group(1)
+        names = ", ".join(r.group(2) for r in run)
+        out.append(f"{indent}{names} = {_READ_ATTRS_NAME}(self, ({run[0].group(3)},")
+        out.extend(f"{indent}    {r.group(3)}," for r in run[1:-1])
+        out.append(f"{indent}    {run[-1].group(3)}))")
+        i = j
+    return "\n".join(out)
+
+
+def read_attrs(obj, paths: tuple) -> tuple:
+    """``(read_attr(obj, atoms) for atoms in paths)`` as a tuple, with one tracing check and no
+    call per path: consecutive ``get_attr`` reads of a transformed graph (`_group_reads`).
+
+    Example:
+        >>> lin = torch.nn.Linear(2, 1); m = torch.nn.Module(); m.lin = lin
+        >>> read_attrs(m, (("lin", "weight"), ("lin", "bias"))) == (lin.weight, lin.bias)
+        True
+    """
+    if (_FX_TRACE_FLAG_KNOWN and _fx_symbolic_trace._is_fx_tracing_flag) or _is_compiling():
+        return tuple(read_attr(obj, atoms) for atoms in paths)
+    values = []
+    for atoms in paths:
+        value = obj
+        for name in atoms:  # `read_attr`'s loop
+            t = type(value)
+            plain = _PLAIN_MODULE_ATTR.get((t, name))
+            if not (plain or (plain is None and _plain_module_attr(t, name))):
+                value = getattr(value, name)
+                continue
+            d = value.__dict__
+            if name in d:
+                value = d[name]
+                continue
+            table = d.get("_parameters")
+            if table is not None and name in table:
+                value = table[name]
+                continue
+            table = d.get("_buffers")
+            if table is not None and name in table:
+                value = table[name]
+                continue
+            table = d.get("_modules")
+            if table is not None and name in table:
+                value = table[name]
+                continue
+            value = getattr(value, name)  # raises nn.Module's AttributeError
+        values.append(value)
+    return tuple(values)
 
 
 def _rebuild(cls: type, body: dict, import_block: str) -> "TransformedGraphModule":

@@ -30,7 +30,7 @@ import torch
 
 from .._checks import call_signature
 from ..chain import DEFAULT, Chain
-from ..ops.ln_tanh_linear_relu import call_validated
+from ..ops.ln_tanh_linear_relu import call_recorded, call_validated, signature_record
 from .parameters import PER_FEATURE_NDIM
 from .plan import BufferPlan, GroupParams, StackedPlan, prepare_params, resolve_eps
 
@@ -96,7 +96,7 @@ class BoundCall:
     read from the module at call time); returns what `FusedFeatureProcessor.forward` returns.
     """
 
-    __slots__ = ("runs", "positions", "output", "needs_grad", "chain", "single", "out_lengths")
+    __slots__ = ("runs", "positions", "output", "needs_grad", "chain", "single", "out_lengths", "record")
 
     def __init__(self, plan, values: torch.Tensor, params: Sequence[GroupParams], eps: Optional[float],
                  chain: Chain, needs_grad: bool):
@@ -123,6 +123,9 @@ class BoundCall:
         # path's loops (a single dim group; its parameters need no reordering or cast).
         run = self.runs[0]
         self.single = run if len(self.runs) == 1 and run.dtype is None and self.output != "cat" else None
+        # The op's record of the single run's signature (default chain): its launch plans, found
+        # without a lookup by key per call.
+        self.record = signature_record(run.key) if self.single is not None and self.chain is DEFAULT else None
 
     def call_flat(self, values: torch.Tensor, flat: Sequence[Optional[torch.Tensor]]):
         """The call, with the module's parameters as one flat list (each group's four in turn)."""
@@ -130,8 +133,13 @@ class BoundCall:
         if run is None:
             return self(values, tuple(tuple(flat[i:i + 4]) for i in range(0, len(flat), 4)))
         weight, bias, ln_weight, ln_bias = flat
-        y = call_validated(values if run.view is None else run.view(values), weight, bias, ln_weight, ln_bias,
-                           run.eps, run.feature_dim, run.key, self.needs_grad, self.chain)
+        x3 = values if run.view is None else run.view(values)
+        if self.record is not None:
+            y = call_recorded(x3, weight, bias, ln_weight, ln_bias, run.eps, run.feature_dim, self.record,
+                              self.needs_grad)
+        else:
+            y = call_validated(x3, weight, bias, ln_weight, ln_bias, run.eps, run.feature_dim, run.key,
+                               self.needs_grad, self.chain)
         return y.flatten(1) if self.output == "flatten" else y
 
     def __call__(self, values: torch.Tensor, params: Sequence[GroupParams]):

@@ -438,7 +438,7 @@ class FusedFeatureProcessor(nn.Module):
         # forward directly when nn.Module.__call__ would do nothing else (no hooks, no
         # module.compile(), no tracer; `_plain_call`): its two wrapper layers cost ~1.5 us a call.
         # Otherwise nn.Module.__call__ as it is now (fx tracers patch it while they trace).
-        if _is_compiling() or not _plain_call(self):
+        if not _plain_call(self):  # False while torch.compile traces too
             return nn.Module.__call__(self, *args, **kwargs)
         return self.forward(*args, **kwargs)
 

@@ -149,7 +149,7 @@ def feature_mlp(
         if not (torch.is_grad_enabled() and _any_requires_grad(x, weight, bias, ln_weight, ln_bias)):
             return _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, eager_entry=True, key=key,
                                  chain=chain)
-        return _EagerLnTanhLinearRelu.apply(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, key, chain)
+        return _EagerLnTanhLinearRelu.apply(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, key, chain, None)
     check_op_args(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
     if _is_plain_eager(x) or _functorch_active():  # torch.func transforms, eager or compiled
         return batched_feature_mlp(x, weight, bias, ln_weight, ln_bias, float(eps), int(feature_dim), chain)

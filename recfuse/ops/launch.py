@@ -202,11 +202,15 @@ class ForwardPlan:
     y_shape: tuple
     stats_shape: Optional[tuple]
     bound: Optional[Callable] = None  # the compiled kernel, bound after the first launch
+    empty: bool = False  # y has no elements (B == 0 or F == 0): nothing to launch
+
+    def __post_init__(self):
+        self.empty = 0 in self.y_shape
 
     def __call__(self, x, weight, bias, ln_weight, ln_bias):
         y = x.new_empty(self.y_shape)
         stats = x.new_empty(self.stats_shape, dtype=torch.float32) if self.stats_shape is not None else None
-        if y.numel() == 0:
+        if self.empty:
             return y, stats
         dummy = weight  # never read: the HAS_* flags are False for absent parameters
         tensors = (x, weight, bias if bias is not None else dummy, ln_weight if ln_weight is not None else dummy,
@@ -403,13 +407,15 @@ class BackwardPlan:
         # dx in x's own strides: when x is a view (a [B, F*D] buffer seen as [F, B, D]),
         # autograd's view backward hands the base's gradient over without a copy of x's size.
         dx = torch.empty_like(x)
-        partial = torch.empty(self.partial_shape, dtype=torch.float32, device=x.device)
+        partial = x.new_empty(self.partial_shape, dtype=torch.float32)
         # A fresh tensor per gradient (a custom op's outputs may not alias each other), in the
         # parameter's dtype and contiguous shape: autograd takes it as .grad without a copy.
-        gw = torch.empty_like(weight, memory_format=torch.contiguous_format)
-        gb = _empty_or_like(bias, x)
-        glw = _empty_or_like(ln_weight, x)
-        glb = _empty_or_like(ln_bias, x)
+        # (`_empty_or_like` of each, written out: this runs on every backward.)
+        contiguous = torch.contiguous_format
+        gw = torch.empty_like(weight, memory_format=contiguous)
+        gb = x.new_empty((0,)) if bias is None else torch.empty_like(bias, memory_format=contiguous)
+        glw = x.new_empty((0,)) if ln_weight is None else torch.empty_like(ln_weight, memory_format=contiguous)
+        glb = x.new_empty((0,)) if ln_bias is None else torch.empty_like(ln_bias, memory_format=contiguous)
         if self.grid[1] == 0:  # F == 0
             for g in (gw, gb, glw, glb):
                 g.zero_()

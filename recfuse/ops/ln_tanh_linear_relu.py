@@ -29,7 +29,7 @@ import torch.autograd.forward_ad as _fwAD
 
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .._checks import ValidatedSignatures, check_op_args
+from .._checks import ValidatedSignatures, call_signature, check_op_args
 from . import _cpu_compiled, configs
 from ..chain import DEFAULT
 from ..reference import batched_feature_mlp, batched_ln_tanh_linear_relu
@@ -64,8 +64,23 @@ def _import_launch():
     global _LAUNCH
     from . import launch
 
+    if _LAUNCH is None:
+        # The op's per-signature records hold plans of these caches: they drop them with them
+        # (an overflow, an OutOfResources retry, a test's clear).
+        for cache in (launch._FORWARD_PLANS, launch._BACKWARD_PLANS):
+            cache.on_clear.append(_VALIDATED.drop_plans)
     _LAUNCH = launch
     return launch
+
+
+def _kept_forward_plan(key, save_stats: bool):
+    """The forward plan the launch module keeps for this signature (`chain` DEFAULT), or None:
+    none built (the composite ran, float64, CPU without the interpreter), a signature whose
+    parameters needed a contiguous copy (their plan is kept under the copies' signature), a
+    shape that does not fit the device, or a `configs.override` block (plans not kept)."""
+    if _LAUNCH is None or _override_state() is not None:
+        return None
+    return _LAUNCH._FORWARD_PLANS.get(key + (save_stats, DEFAULT))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,26 +212,29 @@ def _differentiable_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, f
     return tuple(out)
 
 
-def _backward(ctx, grad_y, backward_fn=_bwd_op, n_nontensor=2):
-    """Gradients of the five tensor inputs, then None for the `n_nontensor` other inputs."""
-    if ctx.config_override is not configs.current_override():
+def _backward(ctx, grad_y, backward_fn=_bwd_op, n_nontensor=2, stats=None):
+    """Gradients of the five tensor inputs, then None for the `n_nontensor` other inputs.
+
+    ``backward_fn`` None: `_EagerLnTanhLinearRelu`'s backward (`_eager_backward`, with `stats`)."""
+    if ctx.config_override is not _override_state():
         # The forward's `configs.override` block (or none), whatever is open where the backward
         # runs: autograd's CUDA device thread sees no block, a CPU backward sees the caller's. With
         # "reopen only where none is open" a CPU backward run inside another block (or after the
         # forward's closed and another opened) took that block's config, where CUDA took the
         # forward's (red-team round 14).
         with configs.reopened(ctx.config_override):
-            return _backward(ctx, grad_y, backward_fn, n_nontensor)
+            return _backward(ctx, grad_y, backward_fn, n_nontensor, stats)
     x, weight, bias, ln_weight, ln_bias = ctx.saved_tensors
-    if torch.is_grad_enabled() and _any_requires_grad(grad_y, x, weight, bias, ln_weight, ln_bias):
+    if _grad_enabled() and _any_requires_grad(grad_y, x, weight, bias, ln_weight, ln_bias):
         # create_graph=True (grad mode is off in a plain backward): the gradients must be
         # differentiable themselves.
         grads = _differentiable_backward(grad_y, x, weight, bias, ln_weight, ln_bias, ctx.eps, ctx.feature_dim,
                                          ctx.chain)
         return grads + (None,) * n_nontensor
-    gx, gw, gb, glw, glb = backward_fn(
-        grad_y, x, weight, bias, ln_weight, ln_bias, ctx.eps, ctx.feature_dim
-    )
+    if backward_fn is None:
+        gx, gw, gb, glw, glb = _eager_backward(ctx, stats, grad_y, x, weight, bias, ln_weight, ln_bias)
+    else:
+        gx, gw, gb, glw, glb = backward_fn(grad_y, x, weight, bias, ln_weight, ln_bias, ctx.eps, ctx.feature_dim)
     return (
         gx,
         gw,
@@ -240,25 +258,104 @@ class _EagerLnTanhLinearRelu(torch.autograd.Function):
     # The ctx-in-forward style on purpose: with a separate setup_context, Function.apply binds
     # default arguments through inspect.signature on every call (~10 us).
     @staticmethod
-    def forward(ctx, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, key, chain=DEFAULT):
-        args = (x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+    def forward(ctx, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, key, chain=DEFAULT, record=None):
         # The kernel keeps each row's mean and rstd (8 bytes a row) so that the backward skips
         # two of its five row reductions.
-        y, ctx.stats = _forward_impl(*args, save_stats=True, eager_entry=True, key=key, chain=chain)
+        plan = record.fwd_stats if record is not None else None
+        if plan is not None and _override_state() is None:
+            # A signature whose plan a call has run: straight to it (what `launch.forward` finds).
+            y, ctx.stats = plan(x, weight, bias, ln_weight, ln_bias)
+        else:
+            y, ctx.stats = _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=True,
+                                         eager_entry=True, key=key, chain=chain)
+            if record is not None:
+                record.fwd_stats = _kept_forward_plan(key, True)
         ctx.key = key  # the saved tensors' signature: the backward's plan key starts with it
-        _setup_context(ctx, args, y, chain)
+        ctx.record = record
+        # `_setup_context`, written out (a call less per step)
+        ctx.save_for_backward(x, weight, bias, ln_weight, ln_bias)
+        ctx.eps = eps
+        ctx.feature_dim = feature_dim
+        ctx.chain = chain
+        ctx.config_override = _override_state()
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         stats = ctx.stats
         ctx.stats = None
-        return _backward(ctx, grad_y, backward_fn=functools.partial(_backward_impl, stats=stats, eager_entry=True,
-                                                                    key=ctx.key, chain=ctx.chain),
-                         n_nontensor=4)
+        return _backward(ctx, grad_y, backward_fn=None, n_nontensor=5, stats=stats)
+
+
+def _eager_backward(ctx, stats, grad_y, x, weight, bias, ln_weight, ln_bias):
+    """The five gradients of `_EagerLnTanhLinearRelu` (its saved stats and signature): the
+    signature's kept backward plan when a step has run it for this grad_y's signature, else
+    `_backward_impl` (which finds or builds the plan), whose plan is kept for the next step."""
+    record = ctx.record
+    if record is None or ctx.chain is not DEFAULT or _override_state() is not None:
+        return _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, ctx.eps, ctx.feature_dim, stats,
+                              eager_entry=True, key=ctx.key, chain=ctx.chain)
+    seen = ((grad_y.shape, grad_y.stride(), grad_y.dtype, grad_y.device, grad_y.data_ptr() & 15), stats is not None)
+    kept = record.bwd  # (what it was kept for, plan): one attribute, so threads never pair another's
+    if kept is not None and kept[0] == seen:
+        plan = kept[1]
+        return plan(grad_y, x, weight, bias, ln_weight, ln_bias, stats if plan.meta["LOAD_STATS"] else None)
+    grads = _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, ctx.eps, ctx.feature_dim, stats,
+                           eager_entry=True, key=ctx.key, chain=DEFAULT)
+    if _LAUNCH is not None:
+        # The plan `launch.backward` keeps for this grad_y and signature (None: the composite).
+        plan = _LAUNCH._BACKWARD_PLANS.get((seen[0],) + ctx.key + (seen[1], DEFAULT))
+        record.bwd = None if plan is None else (seen, plan)
+    return grads
 
 
 _VALIDATED = ValidatedSignatures()
+
+# Bound once: each is looked up on every call.
+_Tensor = torch.Tensor
+_grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack  # what `_get_current_dispatch_mode` reads
+# `configs.current_override()` without its Python frame (a contextvar's get).
+_override_state = getattr(getattr(configs, "_OVERRIDE", None), "get", None) or configs.current_override
+# One C call that is False unless some device's autocast is on (then `_autocast_enabled_for`
+# asks for x's device).
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+_unwrap_if_dead = getattr(torch._C._functorch, "unwrap_if_dead", None)
+try:
+    # torch.autograd.Function.apply's own call (``super().apply``), bound to the eager Function:
+    # its Python wrapper (default-argument binding checks, a generator over the arguments for
+    # dead torch.func wrappers) was ~1.5 us of an autograd call.
+    _EAGER_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _EagerLnTanhLinearRelu)
+except (AttributeError, KeyError, TypeError):  # a torch without it: the public apply
+    _EAGER_APPLY = None
+if _unwrap_if_dead is None or _EagerLnTanhLinearRelu.setup_context is not torch.autograd.Function.setup_context:
+    _EAGER_APPLY = None
+
+
+def _apply_eager(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, key, chain=DEFAULT, record=None):
+    """`_EagerLnTanhLinearRelu.apply(...)`, for callers that have checked that no torch.func
+    transform is active (`_functorch_active`): what Function.apply then does (dead torch.func
+    wrappers unwrapped, the C apply; the class has no setup_context to bind arguments for),
+    without its Python frame."""
+    if _EAGER_APPLY is None:
+        return _EagerLnTanhLinearRelu.apply(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, key, chain,
+                                            record)
+    return _EAGER_APPLY(_unwrap_if_dead(x), _unwrap_if_dead(weight),
+                        None if bias is None else _unwrap_if_dead(bias),
+                        None if ln_weight is None else _unwrap_if_dead(ln_weight),
+                        None if ln_bias is None else _unwrap_if_dead(ln_bias), eps, feature_dim, key, chain, record)
+
+
+def _forward_recorded(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, record):
+    """An inference call (no autograd node) of a validated signature's `record` (chain DEFAULT):
+    its kept forward plan when a call has run one, else `_forward_impl`, whose plan is kept."""
+    plan = record.fwd
+    if plan is not None and _override_state() is None:
+        return plan(x, weight, bias, ln_weight, ln_bias)[0]
+    y = _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, eager_entry=True, key=record.key)
+    record.fwd = _kept_forward_plan(record.key, False)
+    return y
 
 # torch.func transforms wrap tensors in ways the kernels and the ctx-in-forward autograd.Function
 # cannot take. One C call; torch versions without it (none we support) fall back to "inactive".
@@ -356,6 +453,8 @@ torch.library.register_vmap("recfuse::ln_tanh_linear_relu", _vmap_rule)
 def _autocast_enabled_for(x: torch.Tensor) -> bool:
     """Whether autocast is on for x's device. A device without autocast (meta: shape inference,
     a module built with device="meta") has it off; `torch.is_autocast_enabled` raises for it."""
+    if not _any_autocast():
+        return False
     if x.is_cuda:
         return torch.is_autocast_enabled("cuda")
     device_type = x.device.type
@@ -381,9 +480,9 @@ def _is_plain_eager(x) -> bool:
     ``recfuse::...`` node that runs the op (and its autograd) when the trace is called.
     """
     return (
-        type(x) is torch.Tensor
-        and not torch.compiler.is_compiling()
-        and _get_current_dispatch_mode() is None
+        type(x) is _Tensor
+        and not _is_compiling()
+        and not _dispatch_modes()  # `_get_current_dispatch_mode() is None`, without its frame
         and _tracing_state() is None
     )
 
@@ -398,7 +497,11 @@ def eager_ready(x) -> bool:
         >>> eager_ready(torch.zeros(1)), eager_ready(torch.nn.Parameter(torch.zeros(1)))
         (True, False)
     """
-    return _is_plain_eager(x) and not _functorch_active() and not _autocast_enabled_for(x)
+    # `_is_plain_eager(x) and not _functorch_active() and not _autocast_enabled_for(x)`, written
+    # out (FFP asks on every call): C calls only unless some autocast is on.
+    return (type(x) is _Tensor and not _is_compiling() and not _dispatch_modes() and _tracing_state() is None
+            and not _functorch_transforms_active() and _fwAD._current_level < 0
+            and not (_any_autocast() and _autocast_enabled_for(x)))
 
 
 def call_validated(x, weight, bias, ln_weight, ln_bias, eps: float, feature_dim: int, key, needs_grad: bool,
@@ -419,10 +522,34 @@ def call_validated(x, weight, bias, ln_weight, ln_bias, eps: float, feature_dim:
         ...             ln_tanh_linear_relu(x, w, eps=1e-5, feature_dim=1))
         True
     """
+    record = None
+    if chain is DEFAULT and key is not None:
+        # The caller validated these arguments: the signature's record keeps its launch plans.
+        record = _VALIDATED.known.get(key) or _VALIDATED.add(key)
     if needs_grad:
-        return _EagerLnTanhLinearRelu.apply(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, key, chain)
+        return _apply_eager(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, key, chain, record)
+    if record is not None:
+        return _forward_recorded(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, record)
     return _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, eager_entry=True, key=key,
                          chain=chain)
+
+
+def call_recorded(x, weight, bias, ln_weight, ln_bias, eps: float, feature_dim: int, record, needs_grad: bool):
+    """`call_validated` for the default chain with the signature's record in hand
+    (`ValidatedSignatures.add` of the `call_signature` the caller validated): a caller that keeps
+    the record (`recfuse.module.bound`) skips the record's lookup by key on every call.
+    """
+    if needs_grad:
+        return _apply_eager(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, record.key, DEFAULT, record)
+    plan = record.fwd
+    if plan is not None and _override_state() is None:
+        return plan(x, weight, bias, ln_weight, ln_bias)[0]
+    return _forward_recorded(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, record)
+
+
+def signature_record(key):
+    """The op's `SignatureRecord` of a validated signature `key` (made if new), for `call_recorded`."""
+    return _VALIDATED.add(key)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,6 +595,32 @@ def ln_tanh_linear_relu(
         torch.Size([32, 16, 1])
         >>> y.sum().backward()
     """
+    if (type(x) is _Tensor and not _any_autocast() and not _is_compiling() and not _dispatch_modes()
+            and _tracing_state() is None and not _functorch_transforms_active() and _fwAD._current_level < 0):
+        # The plain eager call (what the branches below test, written out: no Proxy, autocast off,
+        # `_is_plain_eager`, no torch.func transform or forward-mode AD). Validated once per call
+        # signature (`_VALIDATED.record`: the first call of a signature runs the checks, with
+        # their messages); the signature's record then holds the launch plans its calls took.
+        try:
+            record = _VALIDATED.known.get(call_signature(x, weight, bias, ln_weight, ln_bias, eps, feature_dim))
+        except (AttributeError, TypeError, RuntimeError):  # not tensors: `record` runs the checks
+            record = None
+        if record is None:
+            record = _VALIDATED.record(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+        eps, feature_dim = float(eps), int(feature_dim)
+        if not (_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                     or (bias is not None and bias.requires_grad)
+                                     or (ln_weight is not None and ln_weight.requires_grad)
+                                     or (ln_bias is not None and ln_bias.requires_grad))):
+            # Inference: no autograd node to build (Function.apply alone is ~15 us a call).
+            if record is None:
+                return _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, eager_entry=True)
+            plan = record.fwd  # `_forward_recorded`, written out
+            if plan is not None and _override_state() is None:
+                return plan(x, weight, bias, ln_weight, ln_bias)[0]
+            return _forward_recorded(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, record)
+        return _apply_eager(x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
+                            None if record is None else record.key, DEFAULT, record)
     if isinstance(x, torch.fx.Proxy):
         if getattr(x.tracer, "record_public_ops", False):
             # torch.load re-tracing a transformed module's code: the node stays a call of this
@@ -484,13 +637,21 @@ def ln_tanh_linear_relu(
         return _autocast_call(_public_positional, "cuda" if x.is_cuda else x.device.type,
                               x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
     if _is_plain_eager(x) and not _functorch_active():
-        # Validated once per call signature; the signature then finds the launch plan too.
-        key = _VALIDATED.check(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
+        # Validated once per call signature (`_VALIDATED.record`: the first call of a signature
+        # runs the checks, with their messages); the signature's record then holds the launch
+        # plans its calls took.
+        record = _VALIDATED.record(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
         eps, feature_dim = float(eps), int(feature_dim)
-        if not (torch.is_grad_enabled() and _any_requires_grad(x, weight, bias, ln_weight, ln_bias)):
+        if not (_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                     or (bias is not None and bias.requires_grad)
+                                     or (ln_weight is not None and ln_weight.requires_grad)
+                                     or (ln_bias is not None and ln_bias.requires_grad))):
             # Inference: no autograd node to build (Function.apply alone is ~15 us a call).
-            return _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, eager_entry=True, key=key)
-        return _EagerLnTanhLinearRelu.apply(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, key)
+            if record is None:
+                return _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, eager_entry=True)
+            return _forward_recorded(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, record)
+        return _apply_eager(x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
+                            None if record is None else record.key, DEFAULT, record)
     check_op_args(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
     if _is_plain_eager(x) or _functorch_active():
         # torch.func.grad / vmap / jacrev: the differentiable, batchable torch composite (also when
