@@ -126,8 +126,10 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
         if not use_dot:
             # the row loop pipelined (`BackwardConfig.loop_stages`): tiles of x in flight while one
             # is computed, which lets narrow warps (2) and many programs per SM (up to 32) pay
+            # 32 programs per SM and up: fewer (16) won at x 256 MB and collapsed at x 1 GB (fp32 D=256
+            # H=1 1477-1688 us against 825-843 with 32; results/checks/ab_h1_bwd_sizes_h100.json)
             for block_b, warps, stages, pps in itertools.product((4, 8, 16, 32, 64, 128), (2, 4, 8), (2, 3),
-                                                                 (4, 8, 16, 32)):
+                                                                 (32, 64)):
                 per_thread = block_b * base.block_d / (32 * warps)  # H > 1 holds H row slots too
                 if not ((4 if H == 1 else 2) <= per_thread <= (32 if H == 1 else 16)) or (
                         block_b * base.block_d > NARROW_TILE):

@@ -327,12 +327,14 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
             # ~16 elements of a tile a thread (8 with 8 columns' row slots to hold)
             block_b = max(4, min(64, (16 if block_h <= 4 else 8) * 32 * num_warps // block_d))
         elif block_h == 1:
-            # The row loop pipelined 3 deep (`loop_stages`), 2-warp programs of ~2048 elements,
-            # 16 per SM: what the H100 tuner picked for most H = 1 shapes once the pipelined loop
-            # existed (fp32 D=256 320 -> 222 us, D=512 363 -> 221, D=32 269 -> 246; this
-            # heuristic's earlier serial loop took 474 / 503 / 259 us there;
-            # recfuse/ops/tuned/h100-80gb-hbm3.json, benchmarks/NOTES.md).
-            num_warps, programs_per_sm, loop_stages = 2, 16, 3
+            # The row loop pipelined 3 deep (`loop_stages`), 2-warp programs of ~2048 elements:
+            # what the H100 tuner picked for most H = 1 shapes once the pipelined loop existed
+            # (x 256 MB: fp32 D=256 320 -> 222 us, D=512 363 -> 221, D=32 269 -> 246; this
+            # heuristic's earlier serial loop took 474 / 503 / 259 us there). 32 programs per SM,
+            # not the tuner's 16: at x 1 GB 16 collapsed (fp32 D=256 1477-1688 us against 825-843
+            # with 32 and 1075 for the serial loop; 256 MB: 222 vs 240;
+            # benchmarks/results/checks/ab_h1_bwd_sizes_h100.json, benchmarks/NOTES.md).
+            num_warps, programs_per_sm, loop_stages = 2, 32, 3
             block_b = max(1, min(128, 2048 // block_d))
         else:
             block_b = max(1, min(8, TILE_BUDGET // (4 * block_d * block_h)))
@@ -371,7 +373,7 @@ def programs_per_feature(cfg: BackwardConfig, F: int, B: int, D: int, H: int, x_
     Example:
         >>> cfg = heuristic_backward(256, 1, torch.float32)
         >>> programs_per_feature(cfg, F=64, B=4096, D=256, H=1, x_bytes=64 * 4096 * 256 * 4, sms=132)
-        33
+        66
     """
     n_tiles = triton.cdiv(max(B, 1), cfg.block_b)
     P = max(1, min(n_tiles, triton.cdiv(cfg.programs_per_sm * sms, max(F, 1))))
