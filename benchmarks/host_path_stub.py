@@ -23,7 +23,7 @@ per row the median of 5 chunks of calls, minimum over rounds, and Python functio
 (cProfile, 20 calls).
 
 Example:
-    $ PYTHONPATH=/work/wt-host python benchmarks/host_path_stub.py --rounds 5
+    $ python benchmarks/host_path_stub.py --rounds 5
 """
 from __future__ import annotations
 

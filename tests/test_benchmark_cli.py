@@ -37,6 +37,9 @@ def smoke_commands(out: Path) -> dict[str, list[str]]:
         "host_overhead": ["host_overhead.py", "--device", "cpu", "--F", "4", "--B", "8", "--D", "16", "--calls", "5",
                           "--json", str(out / "host_overhead.json")],
         "gpu_kernels": ["gpu_kernels.py", "--device", "cpu", "--checks-only", "--json", str(out / "gpu_kernels.json")],
+        # sets TRITON_INTERPRET=1 itself, before Triton is imported
+        "host_path_stub": ["host_path_stub.py", "--rounds", "1", "--calls", "10", "--json",
+                           str(out / "host_path_stub.json")],
         "transform_time": ["transform_time.py", "--features", "8", "--repeats", "1", "--json",
                            str(out / "transform_time.json")],
         "ddp_check": ["ddp_check.py", "--device", "cpu", "--backend", "gloo", "--world-size", "2", "--F", "3", "--D",
@@ -169,6 +172,17 @@ def test_host_overhead_smoke_run(smoke):
     assert set(data["ratios"]) == {"transform train / combined train", "transform fwd / combined fwd (no grad)",
                                    "transform train / combined train, single-threaded autograd"}
     assert data["rows"]["op training step, single-threaded autograd"]["us"] > 0
+
+
+def test_host_path_stub_smoke_run(smoke):
+    out, _ = smoke("host_path_stub")
+    rows = json.loads((out / "host_path_stub.json").read_text())
+    # every row ran its kernels through the plans' bound (stubbed) launchers: one launch a forward,
+    # three a training step (forward, backward, reduction)
+    for name, row in rows.items():
+        assert row["us"] > 0 and row["calls"] > 0, name
+        assert row["launches"] == (3.0 if "training step" in name else 1.0), (name, row)
+    assert {"op forward, no grad", "transform training step", "FFP training step"} <= set(rows)
 
 
 def test_gpu_kernels_cpu_checks_pass(smoke):
