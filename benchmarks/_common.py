@@ -142,6 +142,29 @@ def loop_us(fn: Callable, calls: int, device="cuda", warmup: int = 50, repeats: 
     return best
 
 
+def host_us_per_call(fn: Callable, n: int) -> float:
+    """Mean wall time of `n` calls of `fn` in microseconds, no synchronisation: host cost alone
+    (CPU tensors, or stubbed launches)."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def python_calls_per_call(fn: Callable, n: int = 10) -> float:
+    """Python function calls per call of `fn` (cProfile over `n` calls, after one untimed)."""
+    import cProfile
+    import pstats
+
+    fn()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        fn()
+    pr.disable()
+    return pstats.Stats(pr).total_calls / n
+
+
 def no_grad_call(fn: Callable) -> Callable:
     """`fn` called under torch.no_grad (an inference call, for the timers).
 

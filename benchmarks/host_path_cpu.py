@@ -15,32 +15,13 @@ Example:
 from __future__ import annotations
 
 import argparse
-import cProfile
-import pstats
 import statistics
 import time
 
 import torch
 
 import recfuse
-from _common import PerSlice, no_grad_call, op_inputs, training_step_call
-
-
-def _us_per_call(fn, n: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n * 1e6
-
-
-def _python_calls(fn, n: int = 10) -> float:
-    fn()
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(n):
-        fn()
-    pr.disable()
-    return pstats.Stats(pr).total_calls / n
+from _common import PerSlice, host_us_per_call, no_grad_call, op_inputs, python_calls_per_call, training_step_call
 
 
 def main(argv=None) -> int:
@@ -94,11 +75,11 @@ def main(argv=None) -> int:
         best = [float("inf")] * 4
         deltas: tuple[list, list] = ([], [])
         for _ in range(args.rounds):
-            meds = [statistics.median(_us_per_call(fn, max(1, args.calls // 5)) for _ in range(5)) for fn in fns]
+            meds = [statistics.median(host_us_per_call(fn, max(1, args.calls // 5)) for _ in range(5)) for fn in fns]
             best = [min(a, b) for a, b in zip(best, meds)]
             deltas[0].append(meds[1] - meds[0])
             deltas[1].append(meds[3] - meds[2])
-        calls = [_python_calls(fn) for fn in fns]
+        calls = [python_calls_per_call(fn, 10) for fn in fns]
         print(f"{case:18s} {best[0]:7.1f} {best[1]:7.1f} {best[1] - best[0]:+7.1f} {statistics.median(deltas[0]):+8.1f} "
               f"{best[2]:7.1f} {best[3]:7.1f} {best[3] - best[2]:+7.1f} {statistics.median(deltas[1]):+8.1f}   "
               f"{calls[0]:.0f}, {calls[1]:.0f}, {calls[3]:.0f}")

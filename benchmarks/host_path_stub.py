@@ -42,7 +42,8 @@ import torch  # noqa: E402
 
 import recfuse  # noqa: E402
 from recfuse.ops import _compiled_launch, launch  # noqa: E402
-from _common import PerSlice, no_grad_call, op_inputs, training_step_call  # noqa: E402
+from _common import (PerSlice, host_us_per_call, no_grad_call, op_inputs, python_calls_per_call,  # noqa: E402
+                     training_step_call)
 
 _LAUNCHES = [0]
 
@@ -91,23 +92,6 @@ def _stub_stream(index):
 def install_stub():
     _compiled_launch.CompiledLaunchCache.__call__ = _stub_call
     _compiled_launch.CompiledLaunchCache.bind = _stub_bind
-
-
-def _us_per_call(fn, n: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n * 1e6
-
-
-def _python_calls(fn, n: int = 20) -> float:
-    fn()
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(n):
-        fn()
-    pr.disable()
-    return pstats.Stats(pr).total_calls / n
 
 
 def _profile(fn, n: int = 200, top: int = 25) -> None:
@@ -179,13 +163,13 @@ def main(argv=None) -> int:
     best = {n: float("inf") for n in rows}
     for _ in range(args.rounds):
         for name, fn in rows.items():  # interleaved: each round runs every row once
-            med = statistics.median(_us_per_call(fn, max(1, args.calls // 5)) for _ in range(5))
+            med = statistics.median(host_us_per_call(fn, max(1, args.calls // 5)) for _ in range(5))
             best[name] = min(best[name], med)
     out = {}
     print(f"{'row':30s} {'us/call':>8s} {'Py calls':>9s}")
     for name, fn in rows.items():
         before = _LAUNCHES[0]
-        calls = _python_calls(fn)
+        calls = python_calls_per_call(fn, 20)
         launches = (_LAUNCHES[0] - before) / 21
         out[name] = {"us": round(best[name], 2), "calls": calls, "launches": launches}
         print(f"{name:30s} {best[name]:8.1f} {calls:9.0f}")

@@ -463,6 +463,11 @@ def read_attr(obj, atoms: tuple):
         for name in atoms:
             obj = getattr(obj, name)
         return obj
+    return _read_module_attr(obj, atoms)
+
+
+def _read_module_attr(obj, atoms: tuple):
+    """`read_attr` outside tracing: nn.Module's lookup order, read from its dicts directly."""
     for name in atoms:
         t = type(obj)
         plain = _PLAIN_MODULE_ATTR.get((t, name))  # `_plain_module_attr`, its cache inlined
@@ -551,8 +556,8 @@ def _group_reads(src: str) -> str:
 
 
 def read_attrs(obj, paths: tuple) -> tuple:
-    """``(read_attr(obj, atoms) for atoms in paths)`` as a tuple, with one tracing check and no
-    call per path: consecutive ``get_attr`` reads of a transformed graph (`_group_reads`).
+    """``(read_attr(obj, atoms) for atoms in paths)`` as a tuple, with one tracing check for all
+    of them: consecutive ``get_attr`` reads of a transformed graph (`_group_reads`).
 
     Example:
         >>> lin = torch.nn.Linear(2, 1); m = torch.nn.Module(); m.lin = lin
@@ -561,34 +566,7 @@ def read_attrs(obj, paths: tuple) -> tuple:
     """
     if (_FX_TRACE_FLAG_KNOWN and _fx_symbolic_trace._is_fx_tracing_flag) or _is_compiling():
         return tuple(read_attr(obj, atoms) for atoms in paths)
-    values = []
-    for atoms in paths:
-        value = obj
-        for name in atoms:  # `read_attr`'s loop
-            t = type(value)
-            plain = _PLAIN_MODULE_ATTR.get((t, name))
-            if not (plain or (plain is None and _plain_module_attr(t, name))):
-                value = getattr(value, name)
-                continue
-            d = value.__dict__
-            if name in d:
-                value = d[name]
-                continue
-            table = d.get("_parameters")
-            if table is not None and name in table:
-                value = table[name]
-                continue
-            table = d.get("_buffers")
-            if table is not None and name in table:
-                value = table[name]
-                continue
-            table = d.get("_modules")
-            if table is not None and name in table:
-                value = table[name]
-                continue
-            value = getattr(value, name)  # raises nn.Module's AttributeError
-        values.append(value)
-    return tuple(values)
+    return tuple([_read_module_attr(obj, atoms) for atoms in paths])
 
 
 def _rebuild(cls: type, body: dict, import_block: str) -> "TransformedGraphModule":

@@ -534,6 +534,21 @@ def call_validated(x, weight, bias, ln_weight, ln_bias, eps: float, feature_dim:
                          chain=chain)
 
 
+def _eager_call(record, x, weight, bias, ln_weight, ln_bias, eps, feature_dim):
+    """A validated plain eager call: without an autograd record where nothing needs one (inference:
+    Function.apply alone is ~15 us a call), through the signature's `record` (its kept plans)."""
+    eps, feature_dim = float(eps), int(feature_dim)
+    if not (_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                 or (bias is not None and bias.requires_grad)
+                                 or (ln_weight is not None and ln_weight.requires_grad)
+                                 or (ln_bias is not None and ln_bias.requires_grad))):
+        if record is None:
+            return _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, eager_entry=True)
+        return _forward_recorded(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, record)
+    return _apply_eager(x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
+                        None if record is None else record.key, DEFAULT, record)
+
+
 def call_recorded(x, weight, bias, ln_weight, ln_bias, eps: float, feature_dim: int, record, needs_grad: bool):
     """`call_validated` for the default chain with the signature's record in hand
     (`ValidatedSignatures.add` of the `call_signature` the caller validated): a caller that keeps
@@ -607,20 +622,7 @@ def ln_tanh_linear_relu(
             record = None
         if record is None:
             record = _VALIDATED.record(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
-        eps, feature_dim = float(eps), int(feature_dim)
-        if not (_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                     or (bias is not None and bias.requires_grad)
-                                     or (ln_weight is not None and ln_weight.requires_grad)
-                                     or (ln_bias is not None and ln_bias.requires_grad))):
-            # Inference: no autograd node to build (Function.apply alone is ~15 us a call).
-            if record is None:
-                return _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, eager_entry=True)
-            plan = record.fwd  # `_forward_recorded`, written out
-            if plan is not None and _override_state() is None:
-                return plan(x, weight, bias, ln_weight, ln_bias)[0]
-            return _forward_recorded(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, record)
-        return _apply_eager(x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
-                            None if record is None else record.key, DEFAULT, record)
+        return _eager_call(record, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
     if isinstance(x, torch.fx.Proxy):
         if getattr(x.tracer, "record_public_ops", False):
             # torch.load re-tracing a transformed module's code: the node stays a call of this
@@ -641,17 +643,7 @@ def ln_tanh_linear_relu(
         # runs the checks, with their messages); the signature's record then holds the launch
         # plans its calls took.
         record = _VALIDATED.record(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
-        eps, feature_dim = float(eps), int(feature_dim)
-        if not (_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                     or (bias is not None and bias.requires_grad)
-                                     or (ln_weight is not None and ln_weight.requires_grad)
-                                     or (ln_bias is not None and ln_bias.requires_grad))):
-            # Inference: no autograd node to build (Function.apply alone is ~15 us a call).
-            if record is None:
-                return _forward_impl(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, eager_entry=True)
-            return _forward_recorded(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, record)
-        return _apply_eager(x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
-                            None if record is None else record.key, DEFAULT, record)
+        return _eager_call(record, x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
     check_op_args(x, weight, bias, ln_weight, ln_bias, eps, feature_dim)
     if _is_plain_eager(x) or _functorch_active():
         # torch.func.grad / vmap / jacrev: the differentiable, batchable torch composite (also when
