@@ -77,6 +77,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import recfuse
+from fx_cases import GradReverse, reloaded  # torch.fx cannot keep it: such models go to Dynamo
 
 F_, D_, H_ = 3, 8, 2
 
@@ -136,10 +137,7 @@ def test_cuda_graph_result_keeps_forward_hooks_and_unread_state(copy_how):
     if copy_how == "deepcopy":
         g = copy.deepcopy(g)
     elif copy_how == "save_load":
-        buf = io.BytesIO()
-        torch.save(g, buf)
-        buf.seek(0)
-        g = torch.load(buf, weights_only=False)
+        g = reloaded(g)
     _close(g(x), ref(x))
     stacked = {o for olds in g.stacked_parameters().values() for o in olds}
     assert set(ref.state_dict()) - stacked <= set(g.state_dict())
@@ -361,16 +359,6 @@ def test_a_sparse_buffer_input_is_refused_by_name():
 # -- torch.inference_mode() inside forward -------------------------------------------------------
 
 
-class _Reverse(torch.autograd.Function):  # torch.fx cannot keep it: such models go to Dynamo
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return -g
-
-
 class FrozenFeatures(PerFeature):
     """The per-feature chain computed under inference_mode (a frozen feature extractor), a
     trainable head after it."""
@@ -395,7 +383,7 @@ class FrozenFeatures(PerFeature):
             with torch.inference_mode():
                 f = self.features(x)
         y = self.head(f.flatten(1).clone())  # clone: a normal tensor, as inference tensors need
-        return _Reverse.apply(y) if self.spelling == "dynamo" else y
+        return GradReverse.apply(y) if self.spelling == "dynamo" else y
 
 
 @pytest.mark.parametrize("spelling", ["with", "decorator", "dynamo"])
