@@ -12,7 +12,10 @@ measured beside them so the table says what it gained.
 
 Compiling dominates (a few seconds per candidate); candidates are compiled first by
 ``--workers`` processes in parallel (Triton's on-disk cache then serves the timing process),
-then timed one by one in this process. Progress on stderr, a summary table at the end.
+then timed one by one in this process. The fastest few (``--finalists``) are then timed again at
+``--confirm-scale`` times the batch and the winner is the one best at both sizes: a config that won
+at x 256 MB can collapse at 1 GB (benchmarks/NOTES.md, eleventh session). Progress on stderr, a
+summary table at the end.
 
 Example:
     $ python benchmarks/tune_kernels.py --save                 # whole sweep, writes the table
@@ -31,7 +34,7 @@ import subprocess
 import sys
 import time
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -296,8 +299,54 @@ def masked_rows_ok(p: dict, kind: str, entry: dict) -> bool:
         return False
 
 
+class _ScaledInputs:
+    """The tuned shape with `scale` times its batch (inputs and the forward's stats made on first
+    use), and the time of a config there."""
+
+    def __init__(self, p: dict, scale: int, bench):
+        self.p, self.scale, self.bench, self.t, self.stats = p, scale, bench, None, None
+
+    def time(self, kind: str, entry: dict) -> float:
+        if self.t is None:
+            p = dict(self.p, B=self.p["B"] * self.scale)
+            self.t = make_inputs(p, "cuda" if torch.cuda.is_available() else "cpu", seed=2)
+            heuristic = configs.heuristic_forward(p["D"], p["H"], DTYPES[p["dtype"]], p["D"] == triton.next_power_of_2(p["D"]))
+            self.stats = forward_call(self.t, heuristic, True)()[1]
+        cfg = _config(kind, self.p, entry)
+        fn = forward_call(self.t, cfg) if kind == "forward" else backward_call(self.t, cfg, self.stats)
+        fn()
+        return self.bench(fn)
+
+
+def confirm_at_scale(timed: list[dict], time_at_scale: Callable[[dict], float], finalists: int) -> list[dict]:
+    """`timed` (rows sorted by their time at the tuned size) re-ordered by how its `finalists`
+    fastest do at a larger size too: by each finalist's worse ratio to the fastest finalist at
+    either size (``time_at_scale(config entry)`` gives its time there, kept as "confirm_us"); the
+    other rows follow as they were.
+
+    A winner at one size need not be one at another: on the H100 the pipelined H = 1 backward with
+    16 programs per SM won at x 256 MB (222 us against 241 with 32) and collapsed at 1 GB (1477-1688
+    us against 825-843; benchmarks/results/checks/ab_h1_bwd_sizes_h100.json).
+
+    Example:
+        >>> rows = [{"config": "a", "us": 1.0}, {"config": "b", "us": 1.1}, {"config": "c", "us": 3.0}]
+        >>> at_4x = {"a": 9.0, "b": 4.0}
+        >>> [r["config"] for r in confirm_at_scale(rows, at_4x.get, finalists=2)]
+        ['b', 'a', 'c']
+    """
+    head, tail = timed[:finalists], timed[finalists:]
+    if len(head) < 2:
+        return timed
+    for row in head:
+        row["confirm_us"] = time_at_scale(row["config"])
+    fastest = min(r["us"] for r in head)
+    fastest_confirm = min(r["confirm_us"] for r in head)
+    head.sort(key=lambda r: max(r["us"] / fastest, r["confirm_us"] / fastest_confirm))
+    return head + tail
+
+
 def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress, only: str = "all",
-               saved: Optional[dict] = None) -> list[dict]:
+               saved: Optional[dict] = None, confirm_scale: int = 4, finalists: int = 4) -> list[dict]:
     D, H, dtype = p["D"], p["H"], DTYPES[p["dtype"]]
     t = make_inputs(p, "cuda" if torch.cuda.is_available() else "cpu")
     ref = references(t)
@@ -307,6 +356,7 @@ def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress, only: s
     x_bytes, y_bytes = t["x"].numel() * t["x"].element_size(), t["gy"].numel() * t["gy"].element_size()
     floors = {"forward": (x_bytes + y_bytes) / copy_gbps / 1e3, "backward": (2 * x_bytes + y_bytes) / copy_gbps / 1e3}
     results = []
+    scaled = _ScaledInputs(p, confirm_scale, bench)
     for kind in kinds:
         cands = shape_candidates(kind, p, only, saved or {})
         if t["x"].device.type == "cpu":
@@ -331,6 +381,8 @@ def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress, only: s
             rows.append(row)
             progress()
         timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+        if confirm_scale > 1:
+            timed = confirm_at_scale(timed, lambda entry: scaled.time(kind, entry), finalists)
         # The winner must also be right with padded rows (B = 1000, not a multiple of its tiles):
         # the timed shape's B is, and masked tiles compile to other code (a 32-row bf16 broadcast-sum
         # tile was right at full tiles and gave dx 3.0 off float64 at B = 1000 on the H100).
@@ -347,9 +399,11 @@ def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress, only: s
         base = rows[0]
         results.append(dict(kind=kind, D=D, H=H, dtype=str(dtype).replace("torch.", ""), full_tiles=full,
                             config=best["config"], us=best["us"], pct_floor=100 * floors[kind] / best["us"],
+                            **({"confirm_us": best["confirm_us"], "confirm_scale": confirm_scale}
+                               if "confirm_us" in best else {}),
                             heuristic_us=base.get("us"), candidates=len(rows),
                             rejected=sum(1 for r in rows if "rejected" in r)))
-    del t, ref
+    del t, ref, scaled
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return results
@@ -372,6 +426,10 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="all", choices=["all", "unroll_h", "loop_stages"],
                     help="time only the heuristic, the saved entry (with --merge) and the candidates that set "
                          "this knob")
+    ap.add_argument("--confirm-scale", type=int, default=4,
+                    help="re-time the fastest --finalists at this many times the batch and pick the one best "
+                         "at both sizes (1: off)")
+    ap.add_argument("--finalists", type=int, default=4)
     ap.add_argument("--compile-worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.compile_worker:
@@ -444,7 +502,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     entries = []
     for p in pts:
-        entries += tune_shape(p, args.kinds, bench, quick, copy_gbps, progress, args.only, saved)
+        entries += tune_shape(p, args.kinds, bench, quick, copy_gbps, progress, args.only, saved,
+                              args.confirm_scale, args.finalists)
         if table_path and cuda:  # after every shape: a run cut short keeps what it measured
             write_table(table_path, saved, entries, args)
     if bar is not None:
@@ -458,12 +517,14 @@ def main(argv=None) -> int:
 
 
 def summary(entries: list[dict]) -> str:
-    lines = [f"{'kind':9s} {'dtype':9s} {'D':>4s} {'H':>3s} | {'best us':>9s} {'% floor':>7s} {'heur us':>9s} {'gain':>5s} | config"]
+    lines = [f"{'kind':9s} {'dtype':9s} {'D':>4s} {'H':>3s} | {'best us':>9s} {'% floor':>7s} {'heur us':>9s} {'gain':>5s} "
+             f"{'at n x B':>10s} | config"]
     for e in entries:
         gain = e["heuristic_us"] / e["us"] if e["heuristic_us"] else float("nan")
         knobs = " ".join(f"{k}={v}" for k, v in e["config"].items())
+        confirm = f"{e['confirm_us']:.0f} @{e['confirm_scale']}x" if "confirm_us" in e else "-"
         lines.append(f"{e['kind']:9s} {e['dtype']:9s} {e['D']:4d} {e['H']:3d} | {e['us']:9.1f} {e['pct_floor']:7.1f} "
-                     f"{e['heuristic_us'] or float('nan'):9.1f} {gain:5.2f} | {knobs}")
+                     f"{e['heuristic_us'] or float('nan'):9.1f} {gain:5.2f} {confirm:>10s} | {knobs}")
     return "\n".join(lines)
 
 
