@@ -334,8 +334,14 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
             # not the tuner's 16: at x 1 GB 16 collapsed (fp32 D=256 1477-1688 us against 825-843
             # with 32 and 1075 for the serial loop; 256 MB: 222 vs 240;
             # benchmarks/results/checks/ab_h1_bwd_sizes_h100.json, benchmarks/NOTES.md).
-            num_warps, programs_per_sm, loop_stages = 2, 32, 3
+            programs_per_sm, loop_stages = 32, 3
             block_b = max(1, min(128, 2048 // block_d))
+            # ~32 elements a thread, as the tuned 2-warp tiles hold; rows wider than 2048 columns
+            # (one row a tile) take more warps instead of more elements a thread (spills)
+            num_warps = min(16, max(2, block_b * block_d // 1024))
+            if block_b * block_d * dtype.itemsize > 16384:
+                # three stages of a row this wide would hold 96+ KB of shared memory a program
+                loop_stages = 0
         else:
             block_b = max(1, min(8, TILE_BUDGET // (4 * block_d * block_h)))
             num_warps = 8 if block_b * block_d >= 2048 else 4
