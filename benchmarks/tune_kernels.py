@@ -25,7 +25,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import logging
@@ -41,6 +40,7 @@ import triton
 
 from _common import copy_bandwidth, do_bench_us, environment, perf_counter_us
 from recfuse.ops import configs, launch
+from recfuse.ops.tuning import NARROW_TILE, backward_candidates, forward_candidates  # noqa: F401
 from recfuse.ops.composite import composite_backward
 from recfuse.chain import chain_of
 from recfuse.reference import batched_feature_mlp, batched_ln_tanh_linear_relu
@@ -62,110 +62,6 @@ def shapes(args) -> list[dict]:
         B = max(64, int(args.x_mb * 2 ** 20 / (args.features * D * dtype.itemsize)) // 64 * 64)
         out.append(dict(F=args.features, B=B, D=D, H=H, dtype=dt))
     return out
-
-
-# Row tiles of up to this many elements are tried for narrow rows (more bytes in flight).
-NARROW_TILE = 8192
-
-
-def forward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.ForwardConfig]:
-    full = D == triton.next_power_of_2(D)
-    base = configs.heuristic_forward(D, H, dtype, full)
-    out = [base]
-    block_d = base.block_d
-    row_block_h = min(triton.next_power_of_2(H), 4)
-    for block_b, warps in itertools.product((4, 8, 16, 32), (1, 2, 4, 8)):
-        per_thread = block_b * block_d * row_block_h / (warps * 32)
-        if H <= 4 and 4 <= per_thread <= 16 and block_b * block_d * row_block_h <= 2 * configs.TILE_BUDGET:
-            out.append(configs.ForwardConfig(block_b, block_d, row_block_h, False, warps))
-    if 2 <= H <= 16:
-        # one output column at a time (`ForwardConfig.unroll_h`): a row reduction per column
-        for block_b, warps in itertools.product((4, 8, 16, 32, 64), (1, 2, 4, 8)):
-            per_thread = block_b * block_d / (warps * 32)
-            if 4 <= per_thread <= 16:
-                out.append(configs.heuristic_forward(D, H, dtype, full, use_dot=False, block_b=block_b,
-                                                     num_warps=warps, persistent=0, tile_stages=1, block_k=0,
-                                                     unroll_h=1))
-    if block_d >= 16 and H >= 2 and 16 * block_d <= configs.TILE_BUDGET:
-        block_h = configs.dot_block_h(H)
-        if full:
-            chunk = min(32 if block_h <= 16 else 64, block_d // 2) if H <= block_h else 0
-        else:  # whole chunks of a D that is not a power of two (no padded columns)
-            chunk = configs.chunk_width(D, 32 if block_h <= 16 else 64)
-        shapes = [(64, 4, 0), (32, 4, 0)] + ([(64, 4, 1), (64, 8, 1)] if H > 4 else [])
-        # Narrow rows: longer row tiles keep more bytes of x in flight per program.
-        shapes += [(rows, warps, 0) for rows in (128, 256) for warps in (4, 8) if rows * block_d <= NARROW_TILE]
-        for (block_b, warps, persistent), block_k in itertools.product(shapes, dict.fromkeys((0, chunk))):
-            if block_b * block_d <= 4 * configs.TILE_BUDGET:
-                out.append(configs.ForwardConfig(block_b, block_d, block_h, True, warps, persistent=persistent,
-                                                 tile_stages=2 if persistent else 1, block_k=block_k))
-    return list(dict.fromkeys(out))
-
-
-def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.BackwardConfig]:
-    """Compiled variants x programs per SM; the heuristic's own config first."""
-    base = configs.heuristic_backward(D, H, dtype)
-    if base is None:
-        return []
-    out = [base]
-    paths = [base.use_dot]
-    if 2 <= H <= 8:
-        paths += [True, False]  # the tensor-core product (H padded to 16) and the per-column sums
-    for use_dot in dict.fromkeys(paths):
-        rows = (16, 32) if use_dot else (4, 8, 16)
-        # Narrow rows: a 16-row tile of 32 bf16 columns is 1 KB in flight per program, far from
-        # what an SM needs to cover HBM latency; longer tiles up to NARROW_TILE elements.
-        rows += tuple(r for r in (32, 64, 128, 256) if r > rows[-1] and r * base.block_d <= NARROW_TILE)
-        # programs per SM: 2 never won a tl.dot shape on the H100 (0 of 49 table entries)
-        pps_range = (4, 8, 16) if use_dot else (2, 4, 8, 16)
-        # without tl.dot: the [rows, H, D] broadcast sum (H <= 4), then the per-column candidates
-        for block_b, warps, stages, pps in itertools.product(rows, (4, 8), (1, 2), pps_range):
-            if not use_dot and H > 4:
-                break
-            cfg = configs.heuristic_backward(D, H, dtype, use_dot=use_dot, block_b=block_b, num_warps=warps,
-                                             num_stages=stages, programs_per_sm=pps, block_k=0, unroll_h=0)
-            if cfg is not None and configs.backward_fits(cfg, D, H) and cfg.block_b == block_b:
-                out.append(cfg)
-        if not use_dot:
-            # the row loop pipelined (`BackwardConfig.loop_stages`): tiles of x in flight while one
-            # is computed, which lets narrow warps (2) and many programs per SM (up to 32) pay
-            # 32 programs per SM and up: fewer (16) won at x 256 MB and collapsed at x 1 GB (fp32 D=256
-            # H=1 1477-1688 us against 825-843 with 32; results/checks/ab_h1_bwd_sizes_h100.json)
-            for block_b, warps, stages, pps in itertools.product((4, 8, 16, 32, 64, 128), (2, 4, 8), (2, 3),
-                                                                 (32, 64)):
-                per_thread = block_b * base.block_d / (32 * warps)  # H > 1 holds H row slots too
-                if not ((4 if H == 1 else 2) <= per_thread <= (32 if H == 1 else 16)) or (
-                        block_b * base.block_d > NARROW_TILE):
-                    continue
-                for col_sums in ((0, 1) if H == 1 else (0,)):
-                    cfg = configs.heuristic_backward(D, H, dtype, use_dot=False, block_b=block_b, num_warps=warps,
-                                                     num_stages=1, programs_per_sm=pps, block_k=0,
-                                                     unroll_h=int(H > 1), loop_stages=stages, col_sums=col_sums)
-                    if cfg is not None and configs.backward_fits(cfg, D, H) and cfg.block_b == block_b:
-                        out.append(cfg)
-            if 2 <= H <= 8:
-                # each output column on its own (`BackwardConfig.unroll_h`): 2D tiles, so longer
-                # row tiles than the broadcast sum's 8 fit; 2-16 elements of a tile per thread
-                for block_b, warps, pps in itertools.product((4, 8, 16, 32, 64), (2, 4, 8), (2, 4, 8, 16)):
-                    cfg = configs.heuristic_backward(D, H, dtype, use_dot=False, block_b=block_b, num_warps=warps,
-                                                     num_stages=1, programs_per_sm=pps, block_k=0, unroll_h=1)
-                    if cfg is not None and 2 <= cfg.block_b * cfg.block_d / (32 * warps) <= 16:
-                        out.append(cfg)
-            continue
-        if dtype == torch.bfloat16:
-            # the next row tile loaded while this one is computed (`BackwardConfig.prefetch`)
-            out += [dataclasses.replace(c, prefetch=1 - c.prefetch) for c in out if c.use_dot and not c.block_k]
-        # Triton's pipelining of the row loop instead (`BackwardConfig.loop_stages`)
-        out += [dataclasses.replace(c, prefetch=0, loop_stages=stages) for c in list(out)
-                if c.use_dot and not c.block_k and not c.loop_stages for stages in (2, 3)]
-        # K-chunked tiles (`kernels.ln_tanh_linear_relu_bwd_chunked`): columns at a time, so
-        # longer row tiles fit the registers
-        for block_k, block_b, warps, pps in itertools.product((32, 64), (16, 32, 64), (4, 8), (2, 4, 8, 16)):
-            cfg = configs.heuristic_backward(D, H, dtype, use_dot=True, block_b=block_b, num_warps=warps,
-                                             num_stages=1, programs_per_sm=pps, block_k=block_k)
-            if cfg is not None and block_k < cfg.block_d and configs.backward_fits(cfg, D, H):
-                out.append(cfg)
-    return list(dict.fromkeys(out))
 
 
 def shape_candidates(kind: str, p: dict, only: str, saved: dict) -> list:

@@ -6,11 +6,14 @@ import pytest
 import recfuse._checks
 import recfuse.chain
 import recfuse.ops._compiled_launch
+import recfuse.ops.autotune
 import recfuse.ops.configs
 import recfuse.ops.launch
+import recfuse.ops.tuning
 
 
 @pytest.mark.parametrize("module", [recfuse.ops.configs, recfuse.ops.launch, recfuse.ops._compiled_launch,
+                                    recfuse.ops.tuning, recfuse.ops.autotune,
                                     recfuse._checks, recfuse.chain], ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)

@@ -5,13 +5,19 @@ Where a config comes from, first match wins:
 
 1. `override(...)`: a context manager that forces configs (the tuner measures candidates through
    it; tests force the kernel paths they check). No module-global switch is patched anywhere.
-2. A tuned table, `tuned/<gpu>.json` beside this file (`table_slug`: this GPU model's own, else
-   one tuned on a GPU of the same architecture, or the one ``RECFUSE_TUNED_TABLE`` names), written by
+2. ``RECFUSE_TUNED_TABLE``, when set: the table it names (its nearest entry), or "none" for the
+   heuristic; the tuning cache below is then neither read nor written.
+3. The tuning cache (`cache_path`: ``~/.cache/recfuse/tuned/<gpu>-triton<version>.json``, or under
+   ``RECFUSE_CACHE_DIR``): this shape's exact entry, tuned on this GPU model by
+   `recfuse.ops.autotune` on first use (only with ``RECFUSE_AUTOTUNE=1``). A cache file once
+   written is read whether tuning is on or not, once per process (again after this process writes it).
+4. A tuned table, `tuned/<gpu>.json` beside this file (`table_slug`: this GPU model's own, else
+   one tuned on a GPU of the same architecture), written by
    ``benchmarks/tune_kernels.py`` from measurements (and checked against a float64 reference
    before an entry is accepted). An entry holds the knobs that do not follow from the shape (rows
    per tile, warps, programs per SM, pipelining depth, ...); the shape-derived ones (BLOCK_D,
    BLOCK_H) are recomputed here, and an entry that would not fit the shape is ignored.
-3. The heuristic: tile sizes from the register budget of a program, programs per SM from the
+5. The heuristic: tile sizes from the register budget of a program, programs per SM from the
    warps an SM keeps in flight, bounded by the bytes of per-program partial sums.
 
 Example:
@@ -412,12 +418,22 @@ def load_table(slug: str) -> dict:
     if not os.path.exists(path):
         return {}
     with open(path) as f:
-        table = json.load(f)
+        out = table_entries(json.load(f))
+    log.debug("recfuse: loaded %d tuned configs for %s", len(out), slug)
+    return out
+
+
+def table_entries(table: dict) -> dict:
+    """A table file's entries by (kind, D, H, dtype name, full_tiles): their ``config`` knobs.
+
+    Example:
+        >>> table_entries({"forward": [{"D": 64, "H": 1, "dtype": "float32", "full_tiles": True, "config": {}}]})
+        {('forward', 64, 1, 'float32', True): {}}
+    """
     out = {}
     for kind in ("forward", "backward"):
         for entry in table.get(kind, []):
             out[(kind, entry["D"], entry["H"], entry["dtype"], entry.get("full_tiles", True))] = entry["config"]
-    log.debug("recfuse: loaded %d tuned configs for %s", len(out), slug)
     return out
 
 
@@ -477,6 +493,99 @@ def _same_architecture_table(own: str, capability: tuple, sms: int) -> str:
                      own, name[:-5], capability[0], capability[1], sms)
             return name[:-5]
     return "none"
+
+
+# ---------------------------------------------------------------------------------------------
+# the tune-on-first-use cache (written by `recfuse.ops.autotune`, read here)
+
+# The cache's folder is ``$RECFUSE_CACHE_DIR/tuned`` (default ``~/.cache/recfuse/tuned``).
+CACHE_DIR_ENV = "RECFUSE_CACHE_DIR"
+
+
+def cache_dir() -> str:
+    """The folder of the tune-on-first-use cache files (`cache_path`)."""
+    root = os.environ.get(CACHE_DIR_ENV, "").strip() or os.path.join(os.path.expanduser("~"), ".cache", "recfuse")
+    return os.path.join(root, "tuned")
+
+
+def cache_path(device: Union[str, int]) -> str:
+    """The cache file of a device: ``<cache_dir>/<gpu slug>-triton<version>.json``, the schema of
+    the shipped tables (`table_entries` reads both). Per Triton version: a config measured with
+    one compiler says little about the code another one makes.
+
+    Example:
+        >>> os.path.basename(cache_path("cpu")) == f"cpu-triton{triton.__version__}.json"
+        True
+    """
+    return os.path.join(cache_dir(), f"{device_slug(device)}-triton{triton.__version__}.json")
+
+
+def read_cache_file(path: str) -> dict:
+    """A cache file's JSON ({} when it is missing or unreadable: a warning, then it is rewritten)."""
+    try:
+        with open(path) as f:
+            table = json.load(f)
+        table_entries(table)  # the schema holds
+        return table
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        log.warning("recfuse: ignoring the unreadable tuning cache %s (%s)", path, err)
+        return {}
+
+
+@functools.lru_cache(maxsize=16)
+def load_cache(path: str) -> dict:
+    """The entries of a cache file (`table_entries`), read once per process and path;
+    `cache_written` makes the next lookup read it again."""
+    out = table_entries(read_cache_file(path))
+    if out:
+        log.debug("recfuse: loaded %d cached tuned configs from %s", len(out), path)
+    return out
+
+
+def cache_key(kind: str, D: int, H: int, dtype: torch.dtype, full_tiles: bool = True) -> tuple:
+    """The cache's (and the tuner's) key of a lookup: the backward files a D that is not a power of
+    two under full_tiles=False and any other D under True, as `_cached_backward_config` looks
+    them up; the forward, the lookup's own full_tiles.
+
+    Example:
+        >>> cache_key("backward", 160, 16, torch.bfloat16)
+        ('backward', 160, 16, 'bfloat16', False)
+    """
+    if kind == "backward":
+        full_tiles = D == triton.next_power_of_2(D)
+    return (kind, D, H, _DTYPE_NAMES.get(dtype, ""), full_tiles)
+
+
+def cached_entry(kind: str, D: int, H: int, dtype: torch.dtype, device: Union[str, int],
+                 full_tiles: bool = True) -> Optional[dict]:
+    """The on-disk cache's entry of exactly this lookup, or None (no cache file, no such entry, or
+    ``RECFUSE_TUNED_TABLE`` forces a table). Read whether or not tuning is on: a cache once
+    written keeps being used until it is deleted."""
+    if os.environ.get(TABLE_ENV, "").strip():
+        return None
+    return load_cache(cache_path(device)).get(cache_key(kind, D, H, dtype, full_tiles))
+
+
+def cache_written() -> None:
+    """This process wrote a cache file: read it again on the next lookup (configs re-derived)."""
+    load_cache.cache_clear()
+    _cached_forward_config.cache_clear()
+    _cached_backward_config.cache_clear()
+
+
+# Called on a lookup that no `override` block forces, before the cached lookup:
+# ``hook(kind, D, H, dtype, device)``. `recfuse.ops.autotune` sets it when imported (tuning on
+# first use, which launches kernels: a layer above this module, so it is reached through this hook
+# rather than imported here); it does nothing unless RECFUSE_AUTOTUNE is set.
+_FIRST_USE_HOOK: Optional[Callable] = None
+
+
+def set_first_use_hook(hook: Optional[Callable]) -> None:
+    """Install the function `forward_config` / `backward_config` call on a lookup (None: none)."""
+    global _FIRST_USE_HOOK
+    _FIRST_USE_HOOK = hook
 
 
 def _h_class(H: int) -> int:
@@ -655,11 +764,23 @@ def forward_config(D: int, H: int, dtype: torch.dtype, device: Union[str, int], 
     cfg = _forced_config(0, ForwardConfig, heuristic_forward, (D, H, dtype, full_tiles))
     if cfg is not _NOT_FORCED:
         return cfg
+    if _FIRST_USE_HOOK is not None:
+        _FIRST_USE_HOOK("forward", D, H, dtype, device)
     return _cached_forward_config(D, H, dtype, device, full_tiles)
 
 
 @functools.lru_cache(maxsize=None)
 def _cached_forward_config(D, H, dtype, device, full_tiles) -> ForwardConfig:
+    # the on-disk cache's own entry of this shape (tuned on this GPU), else the shipped tables
+    entry = cached_entry("forward", D, H, dtype, device, full_tiles)
+    cfg = config_from_entry("forward", entry, D, H, dtype, full_tiles) if entry is not None else None
+    return cfg if cfg is not None else table_forward_config(D, H, dtype, device, full_tiles)
+
+
+def table_forward_config(D: int, H: int, dtype: torch.dtype, device: Union[str, int],
+                         full_tiles: bool = True) -> ForwardConfig:
+    """The forward config from the shipped tables (`table_slug`'s nearest entry), else the
+    heuristic: the lookup without the tuning cache."""
     heuristic = heuristic_forward(D, H, dtype, full_tiles)
     entry = _nearest_entry(load_table(table_slug(device)), "forward", D, H, _DTYPE_NAMES.get(dtype, ""), full_tiles)
     if entry is not None and heuristic.block_k and not full_tiles and not entry.get("block_k"):
@@ -681,11 +802,24 @@ def backward_config(D: int, H: int, dtype: torch.dtype, device: Union[str, int])
     cfg = _forced_config(1, BackwardConfig, heuristic_backward, (D, H, dtype))
     if cfg is not _NOT_FORCED:
         return cfg
+    if _FIRST_USE_HOOK is not None:
+        _FIRST_USE_HOOK("backward", D, H, dtype, device)
     return _cached_backward_config(D, H, dtype, device)
 
 
 @functools.lru_cache(maxsize=None)
 def _cached_backward_config(D, H, dtype, device) -> Optional[BackwardConfig]:
+    if heuristic_backward(D, H, dtype) is None:
+        return None
+    # the on-disk cache's own entry of this shape (tuned on this GPU), else the shipped tables
+    entry = cached_entry("backward", D, H, dtype, device)
+    cfg = config_from_entry("backward", entry, D, H, dtype, True) if entry is not None else None
+    return cfg if cfg is not None else table_backward_config(D, H, dtype, device)
+
+
+def table_backward_config(D: int, H: int, dtype: torch.dtype, device: Union[str, int]) -> Optional[BackwardConfig]:
+    """The backward config from the shipped tables (`table_slug`'s nearest entry), else the
+    heuristic (None where the kernel does not cover the shape): the lookup without the tuning cache."""
     heuristic = heuristic_backward(D, H, dtype)
     if heuristic is None:
         return None

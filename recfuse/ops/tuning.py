@@ -1,0 +1,182 @@
+"""Candidate launch configs of the `ln_tanh_linear_relu` kernels, for the tuners.
+
+`forward_candidates` / `backward_candidates` list the configs worth timing for one (D, H, dtype),
+the heuristic's own first: the CLI tuner (``benchmarks/tune_kernels.py``) times all of them,
+tuning on first use (`recfuse.ops.autotune`) a short spread of them (`spread`). This module is
+data: it imports `configs` and nothing that launches a kernel.
+
+Example:
+    >>> import torch
+    >>> cands = backward_candidates(64, 1, torch.float32)
+    >>> cands[0] == configs.heuristic_backward(64, 1, torch.float32)
+    True
+    >>> picked = spread(cands, 4)
+    >>> len(picked), picked[0] == cands[0]
+    (5, True)
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+import triton
+
+from . import configs
+
+# Row tiles of up to this many elements are tried for narrow rows (more bytes in flight).
+NARROW_TILE = 8192
+
+
+def forward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.ForwardConfig]:
+    full = D == triton.next_power_of_2(D)
+    base = configs.heuristic_forward(D, H, dtype, full)
+    out = [base]
+    block_d = base.block_d
+    row_block_h = min(triton.next_power_of_2(H), 4)
+    for block_b, warps in itertools.product((4, 8, 16, 32), (1, 2, 4, 8)):
+        per_thread = block_b * block_d * row_block_h / (warps * 32)
+        if H <= 4 and 4 <= per_thread <= 16 and block_b * block_d * row_block_h <= 2 * configs.TILE_BUDGET:
+            out.append(configs.ForwardConfig(block_b, block_d, row_block_h, False, warps))
+    if 2 <= H <= 16:
+        # one output column at a time (`ForwardConfig.unroll_h`): a row reduction per column
+        for block_b, warps in itertools.product((4, 8, 16, 32, 64), (1, 2, 4, 8)):
+            per_thread = block_b * block_d / (warps * 32)
+            if 4 <= per_thread <= 16:
+                out.append(configs.heuristic_forward(D, H, dtype, full, use_dot=False, block_b=block_b,
+                                                     num_warps=warps, persistent=0, tile_stages=1, block_k=0,
+                                                     unroll_h=1))
+    if block_d >= 16 and H >= 2 and 16 * block_d <= configs.TILE_BUDGET:
+        block_h = configs.dot_block_h(H)
+        if full:
+            chunk = min(32 if block_h <= 16 else 64, block_d // 2) if H <= block_h else 0
+        else:  # whole chunks of a D that is not a power of two (no padded columns)
+            chunk = configs.chunk_width(D, 32 if block_h <= 16 else 64)
+        shapes = [(64, 4, 0), (32, 4, 0)] + ([(64, 4, 1), (64, 8, 1)] if H > 4 else [])
+        # Narrow rows: longer row tiles keep more bytes of x in flight per program.
+        shapes += [(rows, warps, 0) for rows in (128, 256) for warps in (4, 8) if rows * block_d <= NARROW_TILE]
+        for (block_b, warps, persistent), block_k in itertools.product(shapes, dict.fromkeys((0, chunk))):
+            if block_b * block_d <= 4 * configs.TILE_BUDGET:
+                out.append(configs.ForwardConfig(block_b, block_d, block_h, True, warps, persistent=persistent,
+                                                 tile_stages=2 if persistent else 1, block_k=block_k))
+    return list(dict.fromkeys(out))
+
+
+def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.BackwardConfig]:
+    """Compiled variants x programs per SM; the heuristic's own config first."""
+    base = configs.heuristic_backward(D, H, dtype)
+    if base is None:
+        return []
+    out = [base]
+    paths = [base.use_dot]
+    if 2 <= H <= 8:
+        paths += [True, False]  # the tensor-core product (H padded to 16) and the per-column sums
+    for use_dot in dict.fromkeys(paths):
+        rows = (16, 32) if use_dot else (4, 8, 16)
+        # Narrow rows: a 16-row tile of 32 bf16 columns is 1 KB in flight per program, far from
+        # what an SM needs to cover HBM latency; longer tiles up to NARROW_TILE elements.
+        rows += tuple(r for r in (32, 64, 128, 256) if r > rows[-1] and r * base.block_d <= NARROW_TILE)
+        # programs per SM: 2 never won a tl.dot shape on the H100 (0 of 49 table entries)
+        pps_range = (4, 8, 16) if use_dot else (2, 4, 8, 16)
+        # without tl.dot: the [rows, H, D] broadcast sum (H <= 4), then the per-column candidates
+        for block_b, warps, stages, pps in itertools.product(rows, (4, 8), (1, 2), pps_range):
+            if not use_dot and H > 4:
+                break
+            cfg = configs.heuristic_backward(D, H, dtype, use_dot=use_dot, block_b=block_b, num_warps=warps,
+                                             num_stages=stages, programs_per_sm=pps, block_k=0, unroll_h=0)
+            if cfg is not None and configs.backward_fits(cfg, D, H) and cfg.block_b == block_b:
+                out.append(cfg)
+        if not use_dot:
+            # the row loop pipelined (`BackwardConfig.loop_stages`): tiles of x in flight while one
+            # is computed, which lets narrow warps (2) and many programs per SM (up to 32) pay
+            # 32 programs per SM and up: fewer (16) won at x 256 MB and collapsed at x 1 GB (fp32 D=256
+            # H=1 1477-1688 us against 825-843 with 32; results/checks/ab_h1_bwd_sizes_h100.json)
+            for block_b, warps, stages, pps in itertools.product((4, 8, 16, 32, 64, 128), (2, 4, 8), (2, 3),
+                                                                 (32, 64)):
+                per_thread = block_b * base.block_d / (32 * warps)  # H > 1 holds H row slots too
+                if not ((4 if H == 1 else 2) <= per_thread <= (32 if H == 1 else 16)) or (
+                        block_b * base.block_d > NARROW_TILE):
+                    continue
+                for col_sums in ((0, 1) if H == 1 else (0,)):
+                    cfg = configs.heuristic_backward(D, H, dtype, use_dot=False, block_b=block_b, num_warps=warps,
+                                                     num_stages=1, programs_per_sm=pps, block_k=0,
+                                                     unroll_h=int(H > 1), loop_stages=stages, col_sums=col_sums)
+                    if cfg is not None and configs.backward_fits(cfg, D, H) and cfg.block_b == block_b:
+                        out.append(cfg)
+            if 2 <= H <= 8:
+                # each output column on its own (`BackwardConfig.unroll_h`): 2D tiles, so longer
+                # row tiles than the broadcast sum's 8 fit; 2-16 elements of a tile per thread
+                for block_b, warps, pps in itertools.product((4, 8, 16, 32, 64), (2, 4, 8), (2, 4, 8, 16)):
+                    cfg = configs.heuristic_backward(D, H, dtype, use_dot=False, block_b=block_b, num_warps=warps,
+                                                     num_stages=1, programs_per_sm=pps, block_k=0, unroll_h=1)
+                    if cfg is not None and 2 <= cfg.block_b * cfg.block_d / (32 * warps) <= 16:
+                        out.append(cfg)
+            continue
+        if dtype == torch.bfloat16:
+            # the next row tile loaded while this one is computed (`BackwardConfig.prefetch`)
+            out += [dataclasses.replace(c, prefetch=1 - c.prefetch) for c in out if c.use_dot and not c.block_k]
+        # Triton's pipelining of the row loop instead (`BackwardConfig.loop_stages`)
+        out += [dataclasses.replace(c, prefetch=0, loop_stages=stages) for c in list(out)
+                if c.use_dot and not c.block_k and not c.loop_stages for stages in (2, 3)]
+        # K-chunked tiles (`kernels.ln_tanh_linear_relu_bwd_chunked`): columns at a time, so
+        # longer row tiles fit the registers
+        for block_k, block_b, warps, pps in itertools.product((32, 64), (16, 32, 64), (4, 8), (2, 4, 8, 16)):
+            cfg = configs.heuristic_backward(D, H, dtype, use_dot=True, block_b=block_b, num_warps=warps,
+                                             num_stages=1, programs_per_sm=pps, block_k=block_k)
+            if cfg is not None and block_k < cfg.block_d and configs.backward_fits(cfg, D, H):
+                out.append(cfg)
+    return list(dict.fromkeys(out))
+
+
+
+
+def kernel_path(cfg) -> tuple:
+    """The code path a config compiles to, as `spread` groups candidates: the product (tl.dot or
+    not), K-chunked or whole rows, and the path knobs (persistent forward, per-column products,
+    pipelined row loop, column sums, prefetch).
+
+    Example:
+        >>> kernel_path(configs.heuristic_forward(256, 1, torch.float32))
+        ('forward', False, False, False, False)
+    """
+    if isinstance(cfg, configs.ForwardConfig):
+        return ("forward", cfg.use_dot, bool(cfg.block_k), bool(cfg.persistent), bool(cfg.unroll_h))
+    return ("backward", cfg.use_dot, bool(cfg.block_k), bool(cfg.unroll_h), bool(cfg.loop_stages),
+            bool(cfg.col_sums), bool(cfg.prefetch))
+
+
+def spread(cands: list, limit: int = 12) -> list:
+    """A short list of ``cands``: its first (the heuristic's config) and at most ``limit`` others,
+    spread over the kernel paths and, within a path, over its knobs.
+
+    How: the others are grouped by `kernel_path` (in order of first appearance); the groups take
+    one slot each in turn until ``limit`` slots are taken or every group is exhausted, so every
+    path is tried before any path gets a second candidate; a group with k slots takes the members
+    at the centres of k equal segments of its list. The generators list a path's candidates in
+    nested loops (rows, warps, stages, programs per SM), so evenly spaced picks vary all of them
+    rather than the innermost knob alone. Deterministic: the same list in every process.
+
+    Example:
+        >>> cands = list(range(10))  # any items: ints have no kernel path, so here one group
+        >>> spread(cands, 3)
+        [0, 2, 5, 8]
+    """
+    if not cands:
+        return []
+    head = cands[0]
+    groups: dict = {}
+    for c in cands[1:]:
+        if c != head:
+            groups.setdefault(kernel_path(c) if isinstance(c, configs.TileConfig) else None, []).append(c)
+    members = list(groups.values())
+    slots = [0] * len(members)
+    taken = 0
+    while taken < limit and any(n < len(g) for n, g in zip(slots, members)):
+        for i, g in enumerate(members):
+            if taken < limit and slots[i] < len(g):
+                slots[i] += 1
+                taken += 1
+    out = [head]
+    for g, k in zip(members, slots):
+        out += [g[int((j + 0.5) * len(g) / k)] for j in range(k)]
+    return out

@@ -1,0 +1,262 @@
+"""Tuning on first use (`recfuse.ops.autotune`) and the on-disk cache `configs` reads.
+
+The tuning itself runs here on CPU under the Triton interpreter (`interpret` tests: tiny shapes,
+2-3 candidates, a fake timer); when the automatic trigger tunes (`on_lookup`, CUDA only) is
+checked with the tuning function replaced by a recorder and the CUDA predicate patched."""
+import dataclasses
+import itertools
+import json
+import os
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+from op_cases import Case, check_against_float64
+from recfuse.ops import autotune, configs, launch
+
+F32 = torch.float32
+# tiny: x is 2 x 64 x 16 fp32 (8 KB); the masked check 2 x 40 rows
+TINY = dict(features=2, batch=64, masked_features=2, masked_batch=40)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh tuning cache folder, tuning off, nothing tried yet in this process."""
+    monkeypatch.setenv(configs.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(configs.TABLE_ENV, raising=False)
+    monkeypatch.delenv(autotune.AUTOTUNE_ENV, raising=False)
+    monkeypatch.setattr(autotune, "_TRIED", {})
+    configs.cache_written()
+    yield tmp_path
+    configs.cache_written()
+
+
+def _falling_times(start=100.0):
+    """A timer that finds every config faster than the one before: the last passing one wins."""
+    times = itertools.count(start, -1)
+    return lambda fn: float(next(times))
+
+
+def _files(folder):
+    return sorted(p.name for p in folder.rglob("*") if p.is_file() and not p.name.endswith(".lock"))
+
+
+# ---------------------------------------------------------------------------------------------
+# the tuning function (interpreter)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_a_tuned_entry_is_written_and_then_looked_up(cache, kind):
+    lookup = configs.forward_config if kind == "forward" else configs.backward_config
+    heuristic = lookup(16, 1, F32, "cpu")  # cached in this process before the file exists
+    cands = autotune.candidates(kind, 16, 1, F32, "cpu", limit=2)
+    assert len(cands) == 3 and cands[0] == heuristic
+    rng = torch.get_rng_state()
+    entry = autotune.tune_shape(kind, 16, 1, F32, "cpu", cands=cands, bench=_falling_times(), **TINY)
+    assert torch.equal(torch.get_rng_state(), rng), "tuning changed the caller's RNG state"
+    assert entry is not None and entry["candidates"] == 3 and entry["rejected"] == 0
+    winner = configs.config_from_entry(kind, entry["config"], 16, 1, F32, True)
+    assert winner == cands[-1] != heuristic
+    # the file: the shipped tables' schema, at the documented path
+    path = configs.cache_path("cpu")
+    assert os.path.dirname(path) == str(cache / "tuned")
+    with open(path) as f:
+        table = json.load(f)
+    assert {"gpu", "triton", "forward", "backward"} <= set(table)
+    assert configs.table_entries(table) == {(kind, 16, 1, "float32", True): entry["config"]}
+    # this process re-reads the cache it wrote: the lookup now returns the winner
+    assert lookup(16, 1, F32, "cpu") == winner
+    # a new process (caches cleared), tuning off: the cache file is still used
+    configs.cache_written()
+    assert lookup(16, 1, F32, "cpu") == winner
+    # another shape keeps its heuristic
+    assert configs.forward_config(32, 1, F32, "cpu") == configs.heuristic_forward(32, 1, F32)
+
+
+@pytest.mark.interpret
+def test_entries_are_merged_with_the_file(cache):
+    """What the file holds (here another process's entry of the same kind) is kept."""
+    other = dict(D=32, H=1, dtype="float32", full_tiles=True, us=1.0,
+                 config=configs.config_to_entry(configs.heuristic_forward(32, 1, F32, num_warps=8)))
+    autotune.write_entry(configs.cache_path("cpu"), "forward", other, {"gpu": "cpu"})
+    a = autotune.tune_shape("forward", 16, 1, F32, "cpu", cands=autotune.candidates("forward", 16, 1, F32, "cpu", 1),
+                            bench=_falling_times(), **TINY)
+    b = autotune.tune_shape("backward", 16, 1, F32, "cpu",
+                            cands=autotune.candidates("backward", 16, 1, F32, "cpu", 1), bench=_falling_times(),
+                            **TINY)
+    with open(configs.cache_path("cpu")) as f:
+        entries = configs.table_entries(json.load(f))
+    assert entries == {("forward", 32, 1, "float32", True): other["config"],
+                       ("forward", 16, 1, "float32", True): a["config"],
+                       ("backward", 16, 1, "float32", True): b["config"]}
+    assert _files(cache) == [os.path.basename(configs.cache_path("cpu"))]  # no temp file left
+
+
+@pytest.mark.interpret
+def test_wrong_or_failing_candidates_are_never_written(cache, monkeypatch):
+    """The fastest candidate computes y 1% off at the tuned batch (a miscompiled tile), the next
+    is right there and wrong at the masked batch, one does not compile: the slowest right one wins."""
+    heuristic = configs.heuristic_forward(16, 1, F32)
+    wrong = dataclasses.replace(heuristic, block_b=16)
+    wrong_masked = dataclasses.replace(heuristic, block_b=32)
+    broken = dataclasses.replace(heuristic, block_b=3)  # arange of 3: does not compile
+    times = {heuristic: 50.0, wrong: 1.0, wrong_masked: 2.0, broken: 0.5}
+    call = autotune._call
+
+    def corrupting_call(kind, t, cfg, stats):
+        fn = call(kind, t, cfg, stats)
+        masked = t["x"].shape[0] == TINY["masked_batch"]
+        if (cfg == wrong and not masked) or (cfg == wrong_masked and masked):
+            return lambda: [y * 1.01 for y in fn()]
+        timed = lambda: fn()  # noqa: E731
+        timed.cfg = cfg
+        return timed
+
+    monkeypatch.setattr(autotune, "_call", corrupting_call)
+    bench = lambda fn: getattr(fn, "cfg", None) and times[fn.cfg] or 10.0  # noqa: E731 - the copy: 10
+    entry = autotune.tune_shape("forward", 16, 1, F32, "cpu", cands=[heuristic, wrong, wrong_masked, broken],
+                                bench=bench, **TINY)
+    assert entry["rejected"] == 3 and entry["heuristic_us"] == 50.0
+    assert configs.config_from_entry("forward", entry["config"], 16, 1, F32) == heuristic
+    with open(configs.cache_path("cpu")) as f:
+        written = [e["config"] for e in json.load(f)["forward"]]
+    assert written == [configs.config_to_entry(heuristic)]
+
+    # every candidate wrong: nothing is written
+    os.remove(configs.cache_path("cpu"))
+    assert autotune.tune_shape("forward", 16, 1, F32, "cpu", cands=[wrong], bench=bench, **TINY) is None
+    assert not os.path.exists(configs.cache_path("cpu"))
+
+
+@pytest.mark.interpret
+def test_the_op_with_cached_configs_matches_float64(cache):
+    """The op, looking its configs up from a cache this process wrote, against the float64 reference;
+    the launches show that the cached configs ran (not the heuristic)."""
+    case = Case(2, 64, 16, 1, feature_dim=1, strided_view=True)
+    won = {}
+    for kind in ("forward", "backward"):
+        cands = autotune.candidates(kind, 16, 1, F32, "cpu", limit=2)
+        entry = autotune.tune_shape(kind, 16, 1, F32, "cpu", cands=cands, bench=_falling_times(), **TINY)
+        won[kind] = configs.config_from_entry(kind, entry["config"], 16, 1, F32)
+    assert won["forward"] != configs.heuristic_forward(16, 1, F32)
+    assert won["backward"] != configs.heuristic_backward(16, 1, F32)
+    launch._FORWARD_PLANS.clear()
+    launch._BACKWARD_PLANS.clear()
+    with launch.trace_launches() as launches:
+        check_against_float64(case, F32)
+    fwd = [meta for kind, _, meta, _ in launches if kind == "forward"]
+    bwd = [cfg for kind, _, _, cfg in launches if kind == "backward"]
+    assert fwd and all(meta["BLOCK_B"] == won["forward"].block_b for meta in fwd)
+    assert bwd == [won["backward"]]
+
+
+# ---------------------------------------------------------------------------------------------
+# when the automatic trigger tunes (no kernels run: the tuning function is a recorder)
+
+
+@pytest.fixture
+def fake_gpu(cache, monkeypatch):
+    """Device 0 is a CUDA GPU without a table of its own; tuning records what it is asked."""
+    monkeypatch.setattr(configs, "device_slug", lambda device: "cpu" if device == "cpu" else "some-gpu")
+    props = types.SimpleNamespace(major=7, minor=5, multi_processor_count=40)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(autotune, "_on_cuda", lambda device: device != "cpu")
+    monkeypatch.setattr(autotune, "_capturing", lambda device: False)
+    monkeypatch.setattr(autotune, "_compiling", lambda: False)
+    calls = []
+
+    def record(kind, D, H, dtype, device):
+        calls.append((kind, D, H, dtype, device))
+        return {"config": {}}
+
+    monkeypatch.setattr(autotune, "tune_shape", record)
+    return calls
+
+
+def test_unset_means_no_tuning_and_no_file(fake_gpu, cache, monkeypatch):
+    configs.forward_config(64, 1, F32, 0)
+    configs.backward_config(64, 1, F32, 0)
+    assert fake_gpu == [] and _files(cache) == []
+    monkeypatch.setenv(autotune.AUTOTUNE_ENV, "1")  # the control: on, the same lookups tune
+    configs.forward_config(64, 1, F32, 0)
+    configs.backward_config(64, 1, F32, 0)
+    assert fake_gpu == [("forward", 64, 1, F32, 0), ("backward", 64, 1, F32, 0)]
+
+
+@pytest.mark.parametrize("block", ["override", "capture", "compiling", "cpu", "forced table", "tuning"])
+def test_no_tuning_where_it_is_blocked(fake_gpu, monkeypatch, block):
+    monkeypatch.setenv(autotune.AUTOTUNE_ENV, "1")
+    device = "cpu" if block == "cpu" else 0
+    with monkeypatch.context() as m:
+        if block == "capture":
+            m.setattr(autotune, "_capturing", lambda device: True)
+        elif block == "compiling":
+            m.setattr(autotune, "_compiling", lambda: True)
+        elif block == "forced table":
+            m.setenv(configs.TABLE_ENV, "none")
+        elif block == "tuning":
+            m.setattr(autotune._LOCAL, "busy", True, raising=False)
+        if block == "override":  # a forward lookup inside a block that forces only the backward
+            with configs.override(backward=configs.heuristic_backward(64, 1, F32)):
+                configs.forward_config(64, 1, F32, device)
+        else:
+            configs.forward_config(64, 1, F32, device)
+    assert fake_gpu == []
+    # a blocked lookup is not remembered: the next one, unblocked, tunes (on a GPU)
+    configs.forward_config(64, 1, F32, device)
+    assert fake_gpu == ([] if block == "cpu" else [("forward", 64, 1, F32, 0)])
+
+
+@pytest.mark.parametrize("outcome", ["raises", "no candidate passed"])
+def test_a_shape_that_failed_is_not_tried_again(fake_gpu, monkeypatch, outcome):
+    monkeypatch.setenv(autotune.AUTOTUNE_ENV, "1")
+    calls = []
+
+    def failing(kind, D, H, dtype, device):
+        calls.append(D)
+        if outcome == "raises":
+            raise RuntimeError("out of memory")
+        return None
+
+    monkeypatch.setattr(autotune, "tune_shape", failing)
+    for _ in range(3):
+        assert configs.backward_config(64, 4, F32, 0) == configs.heuristic_backward(64, 4, F32)
+    assert calls == [64]
+    assert autotune._TRIED[(configs.cache_path(0), "backward", 64, 4, "float32", True)].startswith("failed")
+    configs.backward_config(32, 4, F32, 0)  # another shape is tried
+    assert calls == [64, 32]
+
+
+def test_a_cached_or_shipped_shape_is_not_tuned(fake_gpu, cache, monkeypatch):
+    monkeypatch.setenv(autotune.AUTOTUNE_ENV, "1")
+    entry = dict(D=64, H=1, dtype="float32", full_tiles=True, us=1.0,
+                 config=configs.config_to_entry(configs.heuristic_forward(64, 1, F32, num_warps=8)))
+    autotune.write_entry(configs.cache_path(0), "forward", entry, {"gpu": "some gpu"})
+    assert configs.forward_config(64, 1, F32, 0).num_warps == 8
+    monkeypatch.setattr(configs, "device_slug", lambda device: "h100-80gb-hbm3")  # a shipped table's shape
+    configs.backward_config(64, 16, torch.bfloat16, 0)
+    assert fake_gpu == []
+    configs.backward_config(64, 16, torch.float16, 0)  # not in the table: tuned
+    assert fake_gpu == [("backward", 64, 16, torch.float16, 0)]
+
+
+def test_concurrent_first_lookups_tune_once(fake_gpu, monkeypatch):
+    monkeypatch.setenv(autotune.AUTOTUNE_ENV, "1")
+    calls = []
+
+    def slow(kind, D, H, dtype, device):
+        calls.append(threading.get_ident())
+        time.sleep(0.2)
+        return {"config": {}}
+
+    monkeypatch.setattr(autotune, "tune_shape", slow)
+    threads = [threading.Thread(target=configs.forward_config, args=(64, 1, F32, 0)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
