@@ -27,9 +27,10 @@ or under the Triton interpreter (`tune_shape` can still be called directly there
 inside a `configs.override` block; while a CUDA graph is captured or torch.compile traces; from
 inside a tuning run; and a shape this process tried already, whether it succeeded or failed.
 One lock: a second thread's lookup waits for a running tuning. Tuning takes the compile time of
-~14 kernel variants per shape and kind (seconds each on a GPU) plus ~1 GB of GPU memory for the
-inputs and the float64 references, freed afterwards (a failure, e.g. out of memory, is logged
-and the shape keeps its table/heuristic config for this process).
+up to 14 kernel variants per shape and kind (seconds each on a GPU) plus roughly 1-1.5 GB of GPU
+memory for the inputs and the float64 references (estimates: not measured end to end), freed
+afterwards; a failure (e.g. out of memory) is logged and the shape keeps its table or heuristic
+config for this process.
 
 Example:
     >>> import torch
