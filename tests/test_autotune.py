@@ -237,6 +237,11 @@ def test_a_cached_or_shipped_shape_is_not_tuned(fake_gpu, cache, monkeypatch):
                  config=configs.config_to_entry(configs.heuristic_forward(64, 1, F32, num_warps=8)))
     autotune.write_entry(configs.cache_path(0), "forward", entry, {"gpu": "some gpu"})
     assert configs.forward_config(64, 1, F32, 0).num_warps == 8
+    # an entry this version cannot read (a knob missing) is tuned again
+    autotune.write_entry(configs.cache_path(0), "forward", dict(entry, H=2, config={"block_b": 4}), {})
+    configs.forward_config(64, 2, F32, 0)
+    assert fake_gpu == [("forward", 64, 2, F32, 0)]
+    fake_gpu.clear()
     monkeypatch.setattr(configs, "device_slug", lambda device: "h100-80gb-hbm3")  # a shipped table's shape
     configs.backward_config(64, 16, torch.bfloat16, 0)
     assert fake_gpu == []

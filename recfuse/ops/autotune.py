@@ -132,9 +132,10 @@ def on_lookup(kind: str, D: int, H: int, dtype: torch.dtype, device: Union[str, 
     tried = (path,) + key
     if tried in _TRIED:
         return
-    if configs.cached_entry(kind, D, H, dtype, device, full) is not None:
+    cached = configs.cached_entry(kind, D, H, dtype, device, full)
+    if cached is not None and configs.config_from_entry(kind, cached, D, H, dtype, full) is not None:
         _TRIED[tried] = "cached"
-        return
+        return  # (an entry this version's configs cannot read is tuned again and replaced)
     if key in configs.load_table(configs.device_slug(device)):
         # measured on this GPU model by the full sweep (benchmarks/tune_kernels.py): kept
         _TRIED[tried] = "shipped"
@@ -147,7 +148,8 @@ def on_lookup(kind: str, D: int, H: int, dtype: torch.dtype, device: Union[str, 
         _TRIED[tried] = "tuning"
         _LOCAL.busy = True
         try:
-            if key in configs.table_entries(configs.read_cache_file(path)):
+            fresh = configs.table_entries(configs.read_cache_file(path)).get(key)
+            if fresh is not None and configs.config_from_entry(kind, fresh, D, H, dtype, full) is not None:
                 # another process tuned it since this one read the cache
                 configs.cache_written()
                 _TRIED[tried] = "cached"
