@@ -6,8 +6,11 @@ compile each parameter variant with Inductor for seconds per test); tests/test_c
 with `recfuse.ops.cpu_backend("compiled")`. Set RECFUSE_CPU_BACKEND=compiled to run everything
 compiled (subprocesses the tests start inherit the variable)."""
 import os
+import tempfile
 
 os.environ.setdefault("RECFUSE_CPU_BACKEND", "eager")
+# A tuning cache of the developer's (~/.cache/recfuse) must not change the configs the tests run.
+os.environ.setdefault("RECFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="recfuse-test-cache-"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -53,7 +53,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import triton
 
-from . import configs, launch, tuning
+from . import configs, tuning
 from ..chain import chain_of
 from ..reference import batched_feature_mlp, batched_ln_tanh_linear_relu
 from .composite import composite_backward
@@ -203,6 +203,8 @@ def _rel_err(out: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> float:
 
 def _stats(t: dict, D: int, H: int, dtype: torch.dtype, full_tiles: bool):
     """The forward's saved row stats (heuristic config), which the backward reads."""
+    from . import launch  # imported on first use, as the op does: `import recfuse` stays light
+
     cfg = configs.heuristic_forward(D, H, dtype, full_tiles)
     with configs.override(forward=cfg):
         plan = launch.forward_plan(t["x"], t["w"], t["b"], t["lw"], t["lb"], EPS, 1, save_stats=True)
@@ -212,6 +214,8 @@ def _stats(t: dict, D: int, H: int, dtype: torch.dtype, full_tiles: bool):
 def _call(kind: str, t: dict, cfg, stats) -> Callable[[], list]:
     """A call of one candidate's kernel(s) on ``t``, returning [y] or the gradients; raises when the
     config does not make a plan (the composite would run the shape)."""
+    from . import launch
+
     if kind == "forward":
         with configs.override(forward=cfg):
             plan = launch.forward_plan(t["x"], t["w"], t["b"], t["lw"], t["lb"], EPS, 1)
