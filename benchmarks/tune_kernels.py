@@ -39,7 +39,7 @@ import torch
 import triton
 
 from _common import copy_bandwidth, do_bench_us, environment, perf_counter_us
-from recfuse.ops import configs, launch
+from recfuse.ops import autotune, configs, launch
 from recfuse.ops.tuning import NARROW_TILE, backward_candidates, forward_candidates  # noqa: F401
 from recfuse.ops.composite import composite_backward
 from recfuse.chain import chain_of
@@ -82,15 +82,9 @@ def shape_candidates(kind: str, p: dict, only: str, saved: dict) -> list:
 
 
 def make_inputs(p: dict, device: str, seed: int = 0):
-    F, B, D, H, dtype = p["F"], p["B"], p["D"], p["H"], DTYPES[p["dtype"]]
-    g = torch.Generator(device=device).manual_seed(seed)
-
-    def rnd(*shape, scale=1.0, shift=0.0):
-        return (torch.randn(*shape, device=device, generator=g) * scale + shift).to(dtype)
-
-    x = rnd(B, F * D).view(B, F, D)
-    return dict(x=x, w=rnd(H, D, scale=D ** -0.5), b=rnd(H, scale=0.1, shift=0.1),
-                lw=rnd(F, D, scale=0.2, shift=1.0), lb=rnd(F, D, scale=0.2), gy=rnd(B, F, H))
+    """The tuned shape's synthetic inputs (torchrec layout; `recfuse.ops.autotune.synthetic_inputs`,
+    which tuning on first use measures on too)."""
+    return autotune.synthetic_inputs(p["F"], p["B"], p["D"], p["H"], DTYPES[p["dtype"]], device, seed)
 
 
 def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:

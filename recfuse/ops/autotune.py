@@ -169,7 +169,7 @@ def on_lookup(kind: str, D: int, H: int, dtype: torch.dtype, device: Union[str, 
 # one shape
 
 
-def _inputs(F: int, B: int, D: int, H: int, dtype: torch.dtype, device: torch.device, seed: int) -> dict:
+def synthetic_inputs(F: int, B: int, D: int, H: int, dtype: torch.dtype, device, seed: int = 0) -> dict:
     """Synthetic inputs, torchrec layout, from a private generator (the global RNG is untouched)."""
     g = torch.Generator(device=device).manual_seed(seed)
 
@@ -333,7 +333,7 @@ def tune_shape(kind: str, D: int, H: int, dtype: torch.dtype, device: Union[str,
 def _measure(kind, cands, F, B, D, H, dtype, dev, full, bench, seed):
     """Each candidate checked against float64 and timed: rows with "cfg" and "us" or "rejected",
     in candidate order; and the copy bandwidth (GB/s) of x on the device (the floor's unit)."""
-    t = _inputs(F, B, D, H, dtype, dev, seed)
+    t = synthetic_inputs(F, B, D, H, dtype, dev, seed)
     try:
         ref = _references(t, kind)
         stats = _stats(t, D, H, dtype, full) if kind == "backward" else None
@@ -367,7 +367,7 @@ def _first_right_at_masked_rows(kind, rows, F, B, D, H, dtype, dev, seed) -> Opt
     timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
     if not timed:
         return None
-    t = _inputs(F, B, D, H, dtype, dev, seed + 1)
+    t = synthetic_inputs(F, B, D, H, dtype, dev, seed + 1)
     try:
         ref = _references(t, kind)
         stats = _stats(t, D, H, dtype, False) if kind == "backward" else None
