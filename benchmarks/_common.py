@@ -142,6 +142,12 @@ def loop_us(fn: Callable, calls: int, device="cuda", warmup: int = 50, repeats: 
     return best
 
 
+def add_shape_args(ap, F: int, B: int, D: int, H: int) -> None:
+    """The --F --B --D --H options of a tool that runs one shape (features, batch, width, outputs)."""
+    for name, default in (("F", F), ("B", B), ("D", D), ("H", H)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+
+
 def host_us_per_call(fn: Callable, n: int) -> float:
     """Mean wall time of `n` calls of `fn` in microseconds, no synchronisation: host cost alone
     (CPU tensors, or stubbed launches)."""
@@ -151,8 +157,8 @@ def host_us_per_call(fn: Callable, n: int) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def python_calls_per_call(fn: Callable, n: int = 10) -> float:
-    """Python function calls per call of `fn` (cProfile over `n` calls, after one untimed)."""
+def profile_calls(fn: Callable, n: int = 10):
+    """`pstats.Stats` of `n` calls of `fn` under cProfile (after one call outside it)."""
     import cProfile
     import pstats
 
@@ -162,7 +168,12 @@ def python_calls_per_call(fn: Callable, n: int = 10) -> float:
     for _ in range(n):
         fn()
     pr.disable()
-    return pstats.Stats(pr).total_calls / n
+    return pstats.Stats(pr)
+
+
+def python_calls_per_call(fn: Callable, n: int = 10) -> float:
+    """Python function calls per call of `fn` (cProfile over `n` calls, after one untimed)."""
+    return profile_calls(fn, n).total_calls / n
 
 
 def no_grad_call(fn: Callable) -> Callable:

@@ -37,8 +37,8 @@ import pstats
 import torch
 
 import recfuse
-from _common import (PerSlice, device_activity, environment, loop_us, no_grad_call, op_inputs, sync,
-                     training_step_call)
+from _common import (PerSlice, add_shape_args, device_activity, environment, loop_us, no_grad_call, op_inputs,
+                     sync, training_step_call)
 from recfuse.reference import batched_ln_tanh_linear_relu
 
 log = logging.getLogger("recfuse.bench")
@@ -160,10 +160,7 @@ def build_rows(F_, B, D, H, dtype, dev="cuda"):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--F", type=int, default=16)
-    ap.add_argument("--B", type=int, default=1024)
-    ap.add_argument("--D", type=int, default=256)
-    ap.add_argument("--H", type=int, default=1)
+    add_shape_args(ap, F=16, B=1024, D=256, H=1)
     ap.add_argument("--calls", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=5,
                     help="rounds over all rows (one loop of --calls each); a row's figure is its best round")

@@ -21,15 +21,13 @@ import time
 import torch
 
 import recfuse
-from _common import PerSlice, host_us_per_call, no_grad_call, op_inputs, python_calls_per_call, training_step_call
+from _common import (PerSlice, add_shape_args, host_us_per_call, no_grad_call, op_inputs, python_calls_per_call,
+                     training_step_call)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--F", type=int, default=4)
-    ap.add_argument("--B", type=int, default=8)
-    ap.add_argument("--D", type=int, default=8)
-    ap.add_argument("--H", type=int, default=1)
+    add_shape_args(ap, F=4, B=8, D=8, H=1)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=2000, help="calls per round and wrapper (5 chunks)")
     ap.add_argument("--threads", type=int, default=1)

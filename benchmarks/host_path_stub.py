@@ -32,9 +32,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before Triton and recfuse are imported
 
 import argparse  # noqa: E402
-import cProfile  # noqa: E402
 import json  # noqa: E402
-import pstats  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -42,8 +40,8 @@ import torch  # noqa: E402
 
 import recfuse  # noqa: E402
 from recfuse.ops import _compiled_launch, launch  # noqa: E402
-from _common import (PerSlice, host_us_per_call, no_grad_call, op_inputs, python_calls_per_call,  # noqa: E402
-                     training_step_call)
+from _common import (PerSlice, add_shape_args, host_us_per_call, no_grad_call, op_inputs, profile_calls,  # noqa: E402
+                     python_calls_per_call, training_step_call)
 
 _LAUNCHES = [0]
 
@@ -94,16 +92,6 @@ def install_stub():
     _compiled_launch.CompiledLaunchCache.bind = _stub_bind
 
 
-def _profile(fn, n: int = 200, top: int = 25) -> None:
-    fn()
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(n):
-        fn()
-    pr.disable()
-    pstats.Stats(pr).sort_stats("tottime").print_stats(top)
-
-
 def build(F_: int, B: int, D: int, H: int):
     buf = op_inputs(F_, B, D, H, torch.float32, "cpu", layout="BFD", ln="per_feature").buf
     torch.manual_seed(0)
@@ -133,10 +121,7 @@ def build(F_: int, B: int, D: int, H: int):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--F", type=int, default=4)
-    ap.add_argument("--B", type=int, default=8)
-    ap.add_argument("--D", type=int, default=8)
-    ap.add_argument("--H", type=int, default=1)
+    add_shape_args(ap, F=4, B=8, D=8, H=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=2000, help="calls per round and row (5 chunks)")
     ap.add_argument("--profile", default=None, help="print a cProfile of this row (a prefix of its name)")
@@ -158,7 +143,7 @@ def main(argv=None) -> int:
     if args.profile:
         name = next(n for n in rows if n.startswith(args.profile))
         print(f"== {name}")
-        _profile(rows[name])
+        profile_calls(rows[name], 200).sort_stats("tottime").print_stats(25)
         return 0
     best = {n: float("inf") for n in rows}
     for _ in range(args.rounds):

@@ -478,22 +478,18 @@ def _read_module_attr(obj, atoms: tuple):
         if name in d:  # an instance attribute comes before nn.Module's __getattr__
             obj = d[name]
             continue
-        # nn.Module.__getattr__'s order: _parameters, _buffers, _modules. A parameter (the usual
-        # read) is found by the first lookup.
-        table = d.get("_parameters")
-        if table is not None and name in table:
-            obj = table[name]
-            continue
-        table = d.get("_buffers")
-        if table is not None and name in table:
-            obj = table[name]
-            continue
-        table = d.get("_modules")
-        if table is not None and name in table:
-            obj = table[name]
-            continue
-        obj = getattr(obj, name)  # raises nn.Module's AttributeError
+        # nn.Module.__getattr__'s order. A parameter (the usual read) is found by the first lookup.
+        for table_name in _MODULE_TABLES:
+            table = d.get(table_name)
+            if table is not None and name in table:
+                obj = table[name]
+                break
+        else:
+            obj = getattr(obj, name)  # raises nn.Module's AttributeError
     return obj
+
+
+_MODULE_TABLES = ("_parameters", "_buffers", "_modules")
 
 
 _READ_ATTR_NAME = "recfuse_fx_graph_module_read_attr"
