@@ -77,7 +77,7 @@ def shape_candidates(kind: str, p: dict, only: str, saved: dict) -> list:
     incumbent = [configs.config_from_entry(kind, e["config"], D, H, dtype, full)
                  for e in saved.get(kind, [])
                  if (e["D"], e["H"], e["dtype"], e["full_tiles"]) == (D, H, dtype_name, full)]
-    picked = [cands[0]] + [c for c in incumbent if c is not None] + [c for c in cands if getattr(c, only)]
+    picked = [cands[0]] + [c for c in incumbent if c is not None] + [c for c in cands if getattr(c, only, 0)]
     return list(dict.fromkeys(picked))
 
 
@@ -313,7 +313,7 @@ def main(argv=None) -> int:
     ap.add_argument("--save", nargs="?", const=configs.TUNED_DIR, help="write <dir>/<gpu>.json (default: the package's table dir)")
     ap.add_argument("--merge", action="store_true", help="keep the saved table's entries for shapes not in this run")
     ap.add_argument("--resume", action="store_true", help="with --merge: skip shapes the saved table has")
-    ap.add_argument("--only", default="all", choices=["all", "unroll_h", "loop_stages"],
+    ap.add_argument("--only", default="all", choices=["all", "unroll_h", "loop_stages", "col_sums", "persistent"],
                     help="time only the heuristic, the saved entry (with --merge) and the candidates that set "
                          "this knob")
     ap.add_argument("--confirm-scale", type=int, default=4,

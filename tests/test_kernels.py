@@ -126,6 +126,28 @@ def test_k_chunked_forward_matches_float64(case, changes, dtype):
     assert seen == [(16, case.D // 16)], seen
 
 
+PERSISTENT_ROW_CASES = [  # (case, block_h): the row path (no tl.dot) with persistent programs
+    (Case(2, 37, 32, 1, ln="per_feature"), 1),
+    (Case(3, 29, 48, 1, feature_dim=1, strided_view=True, ln="shared", bias="per_feature"), 1),
+    (Case(2, 45, 40, 3, per_feature_weight=True, ln="per_feature"), 4),
+    (Case(1, 64, 16, 4, ln="none", eps=0.0), 4),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case, block_h", PERSISTENT_ROW_CASES, ids=str)
+def test_persistent_row_forward_matches_float64(case, block_h, dtype):
+    # Few programs (one per SM: the interpreter counts 2), each walking several row tiles of its
+    # feature with `tl.range(num_stages=3)`; masked columns (D=40, 48) and a last tile partly past B.
+    def persistent_rows(D, H, dt, full_tiles=True):
+        return configs.ForwardConfig(8, triton.next_power_of_2(D), block_h, False, 1, persistent=1, tile_stages=3)
+
+    with configs.override(forward=persistent_rows), launch.trace_launches() as launches:
+        check_against_float64(case, dtype)
+    seen = [(grid, meta["PERSISTENT"], meta["USE_DOT"]) for kind, grid, meta, _ in launches if kind == "forward"]
+    assert len(seen) == 1 and seen[0][1:] == (True, False) and seen[0][0][0] < triton.cdiv(case.B, 8), seen
+
+
 @pytest.mark.parametrize("D, H, dtype", [(48, 16, torch.float32), (160, 8, torch.float32), (96, 64, torch.bfloat16),
                                          (64, 16, torch.float32)])
 def test_masked_tiles_take_the_chunked_forward_by_default(D, H, dtype):
@@ -503,7 +525,7 @@ def test_unrolled_small_h_backward_matches_float64_and_the_broadcast_sum(case, d
 
 PIPELINED_CASES = [
     # (case, dtype, chain, path knobs): H=1 rows (with and without per-tile column sums), the
-    # per-column H=4 product, the tl.dot path; masked columns (D=40, 48) and rows (B not a
+    # per-column H=4 and H=7 (8 columns, one padded) products, the tl.dot path; masked columns (D=40, 48) and rows (B not a
     # multiple of the tile), per-feature parameters, other chains.
     (Case(2, 37, 32, 1, ln="per_feature"), torch.float32, None, dict(use_dot=False)),
     (Case(2, 45, 48, 1, feature_dim=1, strided_view=True, ln="shared", bias="per_feature"), torch.bfloat16, None,
@@ -512,6 +534,7 @@ PIPELINED_CASES = [
      dict(use_dot=False)),
     (Case(2, 29, 40, 4, per_feature_weight=True, ln="per_feature"), torch.float32, None,
      dict(use_dot=False, unroll_h=1)),
+    (Case(1, 27, 24, 7, ln="shared", bias="per_feature"), torch.bfloat16, None, dict(use_dot=False, unroll_h=1)),
     (Case(2, 33, 32, 16, ln="per_feature", bias="per_feature"), torch.bfloat16, None, dict(use_dot=True)),
     (Case(1, 36, 32, 6, ln="none"), torch.float32, chain_of(None, "sigmoid", "relu"), dict(use_dot=True)),
 ]
@@ -522,7 +545,8 @@ PIPELINED_CASES = [
 def test_pipelined_row_loop_and_column_sums_match_float64_and_the_plain_loop(case, dtype, chain, path, saved_stats):
     # `loop_stages=3`: the row loop as `tl.range(num_stages=3)` (the interpreter runs it as a plain
     # loop: this checks the kernel's indexing and every path through it, not the pipelining), and
-    # `col_sums=1` (H = 1): gradient columns summed per tile instead of per row slot. 8- or
+    # `col_sums=1` (H = 1 and the per-column product): gradient columns summed per tile instead of
+    # per row slot. 8- or
     # 16-row tiles, one program per SM (the interpreter counts 2), so programs walk several tiles,
     # the last partly padded. Against float64 (the contract) and the plain loop (same sums, and
     # for row slots the same order: bitwise).
@@ -533,7 +557,8 @@ def test_pipelined_row_loop_and_column_sums_match_float64_and_the_plain_loop(cas
                  col_sums=0)
     plain, plain_meta = forced_backward(gy, args, case, stats, chain, **knobs)
     assert "LOOP_STAGES" not in plain_meta
-    variants = [dict(loop_stages=3)] + ([dict(loop_stages=3, col_sums=1), dict(col_sums=1)] if case.H == 1 else [])
+    sums_per_tile = case.H == 1 or path.get("unroll_h")
+    variants = [dict(loop_stages=3)] + ([dict(loop_stages=3, col_sums=1), dict(col_sums=1)] if sums_per_tile else [])
     for extra in variants:
         grads, meta = forced_backward(gy, args, case, stats, chain, **dict(knobs, **extra))
         assert meta.get("LOOP_STAGES") == extra.get("loop_stages") and bool(meta.get("COL_SUMS")) == bool(

@@ -133,7 +133,8 @@ class BackwardConfig(TileConfig):
     # next n - 1 tiles' loads in flight while one is computed); 0 a plain loop. `num_stages` is
     # the launch option, which leaves a loop whose loads feed no tl.dot unpipelined.
     loop_stages: int = 0
-    # No tl.dot, H = 1: 1 sums the gradient columns per row tile instead of in row slots.
+    # No tl.dot, H = 1 or `unroll_h`: 1 sums the gradient columns per row tile instead of in row
+    # slots (one [rows, D] slot tile per output column with `unroll_h`).
     col_sums: int = 0
 
 

@@ -612,17 +612,18 @@ def _load_bwd_tile(
 
 @triton.jit
 def _column_init(W, bias, hs, f, h: tl.constexpr, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D: tl.constexpr,
-                 BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
+                 BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, ACC_ROWS: tl.constexpr):
     """Row h of feature f's weight as fp32 [BLOCK_D] (zeros for a padded h >= H), its bias (a
-    scalar taken from the [BLOCK_H] `bias` once, not per row tile), and zeroed [BLOCK_B, BLOCK_D]
-    weight-gradient and [BLOCK_B] bias-gradient row slots of that column."""
+    scalar taken from the [BLOCK_H] `bias` once, not per row tile), and zeroed [ACC_ROWS, BLOCK_D]
+    weight-gradient (row slots, or one row of per-tile sums) and [BLOCK_B] bias-gradient row slots
+    of that column."""
     ptrs = W + f * stride_w_f + h * stride_w_h + cols
     if EVEN_D and h == 0:
         w_h = tl.load(ptrs).to(tl.float32)
     else:
         w_h = tl.load(ptrs, mask=cmask & ((cols * 0 + h) < H), other=0.0).to(tl.float32)
     b_h = tl.sum(tl.where(hs == h, bias, 0.0), axis=0)
-    return w_h, b_h, tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32), tl.zeros([BLOCK_B], dtype=tl.float32)
+    return w_h, b_h, tl.zeros([ACC_ROWS, BLOCK_D], dtype=tl.float32), tl.zeros([BLOCK_B], dtype=tl.float32)
 
 
 @triton.jit
@@ -646,12 +647,17 @@ def _column_dz(t, w_h, b_h, GY, f, h: tl.constexpr, rows64, rmask, H, stride_gy_
 @triton.jit
 def _column_step(t, dt, w_h, b_h, acc_w_h, acc_b_h, GY, f, h: tl.constexpr, rows64, rmask, H,
                  stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT: tl.constexpr, FAST_TANH: tl.constexpr,
-                 EVEN_B: tl.constexpr):
+                 EVEN_B: tl.constexpr, SUM_PER_TILE: tl.constexpr):
     """One output column of a row tile: dt += dz[:, h] w[h], and dz[:, h] added into that column's
-    weight- and bias-gradient row slots (summed over rows once, after the row loop)."""
+    weight- and bias-gradient row slots (summed over rows once, after the row loop), or with
+    SUM_PER_TILE its weight-gradient column summed over the tile's rows now."""
     dz_h = _column_dz(t, w_h, b_h, GY, f, h, rows64, rmask, H, stride_gy_f, stride_gy_b, stride_gy_h,
                       OUT_ACT, FAST_TANH, EVEN_B)
-    return dt + dz_h[:, None] * w_h[None, :], acc_w_h + dz_h[:, None] * t, acc_b_h + dz_h
+    if SUM_PER_TILE:
+        acc_w_h += tl.sum(dz_h[:, None] * t, axis=0, keep_dims=True)
+    else:
+        acc_w_h += dz_h[:, None] * t
+    return dt + dz_h[:, None] * w_h[None, :], acc_w_h, acc_b_h + dz_h
 
 
 @triton.jit
@@ -694,8 +700,9 @@ def ln_tanh_linear_relu_bwd(
     # LOOP_STAGES (None: a plain loop): Triton's software pipelining of the row loop, the loads of
     # the next LOOP_STAGES - 1 tiles in flight (shared memory) while this one is computed. The
     # launch's num_stages does not pipeline a loop whose loads feed no tl.dot; `tl.range` does.
-    # COL_SUMS (no tl.dot, H = 1): the gradient columns summed per tile (one cross-warp reduction
-    # a tile) instead of [BLOCK_B, BLOCK_D] row slots, whose registers cap the programs per SM.
+    # COL_SUMS (no tl.dot; H = 1 or UNROLL_H): the gradient columns summed per tile (one cross-warp
+    # reduction a tile and column) instead of [BLOCK_B, BLOCK_D] row slots (one per output column
+    # with UNROLL_H), whose registers cap the programs per SM.
     # PARTIAL row of this program: [H*D weight | H bias | D ln_weight | D ln_bias], fp32.
     pid_p = tl.program_id(0)
     f = tl.program_id(1).to(tl.int64)
@@ -727,26 +734,31 @@ def ln_tanh_linear_relu_bwd(
     bias = tl.zeros([BLOCK_H], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
+    # Column sums over rows are kept per row slot ([BLOCK_B, BLOCK_D], elementwise adds) and
+    # reduced once after the loop, or summed per tile (SUM_PER_TILE): the tl.dot path (see below),
+    # and COL_SUMS without it, where the slots' registers would cap the programs per SM.
+    SUM_PER_TILE: tl.constexpr = USE_DOT or (COL_SUMS and (BLOCK_H == 1 or UNROLL_H))
+    ACC_ROWS: tl.constexpr = 1 if SUM_PER_TILE else BLOCK_B
     if UNROLL_H:
         # Column h's weight row and bias, and its weight-gradient and bias-gradient row slots.
         w_0, b_0, acc_w_0, acc_b_0 = _column_init(W, bias, hs, f, 0, stride_w_f, stride_w_h, cols, cmask, H,
-                                                    EVEN_D, BLOCK_B, BLOCK_D)
+                                                    EVEN_D, BLOCK_B, BLOCK_D, ACC_ROWS)
         w_1, b_1, acc_w_1, acc_b_1 = _column_init(W, bias, hs, f, 1, stride_w_f, stride_w_h, cols, cmask, H,
-                                                    EVEN_D, BLOCK_B, BLOCK_D)
+                                                    EVEN_D, BLOCK_B, BLOCK_D, ACC_ROWS)
         if BLOCK_H > 2:
             w_2, b_2, acc_w_2, acc_b_2 = _column_init(W, bias, hs, f, 2, stride_w_f, stride_w_h, cols, cmask, H,
-                                                        EVEN_D, BLOCK_B, BLOCK_D)
+                                                        EVEN_D, BLOCK_B, BLOCK_D, ACC_ROWS)
             w_3, b_3, acc_w_3, acc_b_3 = _column_init(W, bias, hs, f, 3, stride_w_f, stride_w_h, cols, cmask, H,
-                                                        EVEN_D, BLOCK_B, BLOCK_D)
+                                                        EVEN_D, BLOCK_B, BLOCK_D, ACC_ROWS)
         if BLOCK_H > 4:
             w_4, b_4, acc_w_4, acc_b_4 = _column_init(W, bias, hs, f, 4, stride_w_f, stride_w_h, cols, cmask, H,
-                                                        EVEN_D, BLOCK_B, BLOCK_D)
+                                                        EVEN_D, BLOCK_B, BLOCK_D, ACC_ROWS)
             w_5, b_5, acc_w_5, acc_b_5 = _column_init(W, bias, hs, f, 5, stride_w_f, stride_w_h, cols, cmask, H,
-                                                        EVEN_D, BLOCK_B, BLOCK_D)
+                                                        EVEN_D, BLOCK_B, BLOCK_D, ACC_ROWS)
             w_6, b_6, acc_w_6, acc_b_6 = _column_init(W, bias, hs, f, 6, stride_w_f, stride_w_h, cols, cmask, H,
-                                                        EVEN_D, BLOCK_B, BLOCK_D)
+                                                        EVEN_D, BLOCK_B, BLOCK_D, ACC_ROWS)
             w_7, b_7, acc_w_7, acc_b_7 = _column_init(W, bias, hs, f, 7, stride_w_f, stride_w_h, cols, cmask, H,
-                                                        EVEN_D, BLOCK_B, BLOCK_D)
+                                                        EVEN_D, BLOCK_B, BLOCK_D, ACC_ROWS)
     acc_w = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     acc_b_rows = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
     # Column sums over rows are kept per row slot ([BLOCK_B, BLOCK_D], elementwise adds) and
@@ -757,8 +769,6 @@ def ln_tanh_linear_relu_bwd(
     # weight and its accumulator cost registers, and a dot tile is long enough to pay for one
     # cross-warp reduction (H100, F=64 x 256 MB, 32-row tiles: bf16 D=256 H=16 1197 -> 758 us,
     # D=64 1061 -> 796 us, fp32 D=128 787 -> 705 us; benchmarks/NOTES.md).
-    SUM_PER_TILE: tl.constexpr = USE_DOT or (COL_SUMS and BLOCK_H == 1 and not UNROLL_H)
-    ACC_ROWS: tl.constexpr = 1 if SUM_PER_TILE else BLOCK_B
     acc_lnw_rows = tl.zeros([ACC_ROWS, BLOCK_D], dtype=tl.float32)
     acc_lnb_rows = tl.zeros([ACC_ROWS, BLOCK_D], dtype=tl.float32)
     row_start = pid_p * rows_per_program
@@ -805,23 +815,31 @@ def ln_tanh_linear_relu_bwd(
         if UNROLL_H:
             dt = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
             dt, acc_w_0, acc_b_0 = _column_step(t, dt, w_0, b_0, acc_w_0, acc_b_0, GY, f, 0, rows64, rmask, H,
-                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B,
+                                                    SUM_PER_TILE)
             dt, acc_w_1, acc_b_1 = _column_step(t, dt, w_1, b_1, acc_w_1, acc_b_1, GY, f, 1, rows64, rmask, H,
-                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B,
+                                                    SUM_PER_TILE)
             if BLOCK_H > 2:
                 dt, acc_w_2, acc_b_2 = _column_step(t, dt, w_2, b_2, acc_w_2, acc_b_2, GY, f, 2, rows64, rmask, H,
-                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B,
+                                                    SUM_PER_TILE)
                 dt, acc_w_3, acc_b_3 = _column_step(t, dt, w_3, b_3, acc_w_3, acc_b_3, GY, f, 3, rows64, rmask, H,
-                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B,
+                                                    SUM_PER_TILE)
             if BLOCK_H > 4:
                 dt, acc_w_4, acc_b_4 = _column_step(t, dt, w_4, b_4, acc_w_4, acc_b_4, GY, f, 4, rows64, rmask, H,
-                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B,
+                                                    SUM_PER_TILE)
                 dt, acc_w_5, acc_b_5 = _column_step(t, dt, w_5, b_5, acc_w_5, acc_b_5, GY, f, 5, rows64, rmask, H,
-                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B,
+                                                    SUM_PER_TILE)
                 dt, acc_w_6, acc_b_6 = _column_step(t, dt, w_6, b_6, acc_w_6, acc_b_6, GY, f, 6, rows64, rmask, H,
-                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B,
+                                                    SUM_PER_TILE)
                 dt, acc_w_7, acc_b_7 = _column_step(t, dt, w_7, b_7, acc_w_7, acc_b_7, GY, f, 7, rows64, rmask, H,
-                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B)
+                                                    stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B,
+                                                    SUM_PER_TILE)
         else:
             if SPLIT16:
                 t0, t1, t2 = _split16(t, BWD_DOT_DTYPE, T_PARTS)

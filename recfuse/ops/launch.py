@@ -541,7 +541,7 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
     if not chunked:
         if cfg.loop_stages > 0 and B > 0:
             meta["LOOP_STAGES"] = cfg.loop_stages
-        if cfg.col_sums and not cfg.use_dot and cfg.block_h == 1:
+        if cfg.col_sums and not cfg.use_dot and (cfg.block_h == 1 or meta.get("UNROLL_H")):
             meta["COL_SUMS"] = True
     per_feature = (weight.dim() == 3,
                    bias is not None and bias.dim() == 2,

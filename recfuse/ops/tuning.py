@@ -38,6 +38,14 @@ def forward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Forwa
         per_thread = block_b * block_d * row_block_h / (warps * 32)
         if H <= 4 and 4 <= per_thread <= 16 and block_b * block_d * row_block_h <= 2 * configs.TILE_BUDGET:
             out.append(configs.ForwardConfig(block_b, block_d, row_block_h, False, warps))
+    if H <= 4:
+        # the row path persistent: programs walk row tiles with the next tiles' loads in flight
+        # (`tl.range(num_stages=tile_stages)`), as the pipelined backward does; 16-32 programs a SM
+        for block_b, warps, persistent, stages in itertools.product((2, 4, 8, 16, 32), (1, 2, 4), (16, 32), (2, 3)):
+            per_thread = block_b * block_d * row_block_h / (warps * 32)
+            if 8 <= per_thread <= 32 and block_b * block_d * row_block_h <= 2 * configs.TILE_BUDGET:
+                out.append(configs.ForwardConfig(block_b, block_d, row_block_h, False, warps, persistent=persistent,
+                                                 tile_stages=stages))
     if 2 <= H <= 16:
         # one output column at a time (`ForwardConfig.unroll_h`): a row reduction per column
         for block_b, warps in itertools.product((4, 8, 16, 32, 64), (1, 2, 4, 8)):
@@ -93,11 +101,11 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
             # H=1 1477-1688 us against 825-843 with 32; results/checks/ab_h1_bwd_sizes_h100.json)
             for block_b, warps, stages, pps in itertools.product((4, 8, 16, 32, 64, 128), (2, 4, 8), (2, 3),
                                                                  (32, 64)):
-                per_thread = block_b * base.block_d / (32 * warps)  # H > 1 holds H row slots too
-                if not ((4 if H == 1 else 2) <= per_thread <= (32 if H == 1 else 16)) or (
-                        block_b * base.block_d > NARROW_TILE):
+                per_thread = block_b * base.block_d / (32 * warps)
+                if not ((4 if H == 1 else 2) <= per_thread <= 32) or block_b * base.block_d > NARROW_TILE:
                     continue
-                for col_sums in ((0, 1) if H == 1 else (0,)):
+                # H > 1 with row slots holds one slot tile per output column: half the tile
+                for col_sums in ((0, 1) if H == 1 or per_thread <= 16 else (1,)):
                     cfg = configs.heuristic_backward(D, H, dtype, use_dot=False, block_b=block_b, num_warps=warps,
                                                      num_stages=1, programs_per_sm=pps, block_k=0,
                                                      unroll_h=int(H > 1), loop_stages=stages, col_sums=col_sums)
