@@ -291,7 +291,12 @@ def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress, only: s
                             config=best["config"], us=best["us"], pct_floor=100 * floors[kind] / best["us"],
                             **({"confirm_us": best["confirm_us"], "confirm_scale": confirm_scale}
                                if "confirm_us" in best else {}),
-                            heuristic_us=base.get("us"), candidates=len(rows),
+                            heuristic_us=base.get("us"),
+                            # the runners-up at both sizes: why the winner won (not read by recfuse)
+                            finalists=[dict(config=r["config"], us=round(r["us"], 1),
+                                            confirm_us=round(r["confirm_us"], 1))
+                                       for r in timed[1:finalists] if "confirm_us" in r],
+                            candidates=len(rows),
                             rejected=sum(1 for r in rows if "rejected" in r)))
     del t, ref, scaled
     if torch.cuda.is_available():

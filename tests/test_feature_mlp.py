@@ -322,3 +322,29 @@ def test_empty_and_one_wide_inputs_in_the_kernels(chain, shape, feature_dim):
         assert out.shape == want.shape
         if out.numel():
             assert rel_err(out, want) < tol
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B", [1000, 4096])
+@pytest.mark.parametrize("D, H", [(32, 1), (160, 1), (256, 1), (64, 4), (160, 3), (256, 4), (512, 4)])
+def test_pipelined_row_paths_on_cuda_match_float64(D, H, B, dtype):
+    """The row paths with their loops pipelined, forced: the persistent forward (programs walking
+    row tiles with 3 in flight) and the backward's per-column product (H > 1) or row path (H = 1)
+    with per-tile column sums, 2 warps, 32 programs a SM. The GPU compiles pipelined loops to
+    other code than the interpreter runs."""
+    def persistent_rows(D, H, dtype, full_tiles):
+        block_d, block_h = triton.next_power_of_2(D), min(triton.next_power_of_2(H), 4)
+        return configs.ForwardConfig(max(1, 1024 // (block_d * block_h)), block_d, block_h, False, 1,
+                                     persistent=32, tile_stages=3)
+
+    def column_sums(D, H, dtype):
+        block_b = max(2, 1024 // triton.next_power_of_2(D))
+        return configs.heuristic_backward(D, H, dtype, use_dot=False, unroll_h=int(H > 1), block_b=block_b,
+                                          num_warps=2, programs_per_sm=32, loop_stages=3, col_sums=1)
+
+    case = Case(F=3, B=B, D=D, H=H, feature_dim=1, strided_view=True, ln="per_feature")
+    with configs.override(forward=persistent_rows, backward=column_sums), launch.trace_launches() as launches:
+        check_against_float64(case, dtype, device="cuda")
+    metas = {kind: meta for kind, _, meta, _ in launches}
+    assert metas["forward"]["PERSISTENT"] and metas["backward"].get("COL_SUMS"), metas

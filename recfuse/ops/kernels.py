@@ -62,9 +62,35 @@ def _tanh_approx(a):
 
 
 @triton.jit
+def _tanh_mufu(a):
+    # `_tanh` with its exp and divide as one MUFU instruction each (CUDA only: inline PTX).
+    # Triton's fp32 exp and `/` guard denormal and huge operands (4 and 5 extra instructions),
+    # which these operands never are: 2|a| log2(e) <= 0 (a result below 2^-126 flushes to 0, so
+    # tanh is 1) and 1 + e is in [1, 2]. ex2.approx.ftz is within 2 ulp, rcp.approx.ftz 1 ulp:
+    # the accuracy of Triton's forms (2 ulp `/`). The fp32 forward is instruction-bound (H200
+    # ncu, D=256 H=1: issue slots 88% busy, DRAM 48%; results/checks/ncu_fwd_h200.txt) and the
+    # exact tanh was ~22 of its ~40 instructions an element (sm_90 SASS).
+    e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [tl.abs(a) * -2.8853900817779268],
+                                  dtype=tl.float32, is_pure=True, pack=1)
+    r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e], dtype=tl.float32,
+                                  is_pure=True, pack=1)
+    t = (1.0 - e) * r
+    t = tl.where(a < 0, -t, t)
+    a2 = a * a
+    p = -17.0 / 315.0
+    p = p * a2 + 2.0 / 15.0
+    p = p * a2 - 1.0 / 3.0
+    return tl.where(a2 < 0.00390625, a + a * (a2 * p), t)
+
+
+@triton.jit
 def _tanh_of(a, FAST_TANH: tl.constexpr):
-    if FAST_TANH:
+    # FAST_TANH (`launch._tanh_mode`): 0 the portable exact form, 1 the MUFU tanh (16-bit
+    # outputs), 2 the exact form on MUFU exp and reciprocal (fp32 on CUDA).
+    if FAST_TANH == 1:
         return _tanh_approx(a)
+    if FAST_TANH == 2:
+        return _tanh_mufu(a)
     return _tanh(a)
 
 
@@ -78,7 +104,7 @@ def _sigmoid(a):
 def _sigmoid_of(a, FAST_TANH: tl.constexpr):
     # 16-bit outputs: 1/2 + tanh(a/2)/2 on the MUFU tanh (error ~2^-12, under bf16/fp16 rounding)
     # instead of an exp and an IEEE divide: 16-bit forwards are instruction-bound.
-    if FAST_TANH:
+    if FAST_TANH == 1:
         return 0.5 + 0.5 * _tanh_approx(0.5 * a)
     return _sigmoid(a)
 
@@ -95,7 +121,7 @@ def _activate(a, ACT: tl.constexpr, FAST_TANH: tl.constexpr):
     elif ACT == 3:
         r = tl.where(a < 0.0, 0.0, a)  # keeps NaN, as torch.relu does (tl.maximum would not)
     elif ACT == 4:
-        if FAST_TANH:
+        if FAST_TANH == 1:
             # 16-bit outputs: the erf form through the tanh form on the MUFU tanh. They differ by
             # < 5e-4 absolute (< 2e-4 relative), under bf16's and fp16's rounding of the result;
             # libdevice erf made the bf16 forward 2.7x slower than tanh's (H100, D=256 H=1).

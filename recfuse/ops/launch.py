@@ -76,15 +76,22 @@ def _fp32_dot_precision(device_type: str) -> str:
     return "ieee" if device_type == "cpu" else _FP32_DOT_PRECISION
 
 
-def _fast_tanh(dtype: torch.dtype, device_type: str, backward: bool = False) -> bool:
-    """MUFU tanh.approx for 16-bit inputs on CUDA; fp32 keeps the exact exp form (1e-5 target).
+def _tanh_mode(dtype: torch.dtype, device_type: str, backward: bool = False, exact: bool = False) -> int:
+    """The kernels' FAST_TANH: which tanh (and 16-bit sigmoid / gelu) form they compile.
+
+    1: MUFU tanh.approx, for 16-bit inputs on CUDA. 2: the exact exp form with its exp and
+    divide as single MUFU instructions (`kernels._tanh_mufu`), fp32 on CUDA (1e-5 target), and
+    wherever ``exact`` asks for the exact form on CUDA. 0: the portable exact form (CPU,
+    the interpreter).
 
     The fp16 backward keeps the exact form too: dx is a cancelling projection that amplifies
     the approximation's ~5e-4 relative error past fp16's budget (measured at H=64 on the H100).
     """
-    if backward and dtype == torch.float16:
-        return False
-    return device_type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    if device_type != "cuda":
+        return 0
+    if exact or (backward and dtype == torch.float16):
+        return 2
+    return 1 if dtype in (torch.bfloat16, torch.float16) else 2
 
 
 def _bwd_dot_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, fp32_dots: str = "tf32x3"):
@@ -304,7 +311,7 @@ def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, s
     meta = dict(
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
         NORM=norm, ACT=act, OUT_ACT=out_act,
-        USE_DOT=cfg.use_dot, **_dot_args(x.dtype, dev.type), FAST_TANH=_fast_tanh(x.dtype, dev.type),
+        USE_DOT=cfg.use_dot, **_dot_args(x.dtype, dev.type), FAST_TANH=_tanh_mode(x.dtype, dev.type),
         SAVE_STATS=save_stats, EVEN_D=even_d, EVEN_B=even_b, X_EVICT=cfg.x_evict,
         PERSISTENT=persistent, TILE_STAGES=cfg.tile_stages,
         BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
@@ -521,10 +528,11 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
         USE_DOT=cfg.use_dot, BWD_DOT_PRECISION=_fp32_dot_precision(dev.type) if fp32_dots != "ieee" else "ieee",
         BWD_DOT_DTYPE=_bwd_dot_dtype(x.dtype, weight.dtype, fp32_dots), DOT_UPCAST=dev.type == "cpu",
         **_bwd_splits(x.dtype, fp32_dots, chain.out_activation),
-        # Not for gelu: its fast form (the tanh form) is biased by up to 5e-4, and recomputing
-        # z with it flipped relu masks of the exact chain: dW 1e-2 off float64 in bf16 on the H100.
-        FAST_TANH=_fast_tanh(x.dtype, dev.type, backward=True) and "gelu" not in (chain.activation,
-                                                                                  chain.out_activation),
+        # Not the approximation for gelu: its fast form (the tanh form) is biased by up to 5e-4, and
+        # recomputing z with it flipped relu masks of the exact chain: dW 1e-2 off float64 in bf16
+        # on the H100.
+        FAST_TANH=_tanh_mode(x.dtype, dev.type, backward=True,
+                             exact="gelu" in (chain.activation, chain.out_activation)),
         LOAD_STATS=stats is not None,
         # The K-chunked kernel walks chunks up to D: its columns are all real when D is a whole
         # number of chunks.
