@@ -56,6 +56,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -257,6 +258,17 @@ def table(points: list[dict], env: dict) -> str:
     return "\n".join(lines)
 
 
+def x_and_y_bytes(p: dict) -> int:
+    """Bytes of x (so of x.grad) and of the output y at a grid point.
+
+    Example:
+        >>> x_and_y_bytes(dict(F=2, B=4, D=8, H=1, dtype="fp32"))
+        288
+    """
+    itemsize = DTYPES[p["dtype"]].itemsize
+    return p["F"] * p["B"] * (p["D"] + p["H"]) * itemsize
+
+
 def targets_summary(points: list[dict]) -> list[str]:
     """DESIGN.md targets: fwd >= 90% and train >= 80% of floor (x >= 64 MB; H <= 16 fp32, <= 64 16-bit)."""
     scope = [p for p in points if p["x_MB"] >= 64 and p["H"] <= (16 if p["dtype"] == "fp32" else 64)]
@@ -269,6 +281,22 @@ def targets_summary(points: list[dict]) -> list[str]:
              f"D={worst['D']} H={worst['H']}") if worst else ""
         out.append(f"target {key} >= {goal}%: {len(ok)}/{len(got)} measured points in scope "
                    f"(x >= 64 MB, H <= 16 fp32 / 64 16-bit){w}")
+    for dt in dict.fromkeys(p["dtype"] for p in scope):
+        got = [p for p in scope if p["dtype"] == dt and "train_pct_floor" in p and "fwd_pct_floor" in p]
+        if got:
+            med = lambda key: statistics.median(p[key] for p in got)  # noqa: E731
+            out.append(f"in scope, {dt}: forward median {med('fwd_pct_floor'):.0f}% (worst "
+                       f"{min(p['fwd_pct_floor'] for p in got):.0f}%), training median {med('train_pct_floor'):.0f}% "
+                       f"(worst {min(p['train_pct_floor'] for p in got):.0f}%) of the floor, {len(got)} points")
+    # Extra peak memory of a step <= bytes(x) + O(F*B): what the step allocates beyond x.grad and
+    # the output y (the caller's grad_y is allocated before it), per (feature, row).
+    beyond = [(p, (p["train_extra_peak_MB"] * 2**20 - x_and_y_bytes(p)) / (p["F"] * p["B"]))
+              for p in points if p.get("train_extra_peak_MB") is not None]
+    if beyond:
+        p, most = max(beyond, key=lambda pb: pb[1])
+        out.append(f"extra peak of a training step beyond x.grad and y: at most {most:.0f} bytes per "
+                   f"(feature, row) over {len(beyond)} points (at {p['layout']} {p['dtype']} {p['affine']} "
+                   f"D={p['D']} H={p['H']})")
     peers = [p for p in points if p.get("train_speedup_vs_peer")]
     if peers:
         ok = [p for p in peers if p["train_speedup_vs_peer"] >= 2]
