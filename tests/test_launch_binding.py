@@ -155,3 +155,39 @@ def test_cuda_training_steps_launch_bound_kernels_and_match_float64(D, H, dtype)
     for name, a, r in zip(("y", "x", "w", "b", "ln_w", "ln_b"), [y] + got, [y_ref] + grads_ref):
         err = ((a.double() - r).abs().max() / r.abs().max().clamp_min(1e-12)).item()
         assert err < tol, (name, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tanh_mode_per_device_dtype_and_chain(dtype):
+    # 0 (portable exact form) off CUDA: the interpreter cannot run the MUFU forms' inline PTX.
+    # 1 (MUFU tanh.approx) only for 16-bit values on CUDA, never where the exact form is asked
+    # for (gelu) nor in the fp16 backward; every other CUDA case the exact form on MUFU ex2/rcp (2).
+    assert {launch._tanh_mode(dtype, "cpu", backward=b, exact=e) for b in (False, True) for e in (False, True)} == {0}
+    sixteen = dtype != torch.float32
+    assert launch._tanh_mode(dtype, "cuda") == (1 if sixteen else 2)
+    assert launch._tanh_mode(dtype, "cuda", backward=True) == (1 if dtype == torch.bfloat16 else 2)
+    assert launch._tanh_mode(dtype, "cuda", exact=True) == 2
+    assert launch._tanh_mode(dtype, "cuda", backward=True, exact=True) == 2
+
+
+def test_gelu_chains_ask_the_backward_for_the_exact_tanh(monkeypatch):
+    # The backward's plan: the approximate tanh would flip relu masks of a gelu chain (dW 1e-2 off
+    # float64 in bf16 on the H100); planned as for a CUDA device by answering for its device type.
+    from recfuse.chain import Chain
+    seen = []
+    real = launch._tanh_mode
+
+    def as_on_cuda(dtype, device_type, backward=False, exact=False):
+        seen.append((backward, exact))
+        return real(dtype, "cuda", backward, exact)
+
+    monkeypatch.setattr(launch, "_tanh_mode", as_on_cuda)
+    x = torch.randn(2, 8, 16, dtype=torch.bfloat16)
+    w = torch.randn(1, 16, dtype=torch.bfloat16)
+    for chain in (Chain("layer_norm", "gelu", "relu"), Chain("layer_norm", "tanh", "relu")):
+        launch._BACKWARD_PLANS.clear()
+        plan = launch.backward_plan(torch.randn(2, 8, 1, dtype=torch.bfloat16), x, w, None, None, None, 1e-5, 0,
+                                    chain=chain)
+        assert plan.meta["FAST_TANH"] == (2 if chain.activation == "gelu" else 1), plan.meta["FAST_TANH"]
+    launch._BACKWARD_PLANS.clear()
+    assert (True, True) in seen and (True, False) in seen, seen
