@@ -35,22 +35,27 @@ import triton.language as tl
 
 
 @triton.jit
-def _tanh(a):
-    # tanh from exp of a non-positive argument: no overflow, exact sign, and portable to the
-    # interpreter (libdevice is CUDA-only). Near 0, 1 - e cancels: its absolute error is an ulp
-    # of 1, a relative error of ~6e-8 / |2a| (3e-4 at |a| = 1e-4, as small LayerNorm weights
-    # give), so |a| < 1/16 takes the odd Taylor series to a^7 instead (truncation error
-    # < 1e-11 relative there; from 1/16 on the exp form is within ~5e-7). Three FMAs: on the
-    # H100 the series to a^11 below 0.25 cost 4% of the fp32 forward (413 vs 398 us at
-    # F=128 B=8192 D=256 H=1, results/checks/gpu_trust_h100.txt).
-    e = tl.exp(-2.0 * tl.abs(a))
-    t = (1.0 - e) / (1.0 + e)
+def _tanh_signed(a, t):
+    """tanh(a) from t = (1 - e) / (1 + e), e = exp(-2|a|) (tanh |a|): t with a's sign, and for
+    |a| < 1/16 the odd Taylor series to a^7 instead. Near 0, 1 - e cancels: its absolute error is
+    an ulp of 1, a relative error of ~6e-8 / |2a| (3e-4 at |a| = 1e-4, as small LayerNorm weights
+    give); the series' truncation error is < 1e-11 relative there, and from 1/16 on the exp form is
+    within ~5e-7. Three FMAs: on the H100 the series to a^11 below 0.25 cost 4% of the fp32 forward
+    (413 vs 398 us at F=128 B=8192 D=256 H=1, results/checks/gpu_trust_h100.txt)."""
     t = tl.where(a < 0, -t, t)
     a2 = a * a
     p = -17.0 / 315.0
     p = p * a2 + 2.0 / 15.0
     p = p * a2 - 1.0 / 3.0
     return tl.where(a2 < 0.00390625, a + a * (a2 * p), t)
+
+
+@triton.jit
+def _tanh(a):
+    # tanh from exp of a non-positive argument: no overflow, exact sign, and portable to the
+    # interpreter (libdevice is CUDA-only).
+    e = tl.exp(-2.0 * tl.abs(a))
+    return _tanh_signed(a, (1.0 - e) / (1.0 + e))
 
 
 @triton.jit
@@ -74,13 +79,7 @@ def _tanh_mufu(a):
                                   dtype=tl.float32, is_pure=True, pack=1)
     r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e], dtype=tl.float32,
                                   is_pure=True, pack=1)
-    t = (1.0 - e) * r
-    t = tl.where(a < 0, -t, t)
-    a2 = a * a
-    p = -17.0 / 315.0
-    p = p * a2 + 2.0 / 15.0
-    p = p * a2 - 1.0 / 3.0
-    return tl.where(a2 < 0.00390625, a + a * (a2 * p), t)
+    return _tanh_signed(a, (1.0 - e) * r)
 
 
 @triton.jit
