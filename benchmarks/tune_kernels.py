@@ -33,13 +33,13 @@ import subprocess
 import sys
 import time
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import triton
 
 from _common import copy_bandwidth, do_bench_us, environment, perf_counter_us
-from recfuse.ops import autotune, configs, launch
+from recfuse.ops import autotune, configs, launch, tuning
 from recfuse.ops.tuning import NARROW_TILE, backward_candidates, forward_candidates  # noqa: F401
 from recfuse.ops.composite import composite_backward
 from recfuse.chain import chain_of
@@ -208,33 +208,6 @@ class _ScaledInputs:
         return self.bench(fn)
 
 
-def confirm_at_scale(timed: list[dict], time_at_scale: Callable[[dict], float], finalists: int) -> list[dict]:
-    """`timed` (rows sorted by their time at the tuned size) re-ordered by how its `finalists`
-    fastest do at a larger size too: by each finalist's worse ratio to the fastest finalist at
-    either size (``time_at_scale(config entry)`` gives its time there, kept as "confirm_us"); the
-    other rows follow as they were.
-
-    A winner at one size need not be one at another: on the H100 the pipelined H = 1 backward with
-    16 programs per SM won at x 256 MB (222 us against 241 with 32) and collapsed at 1 GB (1477-1688
-    us against 825-843; benchmarks/results/checks/ab_h1_bwd_sizes_h100.json).
-
-    Example:
-        >>> rows = [{"config": "a", "us": 1.0}, {"config": "b", "us": 1.1}, {"config": "c", "us": 3.0}]
-        >>> at_4x = {"a": 9.0, "b": 4.0}
-        >>> [r["config"] for r in confirm_at_scale(rows, at_4x.get, finalists=2)]
-        ['b', 'a', 'c']
-    """
-    head, tail = timed[:finalists], timed[finalists:]
-    if len(head) < 2:
-        return timed
-    for row in head:
-        row["confirm_us"] = time_at_scale(row["config"])
-    fastest = min(r["us"] for r in head)
-    fastest_confirm = min(r["confirm_us"] for r in head)
-    head.sort(key=lambda r: max(r["us"] / fastest, r["confirm_us"] / fastest_confirm))
-    return head + tail
-
-
 def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress, only: str = "all",
                saved: Optional[dict] = None, confirm_scale: int = 4, finalists: int = 4) -> list[dict]:
     D, H, dtype = p["D"], p["H"], DTYPES[p["dtype"]]
@@ -272,7 +245,7 @@ def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress, only: s
             progress()
         timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
         if confirm_scale > 1:
-            timed = confirm_at_scale(timed, lambda entry: scaled.time(kind, entry), finalists)
+            timed = tuning.confirm_at_scale(timed, lambda row: scaled.time(kind, row["config"]), finalists)
         # The winner must also be right with padded rows (B = 1000, not a multiple of its tiles):
         # the timed shape's B is, and masked tiles compile to other code (a 32-row bf16 broadcast-sum
         # tile was right at full tiles and gave dx 3.0 off float64 at B = 1000 on the H100).

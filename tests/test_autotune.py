@@ -18,8 +18,9 @@ from op_cases import Case, check_against_float64
 from recfuse.ops import autotune, configs, launch
 
 F32 = torch.float32
-# tiny: x is 2 x 64 x 16 fp32 (8 KB); the masked check 2 x 40 rows
-TINY = dict(features=2, batch=64, masked_features=2, masked_batch=40)
+# tiny: x is 2 x 64 x 16 fp32 (8 KB); the masked check 2 x 40 rows; the finalists' second size
+# off (`test_finalists_are_ranked_at_both_sizes` turns it on)
+TINY = dict(features=2, batch=64, masked_features=2, masked_batch=40, confirm_scale=1)
 
 
 @pytest.fixture
@@ -130,6 +131,54 @@ def test_wrong_or_failing_candidates_are_never_written(cache, monkeypatch):
     os.remove(configs.cache_path("cpu"))
     assert autotune.tune_shape("forward", 16, 1, F32, "cpu", cands=[wrong], bench=bench, **TINY) is None
     assert not os.path.exists(configs.cache_path("cpu"))
+
+
+@pytest.mark.interpret
+def test_finalists_are_ranked_at_both_sizes(cache, monkeypatch):
+    """The fastest at the tuned batch collapses at 4x the batch (as 16 programs per SM did on the
+    H100): the one best at both sizes is written, with its time there; past the finalists nothing
+    is timed again, and a finalist that fails at the larger size counts as infinitely slow."""
+    heuristic = configs.heuristic_forward(16, 1, F32)
+    fast_small = dataclasses.replace(heuristic, block_b=16)
+    steady = dataclasses.replace(heuristic, block_b=8)
+    fails_large = dataclasses.replace(heuristic, block_b=32)
+    slow = dataclasses.replace(heuristic, block_b=2)
+    B = TINY["batch"]
+    times = {(heuristic, B): 50.0, (fast_small, B): 1.0, (steady, B): 1.1, (fails_large, B): 0.9,
+             (slow, B): 60.0, (heuristic, 4 * B): 200.0, (fast_small, 4 * B): 9.0, (steady, 4 * B): 4.0}
+    call = autotune._call
+    timed_at = []
+
+    def tagged_call(kind, t, cfg, stats):
+        batch = t["x"].shape[0]
+        if cfg == fails_large and batch == 4 * B:
+            raise RuntimeError("out of resources")
+        fn = call(kind, t, cfg, stats)
+        tagged = lambda: fn()  # noqa: E731
+        tagged.key = (cfg, batch)
+        return tagged
+
+    def bench(fn):
+        key = getattr(fn, "key", None)
+        if key is None:
+            return 10.0  # the copy
+        timed_at.append(key)
+        return times[key]
+
+    monkeypatch.setattr(autotune, "_call", tagged_call)
+    cands = [heuristic, fast_small, steady, fails_large, slow]
+    entry = autotune.tune_shape("forward", 16, 1, F32, "cpu", cands=cands, bench=bench,
+                                **dict(TINY, confirm_scale=4), finalists=4)
+    assert configs.config_from_entry("forward", entry["config"], 16, 1, F32) == steady
+    assert entry["us"] == 1.1 and entry["confirm_us"] == 4.0 and entry["confirm_scale"] == 4
+    # the 4 fastest at the tuned batch, and only they, timed at 4x (slow is not a finalist)
+    at_4x = [k for k in timed_at if k[1] == 4 * B]
+    assert len(at_4x) == 3 and {c for c, _ in at_4x} == {fast_small, steady, heuristic}, timed_at
+    # off: the tuned batch alone decides (fails_large, fastest there, is written)
+    os.remove(configs.cache_path("cpu"))
+    entry = autotune.tune_shape("forward", 16, 1, F32, "cpu", cands=cands[:4], bench=bench, **TINY)
+    assert configs.config_from_entry("forward", entry["config"], 16, 1, F32) == fails_large
+    assert "confirm_us" not in entry
 
 
 @pytest.mark.interpret

@@ -17,7 +17,10 @@ the first launch plan) of a (kind, D, H, dtype) on a CUDA device tunes it, unles
 * each candidate runs once, is checked against the float64 composite (relative error in norm under
   `TOLERANCE`; grad_y zeroed where the float64 z is within `RELU_TIE` of 0, as the CLI tuner
   does), then timed with ``triton.testing.do_bench``; one that fails to compile or to check is
-  dropped. The fastest must also be right at a masked batch (F=3, B=1000), else the next one;
+  dropped. The `FINALISTS` fastest are timed again at `CONFIRM_SCALE` times the batch (x about
+  256 MB) and ranked by their worse ratio to the best at either size (`tuning.confirm_at_scale`,
+  as the CLI tuner ranks); the first in that order must also be right at a masked batch (F=3,
+  B=1000), else the next one;
 * the winner goes into the cache file (same schema as `tuned/<gpu>.json`), merged with what the
   file holds (another process may have written it) under a file lock, written atomically (temp
   file + ``os.replace``). Logged at INFO: the shape, the time it took, heuristic vs winner.
@@ -28,7 +31,8 @@ inside a `configs.override` block; while a CUDA graph is captured or torch.compi
 inside a tuning run; and a shape this process tried already, whether it succeeded or failed.
 One lock: a second thread's lookup waits for a running tuning. Tuning takes the compile time of
 up to 14 kernel variants per shape and kind (seconds each on a GPU) plus roughly 1-1.5 GB of GPU
-memory for the inputs and the float64 references (estimates: not measured end to end), freed
+memory for the inputs and the float64 references, and ~0.5 GB for the finalists' larger batch
+(estimates: not measured end to end), freed
 afterwards; a failure (e.g. out of memory) is logged and the shape keeps its table or heuristic
 config for this process.
 
@@ -70,6 +74,10 @@ MAX_CANDIDATES = 12
 FEATURES = 64
 X_MB = 64.0
 MASKED_FEATURES, MASKED_BATCH = 3, 1000
+# The fastest FINALISTS are timed again at CONFIRM_SCALE times the batch and ranked by both sizes
+# (`tuning.confirm_at_scale`): the CLI tuner's 16-programs-per-SM winners at x 256 MB collapsed
+# at 1 GB on the H100 (benchmarks/NOTES.md, "the tuner's size was a trap").
+CONFIRM_SCALE, FINALISTS = 4, 4
 EPS = 1e-5
 
 _LOCK = threading.Lock()
@@ -270,14 +278,16 @@ def tune_shape(kind: str, D: int, H: int, dtype: torch.dtype, device: Union[str,
                masked_features: int = MASKED_FEATURES, masked_batch: int = MASKED_BATCH,
                cands: Optional[list] = None, limit: int = MAX_CANDIDATES,
                bench: Optional[Callable[[Callable], float]] = None, write: bool = True,
-               seed: int = 0) -> Optional[dict]:
+               seed: int = 0, confirm_scale: int = CONFIRM_SCALE, finalists: int = FINALISTS) -> Optional[dict]:
     """Tune one (kind, D, H, dtype) on ``device`` and (``write``) merge the winner into its cache
     file; returns the winner's table entry, or None when no candidate passed the checks.
 
     ``device``: a CUDA index / device, or "cpu" (the Triton interpreter; sizes tiny). ``batch``
     (default: x about ``x_mb`` MB over ``features`` features, a multiple of 64), ``cands`` (default
     `candidates`), ``bench`` (``fn -> microseconds``; default ``triton.testing.do_bench``'s median)
-    are for tests and tools; the automatic trigger (`on_lookup`) takes the defaults.
+    are for tests and tools; the automatic trigger (`on_lookup`) takes the defaults. The fastest
+    ``finalists`` are timed again at ``confirm_scale`` times the batch (1: off) and the winner is
+    the one best at both sizes (`tuning.confirm_at_scale`).
     """
     dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     lookup_device = "cpu" if dev.type == "cpu" else (dev.index if dev.index is not None else torch.cuda.current_device())
@@ -300,7 +310,12 @@ def tune_shape(kind: str, D: int, H: int, dtype: torch.dtype, device: Union[str,
         stack.enter_context(torch.autocast(dev.type, enabled=False))
         try:
             rows, copy_gbps = _measure(kind, cands, F, B, D, H, dtype, dev, full, bench, seed)
-            winner = _first_right_at_masked_rows(kind, rows, masked_features, masked_batch, D, H, dtype, dev, seed)
+            ranked = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+            if confirm_scale > 1 and len(ranked) > 1:
+                ranked = _confirmed_at_scale(kind, ranked, F, B * confirm_scale, D, H, dtype, dev, full, bench,
+                                             seed, finalists)
+            winner = _first_right_at_masked_rows(kind, ranked, masked_features, masked_batch, D, H, dtype, dev,
+                                                 seed)
         finally:
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
@@ -318,7 +333,10 @@ def tune_shape(kind: str, D: int, H: int, dtype: torch.dtype, device: Union[str,
     floor_us = (x_bytes + y_bytes if kind == "forward" else 2 * x_bytes + y_bytes) / copy_gbps / 1e3
     heuristic_us = rows[0].get("us")
     entry = dict(D=D, H=H, dtype=key[3], full_tiles=key[4], config=configs.config_to_entry(winner["cfg"]),
-                 us=winner["us"], pct_floor=100 * floor_us / winner["us"], heuristic_us=heuristic_us,
+                 us=winner["us"], pct_floor=100 * floor_us / winner["us"],
+                 **({"confirm_us": winner["confirm_us"], "confirm_scale": confirm_scale}
+                    if "confirm_us" in winner else {}),
+                 heuristic_us=heuristic_us,
                  candidates=len(rows), rejected=len(rejected), source="autotune", seconds=round(seconds, 1))
     log.info("recfuse autotune: %s D=%d H=%d %s: %.1f us, heuristic %s (%s), %.1f s", kind, D, H, key[3],
              winner["us"], f"{heuristic_us:.1f} us" if heuristic_us else "rejected",
@@ -360,11 +378,29 @@ def _measure(kind, cands, F, B, D, H, dtype, dev, full, bench, seed):
         del t
 
 
-def _first_right_at_masked_rows(kind, rows, F, B, D, H, dtype, dev, seed) -> Optional[dict]:
-    """The fastest timed row whose config is also right at F x B rows (B not a multiple of its
-    tiles: masked tiles compile to other code; a 32-row bf16 tile once was right at full tiles
-    and 3.0 off float64 at B = 1000 on the H100). Rows failing it are marked rejected."""
-    timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+def _confirmed_at_scale(kind, ranked, F, B, D, H, dtype, dev, full, bench, seed, finalists) -> list:
+    """``ranked`` (timed rows, fastest first) re-ranked by `tuning.confirm_at_scale` with the
+    finalists timed at F x B rows; a finalist that fails there counts as infinitely slow."""
+    t = synthetic_inputs(F, B, D, H, dtype, dev, seed + 2)
+    try:
+        stats = _stats(t, D, H, dtype, full) if kind == "backward" else None
+
+        def time_at_scale(row):
+            try:
+                return bench(_call(kind, t, row["cfg"], stats))
+            except Exception:  # noqa: BLE001 - out of memory or not compiling at this size
+                return float("inf")
+
+        return tuning.confirm_at_scale(ranked, time_at_scale, finalists)
+    finally:
+        del t
+
+
+def _first_right_at_masked_rows(kind, timed, F, B, D, H, dtype, dev, seed) -> Optional[dict]:
+    """The first of ``timed`` (rows in the order they rank) whose config is also right at F x B rows
+    (B not a multiple of its tiles: masked tiles compile to other code; a 32-row bf16 tile once
+    was right at full tiles and 3.0 off float64 at B = 1000 on the H100). Rows failing it are
+    marked rejected."""
     if not timed:
         return None
     t = synthetic_inputs(F, B, D, H, dtype, dev, seed + 1)

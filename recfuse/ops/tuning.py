@@ -138,6 +138,36 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
 
 
 
+def confirm_at_scale(timed: list, time_at_scale, finalists: int) -> list:
+    """``timed`` (rows, dicts with "us", sorted by their time at the tuned size) re-ordered by how
+    its ``finalists`` fastest do at a larger size too: by each finalist's worse ratio to the fastest
+    finalist at either size (``time_at_scale(row)`` gives its time there, kept as "confirm_us";
+    inf for a config that fails there); the other rows follow as they were. The CLI tuner and
+    tuning on first use both rank this way.
+
+    A winner at one size need not be one at another: on the H100 the pipelined H = 1 backward with
+    16 programs per SM won at x 256 MB (222 us against 241 with 32) and collapsed at 1 GB (1477-1688
+    us against 825-843; benchmarks/results/checks/ab_h1_bwd_sizes_h100.json).
+
+    Example:
+        >>> rows = [{"config": "a", "us": 1.0}, {"config": "b", "us": 1.1}, {"config": "c", "us": 3.0}]
+        >>> at_4x = {"a": 9.0, "b": 4.0}
+        >>> [r["config"] for r in confirm_at_scale(rows, lambda row: at_4x[row["config"]], finalists=2)]
+        ['b', 'a', 'c']
+    """
+    head, tail = timed[:finalists], timed[finalists:]
+    if len(head) < 2:
+        return timed
+    for row in head:
+        row["confirm_us"] = time_at_scale(row)
+    fastest = min(r["us"] for r in head)
+    fastest_confirm = min(r["confirm_us"] for r in head)
+    if not fastest_confirm < float("inf"):
+        return timed  # no finalist ran at the larger size: the tuned size alone decides
+    head.sort(key=lambda r: max(r["us"] / fastest, r["confirm_us"] / fastest_confirm))
+    return head + tail
+
+
 def kernel_path(cfg) -> tuple:
     """The code path a config compiles to, as `spread` groups candidates: the product (tl.dot or
     not), K-chunked or whole rows, and the path knobs (persistent forward, per-column products,
