@@ -44,6 +44,11 @@ def smoke_commands(out: Path) -> dict[str, list[str]]:
                            str(out / "transform_time.json")],
         "ddp_check": ["ddp_check.py", "--device", "cpu", "--backend", "gloo", "--world-size", "2", "--F", "3", "--D",
                       "8", "--H", "2", "--batch", "8", "--steps", "2", "--out", str(out / "ddp")],
+        # Compiles for sm_90 on this CPU machine (Triton's ptxas and cuobjdump), twice: the tanh forms
+        "offline_sass": ["offline_sass.py", "--kind", "forward", "--D", "64", "--H", "1", "--dtype", "fp32",
+                         "--json", str(out / "sass_mufu.json")],
+        "offline_sass_portable": ["offline_sass.py", "--kind", "forward", "--D", "64", "--H", "1", "--dtype", "fp32",
+                                  "--tanh-mode", "0", "--json", str(out / "sass_portable.json")],
         # The committed H100 result, read by its stable name.
         "render_results": ["render_results.py", "--plot", str(out / "render.png"),
                            "--update-readme", str(out / "README.md")],
@@ -204,3 +209,16 @@ def test_ddp_check_on_cpu_passes(smoke):
     assert data["passed"] and data["rows"] and all(r["pass"] for r in data["rows"])
     assert (out / "ddp" / "ddp_check_cpu.log").read_text()
 
+
+
+def test_offline_sass_compiles_for_the_gpu_and_counts(smoke):
+    """The fp32 forward compiled for sm_90 without a GPU: the CUDA call's constexprs (the tanh on
+    MUFU ex2/rcp) and fewer SASS instructions an element than the portable tanh's (Triton's exp and
+    `/` guard operands this tanh never has: about 7 fewer an element, benchmarks/NOTES.md)."""
+    out, _ = smoke("offline_sass")
+    smoke("offline_sass_portable")
+    mufu = json.loads((out / "sass_mufu.json").read_text())
+    portable = json.loads((out / "sass_portable.json").read_text())
+    assert mufu["constexprs"]["FAST_TANH"] == "2" and portable["constexprs"]["FAST_TANH"] == "0"
+    assert mufu["arch"] == 90 and 0 < mufu["registers"] <= 255 and mufu["opcodes"].get("MUFU", 0) > 0
+    assert portable["per_element"] - mufu["per_element"] >= 3, (portable["per_element"], mufu["per_element"])

@@ -1,0 +1,182 @@
+"""Compile a launch plan's kernel for a GPU without one, and count what it became.
+
+Triton's frontend, ptxas and cuobjdump run on any machine: this builds the forward or backward
+launch plan of one (D, H, dtype) the way a CUDA call would (its config from a tuned table, the
+heuristic, or knobs given on the command line; the CUDA values of the device-dependent constexprs;
+the JIT's specialisations: integer arguments equal to 1 as constants, 16-divisible pointers and
+integers), compiles it for sm_90 (or ``--arch``) and prints the registers, the stack (spills), the
+shared memory, and the SASS instructions per element of a row tile by opcode.
+
+Why: an instruction-bound kernel (benchmarks/NOTES.md, "an issue-rate ceiling") is judged by its
+instructions an element, and a kernel change that does not compile for the GPU is caught here
+instead of in device time (the K-chunked backward's loop edit once failed only on the H100).
+The counts cover the whole kernel (prologue and epilogue too): upper bounds for the row loop.
+
+Examples:
+    $ python benchmarks/offline_sass.py --kind forward --D 256 --H 1 --dtype fp32
+    $ python benchmarks/offline_sass.py --kind backward --D 256 --H 4 --dtype fp32 \\
+          --knobs '{"use_dot": false, "unroll_h": 1, "block_b": 8, "num_warps": 2, "loop_stages": 3, "col_sums": 1}'
+    $ python benchmarks/offline_sass.py --kind forward --D 256 --H 1 --dtype fp32 --tanh-mode 0  # the portable tanh
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from recfuse.ops import configs, launch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+
+
+def _table_config(kind: str, D: int, H: int, dtype: torch.dtype, table: str, full: bool):
+    """The config `table`'s entry gives for exactly this shape, else the heuristic's."""
+    entry = configs.load_table(table).get(
+        (kind, D, H, str(dtype).replace("torch.", ""), full if kind == "forward" else True)) if table != "none" else None
+    if entry is not None:
+        cfg = configs.config_from_entry(kind, entry, D, H, dtype, full)
+        if cfg is not None:
+            return cfg, f"table {table}"
+    heuristic = configs.heuristic_forward(D, H, dtype, full) if kind == "forward" else configs.heuristic_backward(D, H, dtype)
+    return heuristic, "heuristic"
+
+
+def build_plan(kind: str, D: int, H: int, dtype: torch.dtype, *, table: str = "none", knobs: dict = None,
+               F: int = 8, B: int = 4096):
+    """(plan, config, its source, kernel arguments) of one call in the torchrec layout with a shared
+    weight, bias and per-feature LayerNorm affine, made on CPU tensors with a CUDA call's constexprs."""
+    full = D == triton.next_power_of_2(D)
+    cfg, source = _table_config(kind, D, H, dtype, table, full)
+    if knobs:
+        cfg = (configs.heuristic_forward(D, H, dtype, full, **knobs) if kind == "forward"
+               else configs.heuristic_backward(D, H, dtype, **knobs))
+        source = "knobs"
+    x = torch.randn(B, F * D).to(dtype).view(B, F, D)
+    w, b = torch.randn(H, D).to(dtype), torch.randn(H).to(dtype)
+    lw, lb = torch.randn(F, D).to(dtype), torch.randn(F, D).to(dtype)
+    stats = torch.randn(2, F, B)
+    if kind == "forward":
+        with configs.override(forward=cfg):
+            plan = launch.forward_plan(x, w, b, lw, lb, 1e-5, 1, save_stats=True)
+        y = torch.empty(plan.y_shape, dtype=dtype)
+        tensors = (x, w, b, lw, lb, y, stats)
+        plan.meta.update(launch._dot_args(dtype, "cuda"), FAST_TANH=launch._tanh_mode(dtype, "cuda"))
+    else:
+        gy = torch.randn(B, F, H).to(dtype)
+        with configs.override(backward=cfg):
+            plan = launch.backward_plan(gy, x, w, b, lw, lb, 1e-5, 1, stats)
+        if plan is None:
+            raise SystemExit(f"no backward kernel for D={D} H={H} {dtype} with {cfg}")
+        tensors = (gy, x, w, b, lw, lb, x, stats, stats)
+        exact = "gelu" in (launch.DEFAULT.activation, launch.DEFAULT.out_activation)
+        plan.meta.update(DOT_UPCAST=False, FAST_TANH=launch._tanh_mode(dtype, "cuda", backward=True, exact=exact),
+                         BWD_DOT_PRECISION="ieee" if cfg.fp32_dots == "ieee" else launch._fp32_dot_precision("cuda"))
+    return plan, cfg, source, tensors + tuple(plan.ints)
+
+
+def compile_offline(jit_fn, args: tuple, meta: dict, num_warps: int, num_stages: int, arch: int = 90):
+    """``triton.compile`` of ``jit_fn`` for a CUDA target of compute capability ``arch``, with the
+    argument types, the JIT's specialisations and the constexprs a launch with ``args`` and ``meta`` has."""
+    names = jit_fn.arg_names
+    nospec = set(getattr(jit_fn, "do_not_specialize", None) or [])
+    signature, constants, attrs = {}, {}, {}
+    for i, (name, a) in enumerate(zip(names, args)):
+        if isinstance(a, torch.Tensor):
+            signature[name] = _TYPES[a.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(a, float):
+            signature[name] = "fp32"
+        elif isinstance(a, bool):
+            signature[name] = "i1"
+        elif a == 1 and name not in nospec and i not in nospec:
+            signature[name], constants[(i,)] = "constexpr", 1
+        else:
+            signature[name] = "i32" if abs(a) < 2 ** 31 else "i64"
+            if a % 16 == 0 and name not in nospec and i not in nospec:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    defaults = {k: p.default for k, p in inspect.signature(jit_fn.fn).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    for name in names[len(args):]:
+        signature[name], constants[(names.index(name),)] = "constexpr", meta.get(name, defaults.get(name))
+    return triton.compile(ASTSource(jit_fn, signature, constants, attrs), target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def cuobjdump(kernel, *flags: str) -> str:
+    """cuobjdump (the one Triton ships) of a compiled kernel's cubin."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        return subprocess.run([tool, *flags, f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.remove(f.name)
+
+
+def sass_report(kernel, elements_per_thread: float) -> dict:
+    """Registers, stack bytes, shared memory, and SASS instructions (total, per element of one row
+    tile per thread, by opcode) of a compiled kernel."""
+    usage = cuobjdump(kernel, "-res-usage")
+    ops = collections.Counter()
+    for line in cuobjdump(kernel, "-sass").splitlines():
+        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            ops[m.group(1)] += 1
+    total = sum(ops.values())
+    return dict(registers=int(re.search(r"REG:(\d+)", usage).group(1)),
+                stack_bytes=int(re.search(r"STACK:(\d+)", usage).group(1)),
+                shared_bytes=kernel.metadata.shared, instructions=total,
+                per_element=round(total / elements_per_thread, 1),
+                opcodes=dict(ops.most_common()))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kind", choices=["forward", "backward"], default="forward")
+    ap.add_argument("--D", type=int, default=256)
+    ap.add_argument("--H", type=int, default=1)
+    ap.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    ap.add_argument("--table", default="h100-80gb-hbm3", help='tuned table whose entry to compile ("none": the heuristic)')
+    ap.add_argument("--knobs", type=json.loads, default=None, help="config knobs (JSON), over the heuristic's")
+    ap.add_argument("--tanh-mode", type=int, choices=[0, 1, 2], help="FAST_TANH instead of a CUDA call's")
+    ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
+    ap.add_argument("--top", type=int, default=16, help="opcodes shown")
+    ap.add_argument("--json", help="also write the report here")
+    args = ap.parse_args(argv)
+    dtype = DTYPES[args.dtype]
+    plan, cfg, source, kernel_args = build_plan(args.kind, args.D, args.H, dtype, table=args.table, knobs=args.knobs)
+    if args.tanh_mode is not None:
+        plan.meta["FAST_TANH"] = args.tanh_mode
+    # the forward launches with Triton's default num_stages (3), the backward with its config's
+    kernel = compile_offline(plan.launcher.jit_fn, kernel_args, plan.meta, cfg.num_warps,
+                             getattr(cfg, "num_stages", 3), args.arch)
+    report = sass_report(kernel, cfg.block_b * cfg.block_d / (32 * cfg.num_warps))
+    report.update(kind=args.kind, D=args.D, H=args.H, dtype=args.dtype, arch=args.arch, config_source=source,
+                  config=configs.config_to_entry(cfg), triton=triton.__version__,
+                  constexprs={k: str(v) for k, v in plan.meta.items()})
+    print(f"{args.kind} D={args.D} H={args.H} {args.dtype} sm_{args.arch}, triton {triton.__version__}; "
+          f"config ({source}): {report['config']}")
+    print(f"registers {report['registers']}, stack {report['stack_bytes']} B, shared {report['shared_bytes']} B; "
+          f"{report['instructions']} SASS instructions, {report['per_element']} an element of a row tile")
+    print("  " + ", ".join(f"{op} {n}" for op, n in list(report["opcodes"].items())[:args.top]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
