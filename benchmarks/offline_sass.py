@@ -142,6 +142,21 @@ def sass_report(kernel, elements_per_thread: float) -> dict:
                 opcodes=dict(ops.most_common()))
 
 
+def issue_ceiling(per_element: float, bytes_per_element: float, gbps: float, sms: int, ghz: float,
+                  issue_per_cycle: int = 128) -> float:
+    """The fraction of the copy floor a kernel of ``per_element`` instructions an element can reach
+    when instruction issue (``issue_per_cycle`` thread-instructions a cycle and SM) is its limit:
+    at the floor an SM must retire ``gbps / (sms * ghz) / bytes_per_element`` elements a cycle
+    (benchmarks/NOTES.md, "an issue-rate ceiling").
+
+    Example:
+        >>> round(issue_ceiling(21.5, 2, 2950, 132, 1.755), 2)  # the bf16 forward at D=256 H=1
+        0.94
+    """
+    elements_per_cycle = gbps / (sms * ghz) / bytes_per_element
+    return min(1.0, issue_per_cycle / (per_element * elements_per_cycle))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,6 +169,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tanh-mode", type=int, choices=[0, 1, 2], help="FAST_TANH instead of a CUDA call's")
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
     ap.add_argument("--top", type=int, default=16, help="opcodes shown")
+    ap.add_argument("--gbps", type=float, default=2950.0, help="copy bandwidth of the GPU (the floor's unit; H100 2950)")
+    ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--ghz", type=float, default=1.755, help="SM clock under load")
     ap.add_argument("--json", help="also write the report here")
     args = ap.parse_args(argv)
     dtype = DTYPES[args.dtype]
@@ -164,13 +182,19 @@ def main(argv=None) -> int:
     kernel = compile_offline(plan.launcher.jit_fn, kernel_args, plan.meta, cfg.num_warps,
                              getattr(cfg, "num_stages", 3), args.arch)
     report = sass_report(kernel, cfg.block_b * cfg.block_d / (32 * cfg.num_warps))
+    # bytes of traffic an element of x: x read (forward), x read and dx written (backward); y and
+    # grad_y add H / D of that
+    itemsize = dtype.itemsize * (1 if args.kind == "forward" else 2) * (1 + args.H / args.D)
+    report["issue_ceiling_pct"] = round(100 * issue_ceiling(report["per_element"], itemsize, args.gbps, args.sms,
+                                                            args.ghz), 1)
     report.update(kind=args.kind, D=args.D, H=args.H, dtype=args.dtype, arch=args.arch, config_source=source,
                   config=configs.config_to_entry(cfg), triton=triton.__version__,
                   constexprs={k: str(v) for k, v in plan.meta.items()})
     print(f"{args.kind} D={args.D} H={args.H} {args.dtype} sm_{args.arch}, triton {triton.__version__}; "
           f"config ({source}): {report['config']}")
     print(f"registers {report['registers']}, stack {report['stack_bytes']} B, shared {report['shared_bytes']} B; "
-          f"{report['instructions']} SASS instructions, {report['per_element']} an element of a row tile")
+          f"{report['instructions']} SASS instructions, {report['per_element']} an element of a row tile; "
+          f"if issue-bound, at most {report['issue_ceiling_pct']}% of the copy floor")
     print("  " + ", ".join(f"{op} {n}" for op, n in list(report["opcodes"].items())[:args.top]))
     if args.json:
         with open(args.json, "w") as f:

@@ -222,3 +222,5 @@ def test_offline_sass_compiles_for_the_gpu_and_counts(smoke):
     assert mufu["constexprs"]["FAST_TANH"] == "2" and portable["constexprs"]["FAST_TANH"] == "0"
     assert mufu["arch"] == 90 and 0 < mufu["registers"] <= 255 and mufu["opcodes"].get("MUFU", 0) > 0
     assert portable["per_element"] - mufu["per_element"] >= 3, (portable["per_element"], mufu["per_element"])
+    # the issue-rate ceiling rises as the instructions an element fall
+    assert 0 < portable["issue_ceiling_pct"] <= mufu["issue_ceiling_pct"] <= 100
