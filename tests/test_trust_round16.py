@@ -1,0 +1,149 @@
+"""Red-team round 16 (placeholder docstring, rewritten below)."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import recfuse
+
+D_, H_ = 4, 2
+
+
+def _close(a, b, tol=1e-5):
+    torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+def _randomized(m: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_()
+    return m
+
+
+# -- FusedFeatureProcessor.from_modules: a list of modules beside a dict in another order ---------
+
+
+class DictLoop(nn.Module):
+    """A per-feature loop written with the LayerNorms in a ModuleDict and the Linears in a
+    ModuleList built alongside it (one per LayerNorm, in the dict's order)."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.lns = nn.ModuleDict({n: nn.LayerNorm(D_) for n in names})
+        self.lins = nn.ModuleList(nn.Linear(D_, H_) for _ in names)
+        _randomized(self)
+
+    def forward(self, feats: dict) -> dict:
+        return {name: torch.relu(lin(torch.tanh(ln(feats[name]))))
+                for (name, ln), lin in zip(self.lns.items(), self.lins)}
+
+
+@pytest.mark.parametrize("list_arg", ["linear", "layer_norms"])
+def test_from_modules_list_beside_a_dict_in_another_order_is_refused(list_arg):
+    """Before: ``from_modules(loop.lns, loop.lins, feature_names=kt.keys())`` with the KeyedTensor's
+    keys in another order than the ModuleDict's paired the ModuleList with feature_names by
+    position, not with the dict's order the loop zips it with: "item" got "user"'s Linear, y 2.0
+    off the loop (max abs), silently. Now refused (which order the list follows is ambiguous);
+    the list beside a dict in the feature order, or both as dicts, still build the loop's module."""
+    torch.manual_seed(0)
+    loop = DictLoop(["user", "item", "ctx"])
+    feats = {n: torch.randn(5, D_) for n in ("item", "user", "ctx")}
+    want = loop(feats)
+    lns, lins = loop.lns, loop.lins
+    if list_arg == "layer_norms":  # the same loop with the roles swapped
+        lns = list(loop.lns.values())
+        lins = nn.ModuleDict(zip(loop.lns.keys(), loop.lins))
+    with pytest.raises(ValueError, match=rf"{list_arg} is a list .* key order \['user', 'item', 'ctx'\] is not "
+                                         r"the feature order \['item', 'user', 'ctx'\]"):
+        recfuse.FusedFeatureProcessor.from_modules(lns, lins, feature_names=["item", "user", "ctx"])
+    for names in (None, ["user", "item", "ctx"]):  # the dict's order: unambiguous
+        fp = recfuse.FusedFeatureProcessor.from_modules(lns, lins, feature_names=names)
+        got = fp(feats)
+        assert list(got) == list(feats)
+        for n in feats:
+            _close(got[n], want[n])
+    by_name = nn.ModuleDict(zip(loop.lns.keys(), loop.lins))
+    fp = recfuse.FusedFeatureProcessor.from_modules(loop.lns, by_name, feature_names=["item", "user", "ctx"])
+    got = fp(feats)
+    for n in feats:
+        _close(got[n], want[n])
+
+
+# -- plain settings of traced modules, set on the transformed model ------------------------------
+
+
+class Tower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = 2.0
+        self.out = nn.Linear(3 * H_, 1)
+
+    def forward(self, y):
+        return self.out(y.flatten(1)) * self.scale
+
+
+class WithSettings(nn.Module):
+    """The pattern, then settings read in forward: a temperature, a flag, and a traced
+    submodule's scale (plain attributes a user anneals or toggles between epochs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lns = nn.ModuleList(nn.LayerNorm(D_) for _ in range(3))
+        self.lin = nn.Linear(D_, H_)
+        self.tower = Tower()
+        self.temperature = 1.0
+        self.use_residual = True
+        self.tag = ["not", "a", "number"]  # an object setting: any new value is refused
+        _randomized(self)
+
+    def forward(self, x):
+        ts = [torch.tanh(ln(p)) for ln, p in zip(self.lns, x.split(D_, 1))]
+        out = self.tower(torch.relu(self.lin(torch.stack(ts, 1))) / self.temperature)
+        if self.use_residual:
+            out = out + x[:, :1]
+        return out
+
+
+def _reloaded(m):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("copy_how", ["none", "deepcopy", "save_load", "cuda_graph"])
+@pytest.mark.parametrize("path,name,value", [("", "temperature", 3.0), ("", "use_residual", False),
+                                             ("tower", "scale", 5.0), ("", "tag", ["other"])])
+def test_a_plain_setting_read_by_the_traced_forward_set_after_transform_is_refused(copy_how, path, name, value):
+    """Before: ``transformed.temperature = 3.0`` (or ``use_residual = False``, or
+    ``transformed.tower.scale = 5.0`` on the holder torch.fx leaves for a traced submodule) added
+    an attribute that nothing reads: the graph keeps the value the trace read as a constant, so the
+    result silently stayed 0.26 / 1.55 / 0.39 off the original with the same setting (relative, max
+    abs). Round 10 refused this on modules whose calls fusion replaced only. Now refused, naming
+    the attribute and the value the graph holds; setting the value it already has is allowed."""
+    torch.manual_seed(0)
+    model = WithSettings()
+    ref = copy.deepcopy(model)
+    x = torch.randn(5, 3 * D_)
+    g = recfuse.transform(model, (x,), cuda_graph=copy_how == "cuda_graph")
+    if copy_how == "deepcopy":
+        g = copy.deepcopy(g)
+    elif copy_how == "save_load":
+        g = _reloaded(g)
+    _close(g(x), ref(x))
+    target = g.get_submodule(path) if path else g
+    where = rf"`{path}\.{name}`" if path else rf"`{name}` of the transformed model"
+    with pytest.raises(recfuse.RecfuseError, match=where + r" = .*traced the original module's forward with "
+                                                   + name + "="):
+        setattr(target, name, value)
+    _close(g(x), ref(x))  # nothing changed
+    old = getattr(ref.get_submodule(path) if path else ref, name)
+    if not isinstance(old, list):
+        setattr(target, name, old)  # the value the graph holds: harmless
+    _close(g(x), ref(x))
+    g.train(False)  # training is read at run time, as before
+    ref.train(False)
+    _close(g(x), ref(x))
