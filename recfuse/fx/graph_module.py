@@ -26,7 +26,7 @@ from torch.nn.modules import module as _nn_module
 __all__ = ["TransformedGraphModule", "map_original_keys", "carry_state", "mark_stacked_away"]
 
 # Attributes that are recfuse's own and must survive deepcopy and pickling.
-PRESERVED_ATTRS = ("_recfuse_stacked", "_recfuse_absorbed", "_recfuse_settings", "recfuse_report")
+PRESERVED_ATTRS = ("_recfuse_stacked", "_recfuse_absorbed", "_recfuse_settings", "_recfuse_inlined", "recfuse_report")
 # Attributes that are caches of one process (CUDA graphs, tensor readers): dropped by pickling.
 TRANSIENT_ATTRS = ("_cuda_graph_cache", "_module_tensors", "_tracer_extras")
 # The model's forward hooks (carried to the result by capture); GraphModule.__init__ resets them.
@@ -282,6 +282,19 @@ def guard_settings(gm: torch.nn.Module) -> None:
                  if not hasattr(type(mod), k) and k not in _GRAPH_MODULE_OWN and not k.startswith("recfuse_")}
         mod.__dict__["_recfuse_traced_settings"] = names
         mod.__dict__["_recfuse_settings_path"] = path
+    for path in gm.__dict__.get("_recfuse_inlined") or ():
+        try:
+            mod = gm.get_submodule(path)
+        except AttributeError:
+            continue
+        if type(mod) is torch.nn.Module:
+            mod.__class__ = _TracedHolder
+        if type(mod) is _TracedHolder:  # not a module the graph calls (a leaf kept as itself)
+            _refuse_hooks(mod, path, (
+                f"cannot register a hook on `{path}`: recfuse.transform traced this module's forward into "
+                "the transformed model's graph (the module here only holds its tensors), so it is never "
+                "called and the hook would never run. Register it on the original model before "
+                "recfuse.transform, or on the transformed model itself."))
 
 
 class _FusedHolder(_ChecksReplacements, torch.nn.Module):
@@ -377,8 +390,8 @@ def guard_absorbed(gm: torch.nn.Module) -> None:
         _refuse_hooks(mod, path)
 
 
-def _refuse_hooks(mod: torch.nn.Module, path: str) -> None:
-    message = (f"cannot register a hook on `{path}`: recfuse.transform fused its calls into the "
+def _refuse_hooks(mod: torch.nn.Module, path: str, message: Optional[str] = None) -> None:
+    message = message or (f"cannot register a hook on `{path}`: recfuse.transform fused its calls into the "
                "transformed model's graph, which no longer calls this module, so the hook would never "
                "run. Register it on the original model before recfuse.transform (a module with hooks "
                "is left unfused), or on the transformed model itself.")

@@ -186,7 +186,7 @@ def _finish_module(gm: GraphModule, report: FusionReport, kept: Optional[dict] =
         gm._recfuse_stacked = stacked
     if absorbed:
         gm._recfuse_absorbed = absorbed
-    settings = getattr(gm, "_recfuse_settings", None)
+    settings = getattr(gm, "_recfuse_settings", None) or getattr(gm, "_recfuse_inlined", None)
     if stacked or absorbed or settings:
         mark_stacked_away(gm)
     for n in gm.graph.nodes:
@@ -247,6 +247,9 @@ def _run(model, example_inputs, fusions, stack_parameters: bool = True) -> tuple
         if isinstance(model, nn.Module):
             # plain attributes the traced forward may have read: constants of the graph now
             gm.__dict__["_recfuse_settings"] = plain_settings(model)
+            # modules with a forward of their own, which the trace inlined (hooks on them would never run)
+            gm.__dict__["_recfuse_inlined"] = [k for k, m in model.named_modules(remove_duplicate=False)
+                                               if k and type(m).forward is not nn.Module.forward]
         gm = _finish_module(gm, report, kept, facts.get("shared", ()), absorbed)
         kept = None  # the per-slice copies fusion pruned are freed now, not walked by the collection that
         # turning the collector back on starts
@@ -340,6 +343,10 @@ def _replaying(gm: GraphModule) -> GraphModule:
     settings = getattr(gm, "_recfuse_settings", None)
     if settings:
         replay._recfuse_settings = settings
+    inlined = getattr(gm, "_recfuse_inlined", None)
+    if inlined:
+        replay._recfuse_inlined = inlined
+    settings = settings or inlined
     if stacked or absorbed or settings:
         mark_stacked_away(replay)
     return replay
