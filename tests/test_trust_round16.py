@@ -180,3 +180,62 @@ def test_a_hook_on_a_traced_submodule_of_the_result_is_refused(copy_how, kind):
     g.tower.out.register_forward_hook(lambda mod, args, out: out * 10)  # a leaf the graph calls
     ref.tower.out.register_forward_hook(lambda mod, args, out: out * 10)
     _close(g(x), ref(x))
+
+
+class SigmoidTower(Tower):
+    def forward(self, y):
+        return torch.sigmoid(self.out(y.flatten(1)))
+
+
+@pytest.mark.parametrize("copy_how", ["none", "deepcopy", "save_load", "cuda_graph"])
+def test_replacing_a_traced_submodule_of_the_result_by_another_class_or_settings_is_refused(copy_how):
+    """Before: ``transformed.tower = SigmoidTower()`` (another forward) or a Tower with another
+    ``scale`` was accepted, and the graph, which inlined the original Tower's forward and reads only
+    the tensors at ``tower.out``, silently computed the original forward with the new weights: 1.70
+    (another class) and 0.79 (scale 7.0 for 2.0) off the original given the same module (relative,
+    max abs). Now refused as for a module whose calls fusion replaced (round 10); a Tower of the
+    same settings still replaces it (its tensors are read), and so does a new leaf (``tower.out``)."""
+    torch.manual_seed(0)
+    model = WithSettings()
+    ref = copy.deepcopy(model)
+    x = torch.randn(5, 3 * D_)
+    g = recfuse.transform(model, (x,), cuda_graph=copy_how == "cuda_graph")
+    if copy_how == "deepcopy":
+        g = copy.deepcopy(g)
+    elif copy_how == "save_load":
+        g = _reloaded(g)
+    other_scale = _randomized(Tower())
+    other_scale.scale = 7.0
+    for bad in (_randomized(SigmoidTower()), other_scale):
+        with pytest.raises(recfuse.RecfuseError, match=rf"cannot replace `tower` with this {type(bad).__name__}"):
+            g.tower = bad
+        _close(g(x), ref(x))
+    same = _randomized(Tower())
+    g.tower = same
+    ref.tower = copy.deepcopy(same)
+    _close(g(x), ref(x))
+    lin = _randomized(nn.Linear(3 * H_, 1))
+    g.tower.out = lin
+    ref.tower.out = copy.deepcopy(lin)
+    _close(g(x), ref(x))
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_unused_and_sequential_submodules_still_copy_save_and_load(cuda_graph):
+    """Kept right (the guards above must not refuse recfuse's own holders): a transformed model with
+    an unused custom submodule and an unused Sequential holding one deep-copies, saves and loads,
+    and the original's state_dict loads into each copy."""
+    class Unused(WithSettings):
+        def __init__(self):
+            super().__init__()
+            self.spare = Tower()
+            self.seq = nn.Sequential(nn.Linear(2, 2), Tower())
+
+    torch.manual_seed(0)
+    model = Unused()
+    ref = copy.deepcopy(model)
+    x = torch.randn(5, 3 * D_)
+    g = recfuse.transform(model, (x,), cuda_graph=cuda_graph)
+    for h in (g, copy.deepcopy(g), _reloaded(g)):
+        h.load_state_dict(ref.state_dict())
+        _close(h(x), ref(x))

@@ -157,8 +157,9 @@ def check_replacement(owner: torch.nn.Module, name: str, value) -> None:
     """Refuse ``owner.name = value`` where `name` is a module whose calls fusion replaced and
     `value` a module the fused graph could not stand for (another class, other settings, hooks)."""
     children = owner.__dict__.get("_recfuse_children")
-    if not children or name not in children or not isinstance(value, torch.nn.Module) or isinstance(value, _FusedAway):
-        return
+    if (not children or name not in children or not isinstance(value, torch.nn.Module)
+            or isinstance(value, (_FusedAway, _TracedHolder)) or type(value) is torch.nn.Module):
+        return  # recfuse's (or torch.fx's) own holders, put back by deepcopy / torch.load
     path, signature = children[name]
     if (module_signature(value) != signature
             or any(value.__dict__.get(k) for k in _GUARDED_HOOK_DICTS + ("_forward_hooks_with_kwargs",))):
@@ -282,7 +283,7 @@ def guard_settings(gm: torch.nn.Module) -> None:
                  if not hasattr(type(mod), k) and k not in _GRAPH_MODULE_OWN and not k.startswith("recfuse_")}
         mod.__dict__["_recfuse_traced_settings"] = names
         mod.__dict__["_recfuse_settings_path"] = path
-    for path in gm.__dict__.get("_recfuse_inlined") or ():
+    for path, signature in (gm.__dict__.get("_recfuse_inlined") or {}).items():
         try:
             mod = gm.get_submodule(path)
         except AttributeError:
@@ -290,6 +291,14 @@ def guard_settings(gm: torch.nn.Module) -> None:
         if type(mod) is torch.nn.Module:
             mod.__class__ = _TracedHolder
         if type(mod) is _TracedHolder:  # not a module the graph calls (a leaf kept as itself)
+            # its owner refuses a replacement of another class or settings (whose forward the graph
+            # would ignore), as for a module whose calls fusion replaced
+            parent_path, _, leaf = path.rpartition(".")
+            owner = gm.get_submodule(parent_path) if parent_path else gm
+            if type(owner) is torch.nn.Module:
+                owner.__class__ = _TracedHolder
+            if isinstance(owner, _ChecksReplacements):
+                owner.__dict__.setdefault("_recfuse_children", {}).setdefault(leaf, (path, signature))
             _refuse_hooks(mod, path, (
                 f"cannot register a hook on `{path}`: recfuse.transform traced this module's forward into "
                 "the transformed model's graph (the module here only holds its tensors), so it is never "

@@ -248,8 +248,11 @@ def _run(model, example_inputs, fusions, stack_parameters: bool = True) -> tuple
             # plain attributes the traced forward may have read: constants of the graph now
             gm.__dict__["_recfuse_settings"] = plain_settings(model)
             # modules with a forward of their own, which the trace inlined (hooks on them would never run)
-            gm.__dict__["_recfuse_inlined"] = [k for k, m in model.named_modules(remove_duplicate=False)
-                                               if k and type(m).forward is not nn.Module.forward]
+            # (torch.nn's own modules are leaves the graph calls, except containers it traces through)
+            gm.__dict__["_recfuse_inlined"] = {
+                k: module_signature(m) for k, m in model.named_modules(remove_duplicate=False)
+                if k and type(m).forward is not nn.Module.forward
+                and (not type(m).__module__.startswith("torch.nn") or isinstance(m, nn.Sequential))}
         gm = _finish_module(gm, report, kept, facts.get("shared", ()), absorbed)
         kept = None  # the per-slice copies fusion pruned are freed now, not walked by the collection that
         # turning the collector back on starts
