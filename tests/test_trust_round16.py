@@ -1,4 +1,56 @@
-"""Red-team round 16 (placeholder docstring, rewritten below)."""
+"""Red-team round 16: what a recommender engineer does to the model `recfuse.transform` returns
+beyond the pattern itself (settings of the surrounding code, hooks and replacements on submodules
+whose forward the trace inlined) and how `FusedFeatureProcessor.from_modules` reads a loop's
+modules, on CPU. Each test compares with the untouched original model (a deep copy taken before
+`transform`) or the eager loop, or checks the error that refuses the case; each docstring says what
+the case gave before its fix.
+
+Found wrong (each a test below that fails before its fix):
+
+1. `FusedFeatureProcessor.from_modules(loop.lns, loop.lins, feature_names=kt.keys())` with the
+   LayerNorms in a ModuleDict, the Linears in a ModuleList built alongside it (the loop zips
+   ``lns.items()`` with ``lins``) and feature_names in another order than the dict's: the list was
+   paired with feature_names by position, so two features swapped Linears, 3.55 and 3.03 off the
+   loop (max abs), silently. Now refused as ambiguous, naming both orders
+   (`module/parameters.py` `_names_from_modules`); the dict's order, or both as dicts, still build.
+2. A plain attribute read by the traced forward (``self.temperature``, a ``use_residual`` flag, a
+   traced submodule's ``self.scale``) set on the result after transform: the graph holds the value the
+   trace read as a constant, so the new value was silently ignored: 0.26 / 1.55 / 0.39 off the
+   original with the same setting (relative, max abs). Round 10 refused this only on modules whose
+   calls fusion replaced. Now refused on the result and on the holders of traced submodules, naming
+   the attribute and the value the graph holds (`fx/graph_module.py` `guard_settings`, settings
+   recorded by `fx/transform.py` `_run`; carried by deepcopy, torch.save and cuda_graph=True).
+3. A hook registered on a submodule of the result whose forward the trace inlined (``g.tower``, a
+   custom module; torch.fx leaves a plain holder of its tensors there) was accepted and never ran:
+   0.90 off the original with a forward hook ``out * 10``, 0.61 with a pre-hook. Now refused
+   naming the path (`guard_settings`); hooks on leaves the graph calls (``tower.out``) and hooks
+   registered before transform run as before.
+4. Replacing such a submodule (``g.tower = SigmoidTower()``, or a Tower with another ``scale``)
+   was accepted and the graph computed the original forward with the new module's tensors: 1.70 and
+   0.79 off the original given the same module. Now refused like a replacement of a fused module
+   (`check_replacement`); a module of the same class and settings still replaces it.
+
+Probed and found right (probe scripts, no test of their own): the same feature stacked twice,
+overlapping slices, stack on the last dim before a Linear over F (left unfused), [B, T, F*D] inputs
+(left unfused), torch.split by unequal sizes, slices with a step (``x[:, i::3]``), a split along the
+batch dim and slices of a transposed input, a ModuleDict iterated in sorted order, LayerNorms with and
+without affine in one group (left unfused), one LayerNorm module used for two features (left
+unfused), a LayerNorm weight or a per-feature Linear's weight / bias tied between features, a Linear
+tied to another module's weight, a LayerNorm weight also read outside the chain: outputs, every
+gradient and 3 SGD / Adam steps match; casts, detach, clone, contiguous, dropout, einsum / matmul /
+negated or detached weights between the stages (left unfused or right); float64 / bf16 / fp16 inputs
+to an fp32 model and fp32 inputs to a bf16 model (refused as the original refuses); transposed,
+strided, expanded and offset inputs, B = 0, 1, 7, autocast; the original's state_dict with a key
+missing under strict=False (same missing_keys), assign=True (then trained), nested and wrapped
+transformed models; `.eval()` / `.train()` of a traced submodule alone (dropout follows it); the
+guards above through Dynamo capture (a custom autograd Function in forward); from_modules with
+dicts in other orders, shared modules, and mismatched eps / bias / H / D / dtype (refused by name).
+
+Not fixed (reported): an unused custom submodule of the result is a plain holder right after
+transform but its own class after deepcopy / torch.load (both compute the same; only its type and
+which hooks it accepts differ). A list-valued setting mutated in place (``g.dims[0] = 5``) is not
+seen by the guard (it checks assignments only).
+"""
 import copy
 
 import pytest
@@ -43,8 +95,8 @@ class DictLoop(nn.Module):
 def test_from_modules_list_beside_a_dict_in_another_order_is_refused(list_arg):
     """Before: ``from_modules(loop.lns, loop.lins, feature_names=kt.keys())`` with the KeyedTensor's
     keys in another order than the ModuleDict's paired the ModuleList with feature_names by
-    position, not with the dict's order the loop zips it with: "item" got "user"'s Linear, y 2.0
-    off the loop (max abs), silently. Now refused (which order the list follows is ambiguous);
+    position, not with the dict's order the loop zips it with: "item" got "user"'s Linear and
+    "user" got "item"'s, y 3.55 and 3.03 off the loop (max abs), silently. Now refused (which order the list follows is ambiguous);
     the list beside a dict in the feature order, or both as dicts, still build the loop's module."""
     torch.manual_seed(0)
     loop = DictLoop(["user", "item", "ctx"])
