@@ -26,7 +26,7 @@ from torch.nn.modules import module as _nn_module
 __all__ = ["TransformedGraphModule", "map_original_keys", "carry_state", "mark_stacked_away"]
 
 # Attributes that are recfuse's own and must survive deepcopy and pickling.
-PRESERVED_ATTRS = ("_recfuse_stacked", "_recfuse_absorbed", "recfuse_report")
+PRESERVED_ATTRS = ("_recfuse_stacked", "_recfuse_absorbed", "_recfuse_settings", "_recfuse_inlined", "recfuse_report")
 # Attributes that are caches of one process (CUDA graphs, tensor readers): dropped by pickling.
 TRANSIENT_ATTRS = ("_cuda_graph_cache", "_module_tensors", "_tracer_extras")
 # The model's forward hooks (carried to the result by capture); GraphModule.__init__ resets them.
@@ -157,8 +157,9 @@ def check_replacement(owner: torch.nn.Module, name: str, value) -> None:
     """Refuse ``owner.name = value`` where `name` is a module whose calls fusion replaced and
     `value` a module the fused graph could not stand for (another class, other settings, hooks)."""
     children = owner.__dict__.get("_recfuse_children")
-    if not children or name not in children or not isinstance(value, torch.nn.Module) or isinstance(value, _FusedAway):
-        return
+    if (not children or name not in children or not isinstance(value, torch.nn.Module)
+            or isinstance(value, (_FusedAway, _TracedHolder)) or type(value) is torch.nn.Module):
+        return  # recfuse's (or torch.fx's) own holders, put back by deepcopy / torch.load
     path, signature = children[name]
     if (module_signature(value) != signature
             or any(value.__dict__.get(k) for k in _GUARDED_HOOK_DICTS + ("_forward_hooks_with_kwargs",))):
@@ -188,6 +189,7 @@ class _ChecksReplacements:
 
     def __setattr__(self, name, value):
         check_replacement(self, name, value)
+        _check_traced_setting(self, name, value)
         super().__setattr__(name, value)
         _refuse_hooks_of_replacement(self, name, value)
 
@@ -208,6 +210,100 @@ class _ChecksReplacements:
 
             raise RecfuseError(buffers.away[name])
         super().register_parameter(name, param)
+
+
+def plain_settings(model: torch.nn.Module) -> dict:
+    """{module path: {name: value}} of the plain (not tensor, not module) public attributes of
+    `model` and its submodules (``self.temperature = 2.0``, ``self.use_residual = True``): what a
+    traced forward reads as constants."""
+    out = {}
+    for path, mod in model.named_modules(remove_duplicate=False):
+        names = {k: (v if isinstance(v, _SIMPLE) else _Opaque(repr(v)[:80])) for k, v in vars(mod).items()
+                 if not k.startswith("_") and k != "training" and not isinstance(v, (torch.Tensor, torch.nn.Module))}
+        if names:
+            out[path] = names
+    return out
+
+
+_SIMPLE = (bool, int, float, str, type(None))
+_GRAPH_MODULE_OWN = ("meta", "shape_env", "code", "graph")
+
+
+class _Opaque(str):
+    """The repr of a setting that is not a plain number / str / bool / None (kept as its repr, so
+    that saving the transformed model pickles no user object): any new value is refused."""
+
+
+def _check_traced_setting(mod: torch.nn.Module, name: str, value) -> None:
+    """Refuse ``mod.name = value`` where `name` was a plain attribute of the original module that
+    stood here and whose forward was traced into the graph: the graph holds the value it had at
+    transform time and would silently ignore the new one."""
+    settings = mod.__dict__.get("_recfuse_traced_settings")
+    if not settings or name not in settings:
+        return
+    old = settings[name]
+    try:
+        same = not isinstance(old, _Opaque) and type(value) is type(old) and bool(value == old)
+    except Exception:
+        same = False
+    if same:
+        return
+    from ..errors import RecfuseError
+
+    path = mod.__dict__.get("_recfuse_settings_path") or "the transformed model"
+    where = f"`{path}.{name}`" if path != "the transformed model" else f"`{name}` of the transformed model"
+    raise RecfuseError(
+        f"cannot set {where} = {value!r}: recfuse.transform traced the original module's forward with "
+        f"{name}={old!r}, and its graph keeps that value (a plain attribute is a constant of the traced code), "
+        "so the new value would be silently ignored. Set it on the original model and transform again.")
+
+
+class _TracedHolder(_ChecksReplacements, torch.nn.Module):
+    """Stands (as torch.fx's plain holder did) at the path of a module whose forward was traced
+    into the graph and that had plain settings: setting one of them is refused
+    (`_check_traced_setting`)."""
+
+
+def guard_settings(gm: torch.nn.Module) -> None:
+    """Make the transformed model and the holders at the paths of traced modules refuse a new
+    value for a plain attribute the original module had (`gm._recfuse_settings`), which the
+    traced graph holds as a constant."""
+    for path, names in (gm.__dict__.get("_recfuse_settings") or {}).items():
+        try:
+            mod = gm.get_submodule(path) if path else gm
+        except AttributeError:
+            continue
+        if mod is not gm:
+            if type(mod) is torch.nn.Module:
+                mod.__class__ = _TracedHolder
+            elif not isinstance(mod, _ChecksReplacements):
+                continue  # a module kept as itself (a leaf the graph calls): it reads its settings
+        # what the module class or the GraphModule machinery itself defines is not the original's setting
+        names = {k: v for k, v in names.items()
+                 if not hasattr(type(mod), k) and k not in _GRAPH_MODULE_OWN and not k.startswith("recfuse_")}
+        mod.__dict__["_recfuse_traced_settings"] = names
+        mod.__dict__["_recfuse_settings_path"] = path
+    for path, signature in (gm.__dict__.get("_recfuse_inlined") or {}).items():
+        try:
+            mod = gm.get_submodule(path)
+        except AttributeError:
+            continue
+        if type(mod) is torch.nn.Module:
+            mod.__class__ = _TracedHolder
+        if type(mod) is _TracedHolder:  # not a module the graph calls (a leaf kept as itself)
+            # its owner refuses a replacement of another class or settings (whose forward the graph
+            # would ignore), as for a module whose calls fusion replaced
+            parent_path, _, leaf = path.rpartition(".")
+            owner = gm.get_submodule(parent_path) if parent_path else gm
+            if type(owner) is torch.nn.Module:
+                owner.__class__ = _TracedHolder
+            if isinstance(owner, _ChecksReplacements):
+                owner.__dict__.setdefault("_recfuse_children", {}).setdefault(leaf, (path, signature))
+            _refuse_hooks(mod, path, (
+                f"cannot register a hook on `{path}`: recfuse.transform traced this module's forward into "
+                "the transformed model's graph (the module here only holds its tensors), so it is never "
+                "called and the hook would never run. Register it on the original model before "
+                "recfuse.transform, or on the transformed model itself."))
 
 
 class _FusedHolder(_ChecksReplacements, torch.nn.Module):
@@ -303,8 +399,8 @@ def guard_absorbed(gm: torch.nn.Module) -> None:
         _refuse_hooks(mod, path)
 
 
-def _refuse_hooks(mod: torch.nn.Module, path: str) -> None:
-    message = (f"cannot register a hook on `{path}`: recfuse.transform fused its calls into the "
+def _refuse_hooks(mod: torch.nn.Module, path: str, message: Optional[str] = None) -> None:
+    message = message or (f"cannot register a hook on `{path}`: recfuse.transform fused its calls into the "
                "transformed model's graph, which no longer calls this module, so the hook would never "
                "run. Register it on the original model before recfuse.transform (a module with hooks "
                "is left unfused), or on the transformed model itself.")
@@ -342,6 +438,7 @@ def mark_stacked_away(gm: torch.nn.Module) -> None:
                     "names: `transformed.transformed_parameters(params)` maps a dict keyed by the original "
                     "names onto them (rows stacked with torch.stack, so gradients reach your tensors).")
     guard_absorbed(gm)
+    guard_settings(gm)
 
 
 def transformed_parameters(module: torch.nn.Module, params: dict) -> dict:

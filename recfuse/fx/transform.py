@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import RecfuseError
 from .capture import PendingModule, _StateSnapshot, capture, unshare
 from .fuse import fuse_graph
-from .graph_module import _restore_dropped, mark_stacked_away, module_signature
+from .graph_module import _restore_dropped, mark_stacked_away, module_signature, plain_settings
 from .plan import attr_tensor
 from .registry import FUSIONS, select_fusions
 from .replay import CudaGraphReplayModule
@@ -186,7 +186,8 @@ def _finish_module(gm: GraphModule, report: FusionReport, kept: Optional[dict] =
         gm._recfuse_stacked = stacked
     if absorbed:
         gm._recfuse_absorbed = absorbed
-    if stacked or absorbed:
+    settings = getattr(gm, "_recfuse_settings", None) or getattr(gm, "_recfuse_inlined", None)
+    if stacked or absorbed or settings:
         mark_stacked_away(gm)
     for n in gm.graph.nodes:
         n.meta.pop(VAL_KEY, None)
@@ -243,6 +244,15 @@ def _run(model, example_inputs, fusions, stack_parameters: bool = True) -> tuple
         if pending:
             gm = gm.build(codegen=False)
             kept = _adopt_original_state(gm, model, skip=_stacked_olds(report))
+        if isinstance(model, nn.Module):
+            # plain attributes the traced forward may have read: constants of the graph now
+            gm.__dict__["_recfuse_settings"] = plain_settings(model)
+            # modules with a forward of their own, which the trace inlined (hooks on them would never run)
+            # (torch.nn's own modules are leaves the graph calls, except containers it traces through)
+            gm.__dict__["_recfuse_inlined"] = {
+                k: module_signature(m) for k, m in model.named_modules(remove_duplicate=False)
+                if k and type(m).forward is not nn.Module.forward
+                and (not type(m).__module__.startswith("torch.nn") or isinstance(m, nn.Sequential))}
         gm = _finish_module(gm, report, kept, facts.get("shared", ()), absorbed)
         kept = None  # the per-slice copies fusion pruned are freed now, not walked by the collection that
         # turning the collector back on starts
@@ -333,7 +343,14 @@ def _replaying(gm: GraphModule) -> GraphModule:
         replay._recfuse_stacked = stacked
     if absorbed:
         replay._recfuse_absorbed = absorbed
-    if stacked or absorbed:
+    settings = getattr(gm, "_recfuse_settings", None)
+    if settings:
+        replay._recfuse_settings = settings
+    inlined = getattr(gm, "_recfuse_inlined", None)
+    if inlined:
+        replay._recfuse_inlined = inlined
+    settings = settings or inlined
+    if stacked or absorbed or settings:
         mark_stacked_away(replay)
     return replay
 

@@ -279,6 +279,18 @@ def _names_from_modules(layer_norms, linear, feature_names) -> tuple[str, ...]:
             )
         if isinstance(m, (list, tuple, nn.ModuleList)) and len(m) != len(names):
             raise ValueError(f"{what} has {len(m)} modules but there are {len(names)} features {list(names)}")
+    # A list pairs with the features by position. Beside a dict whose key order is not the
+    # feature order, that position is ambiguous: a loop ``zip(lns.items(), lins)`` pairs the list
+    # with the dict's order, not with feature_names' (a Linear silently given to another feature).
+    for (what, m), (other, d) in ((("layer_norms", layer_norms), ("linear", linear)),
+                                  (("linear", linear), ("layer_norms", layer_norms))):
+        if (isinstance(m, (list, tuple, nn.ModuleList)) and _is_mapping(d)
+                and tuple(d.keys()) != names):
+            raise ValueError(
+                f"{what} is a list (paired with the features by position) but {other} is a dict whose key "
+                f"order {list(d.keys())} is not the feature order {list(names)}; which order the list follows "
+                f"is ambiguous: pass {what} as a dict keyed by feature name, or feature_names in the key order of "
+                f"{other}")
     return names
 
 
