@@ -166,6 +166,21 @@ def _reloaded(m):
     return torch.load(buf, weights_only=False)
 
 
+def _transformed_with_settings(copy_how: str):
+    """(transformed WithSettings, its untouched original, an input), the result copied as asked:
+    "none", "deepcopy", "save_load" (torch.save / torch.load) or "cuda_graph" (the replaying module)."""
+    torch.manual_seed(0)
+    model = WithSettings()
+    ref = copy.deepcopy(model)
+    x = torch.randn(5, 3 * D_)
+    g = recfuse.transform(model, (x,), cuda_graph=copy_how == "cuda_graph")
+    if copy_how == "deepcopy":
+        g = copy.deepcopy(g)
+    elif copy_how == "save_load":
+        g = _reloaded(g)
+    return g, ref, x
+
+
 @pytest.mark.parametrize("copy_how", ["none", "deepcopy", "save_load", "cuda_graph"])
 @pytest.mark.parametrize("path,name,value", [("", "temperature", 3.0), ("", "use_residual", False),
                                              ("tower", "scale", 5.0), ("", "tag", ["other"])])
@@ -176,15 +191,7 @@ def test_a_plain_setting_read_by_the_traced_forward_set_after_transform_is_refus
     result silently stayed 0.26 / 1.55 / 0.39 off the original with the same setting (relative, max
     abs). Round 10 refused this on modules whose calls fusion replaced only. Now refused, naming
     the attribute and the value the graph holds; setting the value it already has is allowed."""
-    torch.manual_seed(0)
-    model = WithSettings()
-    ref = copy.deepcopy(model)
-    x = torch.randn(5, 3 * D_)
-    g = recfuse.transform(model, (x,), cuda_graph=copy_how == "cuda_graph")
-    if copy_how == "deepcopy":
-        g = copy.deepcopy(g)
-    elif copy_how == "save_load":
-        g = _reloaded(g)
+    g, ref, x = _transformed_with_settings(copy_how)
     _close(g(x), ref(x))
     target = g.get_submodule(path) if path else g
     where = rf"`{path}\.{name}`" if path else rf"`{name}` of the transformed model"
@@ -247,15 +254,7 @@ def test_replacing_a_traced_submodule_of_the_result_by_another_class_or_settings
     (another class) and 0.79 (scale 7.0 for 2.0) off the original given the same module (relative,
     max abs). Now refused as for a module whose calls fusion replaced (round 10); a Tower of the
     same settings still replaces it (its tensors are read), and so does a new leaf (``tower.out``)."""
-    torch.manual_seed(0)
-    model = WithSettings()
-    ref = copy.deepcopy(model)
-    x = torch.randn(5, 3 * D_)
-    g = recfuse.transform(model, (x,), cuda_graph=copy_how == "cuda_graph")
-    if copy_how == "deepcopy":
-        g = copy.deepcopy(g)
-    elif copy_how == "save_load":
-        g = _reloaded(g)
+    g, ref, x = _transformed_with_settings(copy_how)
     other_scale = _randomized(Tower())
     other_scale.scale = 7.0
     for bad in (_randomized(SigmoidTower()), other_scale):
