@@ -41,28 +41,21 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 
 
-def _table_config(kind: str, D: int, H: int, dtype: torch.dtype, table: str, full: bool):
-    """The config `table`'s entry gives for exactly this shape, else the heuristic's."""
-    entry = configs.load_table(table).get(
-        (kind, D, H, str(dtype).replace("torch.", ""), full if kind == "forward" else True)) if table != "none" else None
-    if entry is not None:
-        cfg = configs.config_from_entry(kind, entry, D, H, dtype, full)
-        if cfg is not None:
-            return cfg, f"table {table}"
-    heuristic = configs.heuristic_forward(D, H, dtype, full) if kind == "forward" else configs.heuristic_backward(D, H, dtype)
-    return heuristic, "heuristic"
-
-
 def build_plan(kind: str, D: int, H: int, dtype: torch.dtype, *, table: str = "none", knobs: dict = None,
                F: int = 8, B: int = 4096):
     """(plan, config, its source, kernel arguments) of one call in the torchrec layout with a shared
     weight, bias and per-feature LayerNorm affine, made on CPU tensors with a CUDA call's constexprs."""
     full = D == triton.next_power_of_2(D)
-    cfg, source = _table_config(kind, D, H, dtype, table, full)
     if knobs:
         cfg = (configs.heuristic_forward(D, H, dtype, full, **knobs) if kind == "forward"
                else configs.heuristic_backward(D, H, dtype, **knobs))
         source = "knobs"
+    else:  # the lookup a CUDA call makes, in the named table (its nearest entry, else the heuristic)
+        cfg = (configs.table_forward_config(D, H, dtype, "cpu", full, table=table) if kind == "forward"
+               else configs.table_backward_config(D, H, dtype, "cpu", table=table))
+        source = f"table {table}"
+    if cfg is None:
+        raise SystemExit(f"no {kind} kernel covers D={D} H={H} {dtype}")
     x = torch.randn(B, F * D).to(dtype).view(B, F, D)
     w, b = torch.randn(H, D).to(dtype), torch.randn(H).to(dtype)
     lw, lb = torch.randn(F, D).to(dtype), torch.randn(F, D).to(dtype)
@@ -72,7 +65,7 @@ def build_plan(kind: str, D: int, H: int, dtype: torch.dtype, *, table: str = "n
             plan = launch.forward_plan(x, w, b, lw, lb, 1e-5, 1, save_stats=True)
         y = torch.empty(plan.y_shape, dtype=dtype)
         tensors = (x, w, b, lw, lb, y, stats)
-        plan.meta.update(launch._dot_args(dtype, "cuda"), FAST_TANH=launch._tanh_mode(dtype, "cuda"))
+        plan.meta.update(launch.device_constexprs("forward", dtype, "cuda"))
     else:
         gy = torch.randn(B, F, H).to(dtype)
         with configs.override(backward=cfg):
@@ -80,9 +73,7 @@ def build_plan(kind: str, D: int, H: int, dtype: torch.dtype, *, table: str = "n
         if plan is None:
             raise SystemExit(f"no backward kernel for D={D} H={H} {dtype} with {cfg}")
         tensors = (gy, x, w, b, lw, lb, x, stats, stats)
-        exact = "gelu" in (launch.DEFAULT.activation, launch.DEFAULT.out_activation)
-        plan.meta.update(DOT_UPCAST=False, FAST_TANH=launch._tanh_mode(dtype, "cuda", backward=True, exact=exact),
-                         BWD_DOT_PRECISION="ieee" if cfg.fp32_dots == "ieee" else launch._fp32_dot_precision("cuda"))
+        plan.meta.update(launch.device_constexprs("backward", dtype, "cuda", fp32_dots=cfg.fp32_dots))
     return plan, cfg, source, tensors + tuple(plan.ints)
 
 
@@ -164,7 +155,8 @@ def main(argv=None) -> int:
     ap.add_argument("--D", type=int, default=256)
     ap.add_argument("--H", type=int, default=1)
     ap.add_argument("--dtype", choices=list(DTYPES), default="fp32")
-    ap.add_argument("--table", default="h100-80gb-hbm3", help='tuned table whose entry to compile ("none": the heuristic)')
+    ap.add_argument("--table", default="h100-80gb-hbm3",
+                    help='tuned table whose lookup to compile (its nearest entry; "none": the heuristic)')
     ap.add_argument("--knobs", type=json.loads, default=None, help="config knobs (JSON), over the heuristic's")
     ap.add_argument("--tanh-mode", type=int, choices=[0, 1, 2], help="FAST_TANH instead of a CUDA call's")
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")

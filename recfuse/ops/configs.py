@@ -779,11 +779,12 @@ def _cached_forward_config(D, H, dtype, device, full_tiles) -> ForwardConfig:
 
 
 def table_forward_config(D: int, H: int, dtype: torch.dtype, device: Union[str, int],
-                         full_tiles: bool = True) -> ForwardConfig:
-    """The forward config from the shipped tables (`table_slug`'s nearest entry), else the
-    heuristic: the lookup without the tuning cache."""
+                         full_tiles: bool = True, table: Optional[str] = None) -> ForwardConfig:
+    """The forward config from the shipped tables (`table_slug`'s nearest entry, or the named
+    ``table``'s), else the heuristic: the lookup without the tuning cache."""
     heuristic = heuristic_forward(D, H, dtype, full_tiles)
-    entry = _nearest_entry(load_table(table_slug(device)), "forward", D, H, _DTYPE_NAMES.get(dtype, ""), full_tiles)
+    entry = _nearest_entry(load_table(table or table_slug(device)), "forward", D, H, _DTYPE_NAMES.get(dtype, ""),
+                           full_tiles)
     if entry is not None and heuristic.block_k and not full_tiles and not entry.get("block_k"):
         # Masked entries were tuned before masked tiles could be chunked: their whole-row tiles
         # are the padded path (D=160 -> 256 columns) the chunked kernel replaces.
@@ -818,13 +819,15 @@ def _cached_backward_config(D, H, dtype, device) -> Optional[BackwardConfig]:
     return cfg if cfg is not None else table_backward_config(D, H, dtype, device)
 
 
-def table_backward_config(D: int, H: int, dtype: torch.dtype, device: Union[str, int]) -> Optional[BackwardConfig]:
-    """The backward config from the shipped tables (`table_slug`'s nearest entry), else the
-    heuristic (None where the kernel does not cover the shape): the lookup without the tuning cache."""
+def table_backward_config(D: int, H: int, dtype: torch.dtype, device: Union[str, int],
+                          table: Optional[str] = None) -> Optional[BackwardConfig]:
+    """The backward config from the shipped tables (`table_slug`'s nearest entry, or the named
+    ``table``'s), else the heuristic (None where the kernel does not cover the shape): the lookup
+    without the tuning cache."""
     heuristic = heuristic_backward(D, H, dtype)
     if heuristic is None:
         return None
-    table, dtype_name = load_table(table_slug(device)), _DTYPE_NAMES.get(dtype, "")
+    table, dtype_name = load_table(table or table_slug(device)), _DTYPE_NAMES.get(dtype, "")
     # The tuner files a D that is not a power of two (masked columns) under full_tiles=False, as
     # for the forward; a lookup of full tiles only gave D=160 the D=256 entry and never its own
     # (H100 fp32 D=160 H=64: 3681 us with D=256's tiles, 2073 us tuned; H=16 1621 vs 1204).

@@ -153,6 +153,27 @@ def _dot_args(dtype: torch.dtype, device_type: str) -> dict:
     return {"DOT_DTYPE": _TL_DTYPES[dtype], "DOT_PRECISION": _fp32_dot_precision(device_type)}
 
 
+def device_constexprs(kind: str, dtype: torch.dtype, device_type: str, chain=DEFAULT, fp32_dots: str = "") -> dict:
+    """The constexprs of a ``kind`` ("forward" / "backward") kernel that depend on the device type:
+    the dot operands' dtype and precision, the interpreter's fp32 upcast, the tanh form. Plans
+    take them for their device; `benchmarks/offline_sass.py` for "cuda" on a CPU machine.
+
+    Example:
+        >>> device_constexprs("backward", torch.float32, "cpu")["FAST_TANH"], device_constexprs("forward", torch.float32, "cuda")["FAST_TANH"]
+        (0, 2)
+    """
+    if kind == "forward":
+        return dict(_dot_args(dtype, device_type), FAST_TANH=_tanh_mode(dtype, device_type))
+    return dict(
+        BWD_DOT_PRECISION=_fp32_dot_precision(device_type) if fp32_dots != "ieee" else "ieee",
+        DOT_UPCAST=device_type == "cpu",
+        # Not the approximation for gelu: its fast form (the tanh form) is biased by up to 5e-4, and
+        # recomputing z with it flipped relu masks of the exact chain: dW 1e-2 off float64 in bf16
+        # on the H100.
+        FAST_TANH=_tanh_mode(dtype, device_type, backward=True,
+                             exact="gelu" in (chain.activation, chain.out_activation)))
+
+
 def _num_sms(device: torch.device) -> int:
     """SMs of a CUDA device; the interpreter counts 2, so its tests walk several tiles a program."""
     if device.type != "cuda":
@@ -311,7 +332,7 @@ def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, s
     meta = dict(
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
         NORM=norm, ACT=act, OUT_ACT=out_act,
-        USE_DOT=cfg.use_dot, **_dot_args(x.dtype, dev.type), FAST_TANH=_tanh_mode(x.dtype, dev.type),
+        USE_DOT=cfg.use_dot, **device_constexprs("forward", x.dtype, dev.type, chain),
         SAVE_STATS=save_stats, EVEN_D=even_d, EVEN_B=even_b, X_EVICT=cfg.x_evict,
         PERSISTENT=persistent, TILE_STAGES=cfg.tile_stages,
         BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
@@ -525,14 +546,9 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
     meta = dict(
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
         NORM=norm, ACT=act, OUT_ACT=out_act,
-        USE_DOT=cfg.use_dot, BWD_DOT_PRECISION=_fp32_dot_precision(dev.type) if fp32_dots != "ieee" else "ieee",
-        BWD_DOT_DTYPE=_bwd_dot_dtype(x.dtype, weight.dtype, fp32_dots), DOT_UPCAST=dev.type == "cpu",
+        USE_DOT=cfg.use_dot, BWD_DOT_DTYPE=_bwd_dot_dtype(x.dtype, weight.dtype, fp32_dots),
+        **device_constexprs("backward", x.dtype, dev.type, chain, fp32_dots),
         **_bwd_splits(x.dtype, fp32_dots, chain.out_activation),
-        # Not the approximation for gelu: its fast form (the tanh form) is biased by up to 5e-4, and
-        # recomputing z with it flipped relu masks of the exact chain: dW 1e-2 off float64 in bf16
-        # on the H100.
-        FAST_TANH=_tanh_mode(x.dtype, dev.type, backward=True,
-                             exact="gelu" in (chain.activation, chain.out_activation)),
         LOAD_STATS=stats is not None,
         # The K-chunked kernel walks chunks up to D: its columns are all real when D is a whole
         # number of chunks.

@@ -137,7 +137,6 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
 
 
 
-
 def confirm_at_scale(timed: list, time_at_scale, finalists: int) -> list:
     """``timed`` (rows, dicts with "us", sorted by their time at the tuned size) re-ordered by how
     its ``finalists`` fastest do at a larger size too: by each finalist's worse ratio to the fastest
