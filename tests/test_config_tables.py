@@ -1,6 +1,7 @@
 """Which tuned table a device's kernel configs come from (`configs.table_slug`): its own, one of
 the same architecture, the one RECFUSE_TUNED_TABLE names, or none (the heuristic). Checked
 against the shipped H100 table's entries and the heuristic itself."""
+import json
 import types
 
 import pytest
@@ -121,3 +122,28 @@ def test_the_per_column_heuristic_stays_within_the_measured_widths():
     assert configs.heuristic_backward(128, 8, torch.float32).use_dot
     assert configs.heuristic_backward(256, 8, torch.bfloat16).use_dot
     assert configs.heuristic_backward(512, 4, torch.bfloat16).unroll_h
+
+
+def test_the_environment_variable_takes_a_table_files_path(monkeypatch, fresh_configs, tmp_path):
+    """A tuner's --save folder is read through RECFUSE_TUNED_TABLE=<path>: the entry it wrote
+    is the config used; a name that is no table is refused, not read as "no entries" (which
+    would give the heuristic while a table was asked for)."""
+    _fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", 9, 0, 132)
+    written = {"block_b": 4, "num_warps": 2, "use_dot": False, "x_evict": "", "persistent": 0,
+               "tile_stages": 1, "block_k": 0, "unroll_h": 0}
+    heuristic, shipped = configs.heuristic_forward(256, 1, torch.float32), _h100_entry("forward", 256, 1, "float32")
+    assert (4, 2) not in ((heuristic.block_b, heuristic.num_warps), (shipped["block_b"], shipped["num_warps"]))
+    path = tmp_path / "h100-80gb-hbm3.json"
+    path.write_text(json.dumps({"forward": [{"D": 256, "H": 1, "dtype": "float32", "full_tiles": True,
+                                             "config": written}]}))
+    monkeypatch.setenv(configs.TABLE_ENV, str(path))
+    try:
+        assert configs.table_slug(0) == str(path)
+        cfg = configs.forward_config(256, 1, torch.float32, 0)
+        assert (cfg.block_b, cfg.num_warps, cfg.use_dot) == (4, 2, False)
+        for wrong in (str(tmp_path / "h100.json"), "h100-80gb"):
+            monkeypatch.setenv(configs.TABLE_ENV, wrong)
+            with pytest.raises(ValueError, match=r"RECFUSE_TUNED_TABLE='.*' names no table.*h100-80gb-hbm3"):
+                configs.table_slug(0)
+    finally:
+        configs.load_table.cache_clear()

@@ -5,7 +5,8 @@ Where a config comes from, first match wins:
 
 1. `override(...)`: a context manager that forces configs (the tuner measures candidates through
    it; tests force the kernel paths they check). No module-global switch is patched anywhere.
-2. ``RECFUSE_TUNED_TABLE``, when set: the table it names (its nearest entry), or "none" for the
+2. ``RECFUSE_TUNED_TABLE``, when set: the table it names, a shipped one or a table file's path (its
+   nearest entry; a name that is neither is refused), or "none" for the
    heuristic; the tuning cache below is then neither read nor written.
 3. The tuning cache (`cache_path`: ``~/.cache/recfuse/tuned/<gpu>-triton<version>.json``, or under
    ``RECFUSE_CACHE_DIR``): this shape's exact entry, tuned on this GPU model by
@@ -412,10 +413,24 @@ def gpu_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
 
 
+def table_path(name: str) -> str:
+    """The file of a table: a shipped table's name (a file under tuned/ without ".json"), or the path
+    of a table file a tuner wrote elsewhere (``tune_kernels.py --save DIR``).
+
+    Example:
+        >>> os.path.basename(table_path("h100-80gb-hbm3")), table_path("/tmp/tuned/h100.json")
+        ('h100-80gb-hbm3.json', '/tmp/tuned/h100.json')
+    """
+    if name.endswith(".json") or os.sep in name:
+        return name
+    return os.path.join(TUNED_DIR, name + ".json")
+
+
 @functools.lru_cache(maxsize=None)
 def load_table(slug: str) -> dict:
-    """The tuned table of one GPU model ({} when there is none); see `tuned/README.md`."""
-    path = os.path.join(TUNED_DIR, slug + ".json")
+    """The tuned table of one GPU model ({} when there is none); see `tuned/README.md`. ``slug``
+    may also be a table file's path (`table_path`)."""
+    path = table_path(slug)
     if not os.path.exists(path):
         return {}
     with open(path) as f:
@@ -476,12 +491,24 @@ def table_slug(device: Union[str, int]) -> str:
         return "none"
     forced = os.environ.get(TABLE_ENV, "").strip()
     if forced:
-        return forced
+        return _forced_table(forced)
     own = device_slug(device)
     if load_table(own):
         return own
     props = torch.cuda.get_device_properties(device)
     return _same_architecture_table(own, (props.major, props.minor), props.multi_processor_count)
+
+
+@functools.lru_cache(maxsize=16)
+def _forced_table(name: str) -> str:
+    """``RECFUSE_TUNED_TABLE``'s table, refused when it names none: a misspelt name or path would
+    otherwise give the heuristic's configs while saying a table was asked for."""
+    if name != "none" and not os.path.exists(table_path(name)):
+        shipped = sorted(f[:-5] for f in os.listdir(TUNED_DIR) if f.endswith(".json"))
+        raise ValueError(f"{TABLE_ENV}={name!r} names no table: expected 'none', a shipped table "
+                         f"({', '.join(shipped)}) or the path of a table file ending in .json "
+                         f"({table_path(name)} does not exist)")
+    return name
 
 
 @functools.lru_cache(maxsize=16)
