@@ -21,7 +21,7 @@ from .mutation import functionalize_inplace, keeps_node
 from .plan import GroupPlan
 from .registry import FUSIONS, Claim, Decline, select_fusions
 from .report import Declined, FusionReport, GroupReport, NearMiss
-from .rewrite import Rewriter
+from .rewrite import Rewriter, fold_split_guards
 
 __all__ = ["fuse_graph"]
 
@@ -90,6 +90,7 @@ def fuse_graph(graph: Graph, root: Optional[nn.Module] = None, *, stack_params_o
         report.near_misses.append(NearMiss(plan.where, _unclaimed_reason(plan, enabled, verdicts)))
     if report.groups:
         graph.eliminate_dead_code(is_impure_node=impure)
+        fold_split_guards(graph)
     elif analysis.sinks_seen == 0:
         report.reason = ("no torch.stack/torch.cat over two or more per-slice chains of layer_norm/tanh/"
                          "linear/relu was found")

@@ -30,7 +30,7 @@ from torch.fx import Graph, Node
 from . import runtime
 from .plan import GroupPlan, ParamPlan, attr_tensor
 
-__all__ = ["Rewriter"]
+__all__ = ["Rewriter", "fold_split_guards"]
 
 
 class Rewriter:
@@ -200,3 +200,37 @@ def _unique_attr(root, base: str) -> str:
     while hasattr(root, name):
         name, k = f"{base}_{k}", k + 1
     return name
+
+
+def fold_split_guards(graph: Graph) -> int:
+    """Hand each split's piece-count guard to the `slices_view` of its group that comes right after
+    it (only attribute reads between): one helper call a transformed forward saves (~1.4 us),
+    and the guard's work is skipped where the view's own shape test implies it. Returns how many
+    guards were folded.
+
+    The guard (`runtime.check_specialized` of ``(src, "split", size, dim)``, how ``"pieces"``)
+    holds when ``src.shape[dim]`` splits into the example's count of pieces; a `slices_view` of the
+    same source, dim and count, from 0, with slices of the split's size, tiles the dim exactly in
+    that case, so when its shape test passes the count is right and otherwise it runs the guard.
+    Nothing with an effect runs between the two, so the refusal comes at the same point.
+    """
+    folded = 0
+    for guard in list(graph.nodes):
+        if guard.op != "call_function" or guard.target is not runtime.check_specialized or guard.kwargs:
+            continue
+        split, how, expected = guard.args[:3]
+        if how != "pieces" or not (isinstance(split, tuple) and len(split) == 4):
+            continue
+        src, kind, size, dim = split
+        view = guard.next
+        while view.op == "get_attr":
+            view = view.next
+        if (view.op != "call_function" or view.target is not runtime.slices_view or view.kwargs
+                or len(view.args) != 5 or kind != "split" or type(size) is not int):
+            continue
+        v_src, v_dim, v_start, v_count, v_length = view.args
+        if v_src is src and v_dim == dim and v_start == 0 and v_count == expected and v_length == size:
+            view.args = view.args + (guard.args,)
+            graph.erase_node(guard)
+            folded += 1
+    return folded

@@ -398,12 +398,17 @@ def grad_region_boundary(value):
 
 
 @_graph_leaf
-def slices_view(src: torch.Tensor, dim: int, start: int, count: int, length: Optional[int]) -> torch.Tensor:
+def slices_view(src: torch.Tensor, dim: int, start: int, count: int, length: Optional[int],
+                split_guard: Optional[tuple] = None) -> torch.Tensor:
     """`count` equal slices of `src` along `dim` from `start`, as one tensor with a new feature dim.
 
     length=None: index slices (unbind/select), the result is ``src.narrow(dim, start, count)``.
     Otherwise range slices of `length` each: ``[..., count*length, ...] -> [..., count, length, ...]``,
     a view when the strides allow it (the usual [B, F*D] -> [B, F, D]), else a copy.
+
+    split_guard: the `check_specialized` arguments of the split these slices came from
+    (`rewrite.fold_split_guards`), checked unless the slices tile the whole dim from 0, which
+    implies the split's piece count.
 
     Example:
         >>> import torch
@@ -419,7 +424,12 @@ def slices_view(src: torch.Tensor, dim: int, start: int, count: int, length: Opt
         # -1 is ambiguous for an empty tensor (batch size 0): then the length is computed
         shape[dim:dim + 1] = (count, -1 if src.numel() else shape[dim] // count)
         return src.reshape(shape)
-    x = src if (start == 0 and count * length == shape[dim]) else src.narrow(dim, start, count * length)
+    if start == 0 and count * length == shape[dim]:
+        x = src
+    else:
+        if split_guard is not None:
+            check_specialized(*split_guard)
+        x = src.narrow(dim, start, count * length)
     shape[dim:dim + 1] = (count, length)
     # view where the strides allow it (the usual case), which is what reshape returns then; sizes
     # passed as separate ints, which torch parses faster than a list (~1.2 vs ~2 us a call).
