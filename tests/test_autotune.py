@@ -314,3 +314,42 @@ def test_concurrent_first_lookups_tune_once(fake_gpu, monkeypatch):
     for t in threads:
         t.join()
     assert len(calls) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# on a GPU: the automatic trigger end to end
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_tuning_on_first_use_on_cuda_writes_the_cache_and_matches_float64(cache, monkeypatch, dtype):
+    """RECFUSE_AUTOTUNE=1 on a shape no shipped table holds (D=96 H=2): the op's first call tunes
+    both kinds on the real GPU, writes the cache, and its forward and gradients (computed with
+    the tuned configs) match the float64 reference; a second lookup reads the cache."""
+    D, H = 96, 2
+    dtype_name = str(dtype).replace("torch.", "")
+    assert not any(k[1:4] == (D, H, dtype_name) for k in configs.load_table(configs.device_slug(0)))
+    monkeypatch.setenv(autotune.AUTOTUNE_ENV, "1")
+    configs._cached_forward_config.cache_clear()
+    configs._cached_backward_config.cache_clear()
+    launch._FORWARD_PLANS.clear()
+    launch._BACKWARD_PLANS.clear()
+    try:
+        check_against_float64(Case(5, 1000, D, H, feature_dim=1, strided_view=True, ln="per_feature"), dtype,
+                              device="cuda")
+        written = [json.loads(p.read_text()) for p in cache.rglob("*.json")]
+        assert len(written) == 1
+        for kind in ("forward", "backward"):
+            entries = [e for e in written[0][kind] if (e["D"], e["H"], e["dtype"]) == (D, H, dtype_name)]
+            assert entries and all(e["us"] > 0 for e in entries)
+            for entry in entries:
+                full = entry.get("full_tiles", True)
+                cfg = configs.config_from_entry(kind, entry["config"], D, H, dtype, full)
+                looked_up = (configs.forward_config(D, H, dtype, 0, full) if kind == "forward"
+                             else configs.backward_config(D, H, dtype, 0))
+                assert looked_up == cfg
+    finally:
+        configs._cached_forward_config.cache_clear()
+        configs._cached_backward_config.cache_clear()
+        launch._FORWARD_PLANS.clear()
+        launch._BACKWARD_PLANS.clear()
