@@ -307,19 +307,43 @@ def targets_summary(points: list[dict]) -> list[str]:
     return out
 
 
+def panel_values(points: list[dict], chain_affine: tuple, layout: str, dtype: str, kind: str, dims: list,
+                 hs: list):
+    """One heatmap panel: % of floor of `kind` ("fwd" / "train") per (D, H), NaN where not measured.
+
+    Example:
+        >>> p = dict(chain="layer_norm,tanh,relu", layout="BFD", dtype="fp32", affine="none", D=64, H=4,
+        ...          fwd_pct_floor=71.0)
+        >>> panel_values([p], ("layer_norm,tanh,relu", "none"), "BFD", "fp32", "fwd", [32, 64], [4]).tolist()
+        [[nan], [71.0]]
+    """
+    import numpy as np
+
+    grid = np.full((len(dims), len(hs)), np.nan)
+    for p in points:
+        if ((p.get("chain", chain_text(DEFAULT)), p["affine"], p["layout"], p["dtype"]) == (*chain_affine, layout, dtype)
+                and f"{kind}_pct_floor" in p):
+            grid[dims.index(p["D"]), hs.index(p["H"])] = p[f"{kind}_pct_floor"]
+    return grid
+
+
+def heatmap_axes(points: list[dict]) -> tuple:
+    """The heatmap's rows ((chain, affine) pairs), columns ((layout, dtype, kind)), Ds and Hs."""
+    chains = list(dict.fromkeys(p.get("chain", chain_text(DEFAULT)) for p in points))
+    affines = [(ch, a) for ch in chains for a in AFFINES
+               if any(p["affine"] == a and p.get("chain", chain_text(DEFAULT)) == ch for p in points)]
+    cols = [(lay, dt, kind) for lay in LAYOUTS for dt in DTYPES for kind in ("fwd", "train")
+            if any(p["layout"] == lay and p["dtype"] == dt for p in points)]
+    return affines, cols, sorted({p["D"] for p in points}), sorted({p["H"] for p in points})
+
+
 def heatmap(points: list[dict], path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    chains = list(dict.fromkeys(p.get("chain", chain_text(DEFAULT)) for p in points))
-    affines = [(ch, a) for ch in chains for a in AFFINES
-               if any(p["affine"] == a and p.get("chain", chain_text(DEFAULT)) == ch for p in points)]
-    cols = [(lay, dt, kind) for lay in LAYOUTS for dt in DTYPES for kind in ("fwd", "train")
-            if any(p["layout"] == lay and p["dtype"] == dt for p in points)]
-    dims = sorted({p["D"] for p in points})
-    hs = sorted({p["H"] for p in points})
+    affines, cols, dims, hs = heatmap_axes(points)
     fig, axes = plt.subplots(len(affines), len(cols), squeeze=False, sharey=True, layout="constrained",
                              figsize=(1.5 + max(1.6, 0.5 * len(hs)) * len(cols),
                                       1.0 + max(1.8, 0.35 * len(dims) + 0.6) * len(affines)))
@@ -329,11 +353,7 @@ def heatmap(points: list[dict], path: str, title: str) -> None:
     for r, aff in enumerate(affines):
         for c, (lay, dt, kind) in enumerate(cols):
             ax = axes[r][c]
-            grid = np.full((len(dims), len(hs)), np.nan)
-            for p in points:
-                if ((p.get("chain", chain_text(DEFAULT)), p["layout"], p["dtype"], p["affine"]) == (*aff, lay, dt)
-                        and f"{kind}_pct_floor" in p):
-                    grid[dims.index(p["D"]), hs.index(p["H"])] = p[f"{kind}_pct_floor"]
+            grid = panel_values(points, aff, lay, dt, kind, dims, hs)
             im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=100, aspect="auto")
             for i, j in itertools.product(range(len(dims)), range(len(hs))):
                 v = grid[i, j]

@@ -168,6 +168,41 @@ def test_grid_smoke_run_matches_float64(smoke):
     assert (out / "grid" / "grid_cpu.png").stat().st_size > 0
 
 
+# Run in a subprocess with benchmarks/ on the path (this file imports nothing from benchmarks/).
+_PANEL_CHECK = """
+import json, sys
+import numpy as np
+import grid
+points = json.load(open(sys.argv[1]))["points"]
+affines, cols, dims, hs = grid.heatmap_axes(points)
+shown = {}
+for aff in affines:
+    for lay, dt, kind in cols:
+        values = grid.panel_values(points, aff, lay, dt, kind, dims, hs)
+        for i, j in zip(*np.nonzero(~np.isnan(values))):
+            shown[repr((*aff, lay, dt, kind, dims[i], hs[j]))] = float(values[i, j])
+expected = {repr((p.get("chain", "layer_norm,tanh,relu"), p["affine"], p["layout"], p["dtype"], kind, p["D"], p["H"])):
+            p[kind + "_pct_floor"] for p in points for kind in ("fwd", "train") if kind + "_pct_floor" in p}
+print(json.dumps({"shown": shown, "expected": expected}))
+"""
+
+
+@pytest.mark.parametrize("result", ["smoke", "grid_h100.json", "grid_h200.json", "grid_chains_h100.json"])
+def test_grid_heatmap_panels_show_every_measured_point(smoke, result):
+    """Every point's fwd and train % of floor lands in its heatmap panel, and nothing else does
+    (the panels once matched no point: every committed heatmap was grey)."""
+    if result == "smoke":
+        out, _ = smoke("grid")
+        path = out / "grid" / "grid_cpu.json"
+    else:
+        path = BENCH / "results" / result
+    proc = subprocess.run([sys.executable, "-c", _PANEL_CHECK, str(path)], cwd=BENCH, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    panels = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert panels["expected"] and panels["shown"] == panels["expected"]
+
+
 def test_host_overhead_smoke_run(smoke):
     out, _ = smoke("host_overhead")
     data = json.loads((out / "host_overhead.json").read_text())
