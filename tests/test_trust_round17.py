@@ -107,3 +107,96 @@ def test_state_dict_of_mixed_dims_loads_into_the_same_features_by_name_when_rows
     single = recfuse.FusedFeatureProcessor(["a", "b"], 4)
     assert recfuse.FusedFeatureProcessor._decode_names(single.state_dict()["_extra_state"]) == ["a", "b"]
     assert recfuse.FusedFeatureProcessor._decode_dims(single.state_dict()["_extra_state"]) is None
+
+
+# -- a transformed model's own checkpoint loaded into another transform of the model --------------
+
+
+class DictFeatures(nn.Module):
+    """Per-feature LayerNorm -> tanh -> Linear -> relu over a dict of pooled embeddings, stacked in
+    the dict's order (``feats.items()``): a transform stacks the features in its example's key order."""
+
+    def __init__(self, names=("u", "i", "c")):
+        super().__init__()
+        self.lns = nn.ModuleDict({k: nn.LayerNorm(D_) for k in names})
+        self.lins = nn.ModuleDict({k: nn.Linear(D_, H_) for k in names})
+        _randomized(self)
+
+    def forward(self, feats: dict):
+        return torch.stack([torch.relu(self.lins[k](torch.tanh(self.lns[k](v)))) for k, v in feats.items()], 1)
+
+
+class TwoTowers(nn.Module):
+    """Two per-feature groups of one shape; `order` says which the forward runs first (the
+    transform numbers its stacked groups g0, g1 in graph order)."""
+
+    def __init__(self, order=("user", "item")):
+        super().__init__()
+        self.order = order
+        self.towers = nn.ModuleDict({t: nn.ModuleList(nn.LayerNorm(D_) for _ in range(2)) for t in ("user", "item")})
+        self.lins = nn.ModuleDict({t: nn.Linear(D_, H_) for t in ("user", "item")})
+        _randomized(self)
+
+    def forward(self, user, item):
+        xs = {"user": user, "item": item}
+        out = {}
+        for t in self.order:
+            ts = [torch.tanh(ln(p)) for ln, p in zip(self.towers[t], xs[t].split(D_, 1))]
+            out[t] = torch.relu(self.lins[t](torch.stack(ts, 1)))
+        return out["user"] - out["item"]
+
+
+def _sgd_step(model, inputs):
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    y = model(*inputs)
+    (y * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum().backward()
+    opt.step()
+
+
+def _all_close(a, b, tol=1e-5):
+    _close(a, b, tol)
+
+
+@pytest.mark.parametrize("case", ["dict_order", "group_order", "unstacked_loader", "nested", "saved_file"])
+def test_transformed_checkpoint_loads_by_name_into_another_transform(case):
+    """Before: a state_dict of a transformed model (``recfuse_g0_ln_weight`` [F, D], ...) loaded
+    row by row into another transform of the same model whose rows stand for other features:
+    a dict input whose keys came in another order at transform time (a resumed job's first batch,
+    a sharded EBC's KeyedTensor.to_dict()) stacks the features in that order, and a forward that
+    runs its two towers in the other order numbers the groups the other way. "<All keys matched
+    successfully>", and every feature computed with another's weights: 5.45 (dict order, also
+    nested and through a saved file) and 3.00 (towers swapped) off the original given the same
+    checkpoint (max abs), silently; a loader built with stack_parameters=False refused the
+    stacked keys. Now the state_dict's metadata keeps each stacked parameter's original names
+    (`stacked_parameters()`), and a load splits rows stacked otherwise into those names, which go
+    where this transform holds them."""
+    torch.manual_seed(0)
+    if case == "group_order":
+        model = TwoTowers(("user", "item"))
+        inputs = (torch.randn(5, 2 * D_), torch.randn(5, 2 * D_))
+        other_model, other_inputs = TwoTowers(("item", "user")), inputs
+    else:
+        model = DictFeatures()
+        feats = {k: torch.randn(5, D_) for k in ("u", "i", "c")}
+        inputs = (feats,)
+        other_model, other_inputs = DictFeatures(), ({k: feats[k] for k in ("c", "u", "i")},)
+    ref = copy.deepcopy(model)
+    saver = recfuse.transform(model, inputs)
+    _sgd_step(saver, inputs)  # the checkpoint is a trained one
+    _sgd_step(ref, inputs)
+    loader = recfuse.transform(other_model, other_inputs, stack_parameters=case != "unstacked_loader")
+    src, dst = saver, loader
+    if case == "nested":
+        src, dst = nn.ModuleDict({"proc": saver}), nn.ModuleDict({"proc": loader})
+    sd = src.state_dict()
+    if case == "saved_file":
+        sd = _reloaded(sd)
+    assert str(dst.load_state_dict(sd)) == "<All keys matched successfully>"
+    want = ref(*other_inputs)
+    _all_close(loader(*other_inputs), want)
+    _all_close(saver(*inputs), ref(*inputs))
+    # and back: the loader's checkpoint into the saver's transform
+    back = recfuse.transform(copy.deepcopy(ref), inputs)
+    _randomized(back)
+    back.load_state_dict(loader.state_dict())
+    _all_close(back(*inputs), ref(*inputs))
