@@ -105,6 +105,39 @@ def map_original_keys(module: torch.nn.Module, state_dict: dict, prefix: str, mi
         state_dict[prefix + new] = cur
 
 
+def unstack_saved_rows(module: torch.nn.Module, state_dict: dict, prefix: str, saved: Optional[dict]) -> None:
+    """Split the stacked parameters of a transformed model's state_dict into its original keys, in
+    place, where the saver (`saved`: its `stacked_parameters()`, kept in the state_dict's metadata)
+    stacked other rows under a name than `module` does; `map_original_keys` then puts each row
+    where `module` holds that original parameter. Another transform of the same model may stack
+    the features in another order (a dict input whose keys came in another order, a sharded EBC's
+    KeyedTensor, the model's feature list reordered) or number its groups otherwise: loaded by
+    position, every feature got another's weights, silently (red-team round 17).
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Module(); m.p = torch.nn.Parameter(torch.zeros(2, 1))
+        >>> m._recfuse_stacked = {"p": ["b.weight", "a.weight"]}
+        >>> sd = {"p": torch.tensor([[1.0], [2.0]])}
+        >>> unstack_saved_rows(m, sd, "", {"p": ["a.weight", "b.weight"]}); sorted(sd)
+        ['a.weight', 'b.weight']
+        >>> map_original_keys(m, sd, "", []); sd["p"].flatten().tolist()
+        [2.0, 1.0]
+    """
+    if not isinstance(saved, dict):
+        return
+    mine = getattr(module, "_recfuse_stacked", {})
+    for new, olds in saved.items():
+        key = prefix + new
+        value = state_dict.get(key)
+        if (not isinstance(value, torch.Tensor) or not isinstance(olds, (list, tuple)) or value.dim() == 0
+                or value.shape[0] != len(olds) or list(mine.get(new, ())) == list(olds)):
+            continue
+        del state_dict[key]
+        for i, old in enumerate(olds):
+            state_dict[prefix + old] = value[i]
+
+
 class _StackedAwayNames(dict):
     """The `_buffers` of a module (of the result) some of whose original tensors fusion stacked into
     a parameter of the result: `away` maps each such name to the message saying where it went.
@@ -772,8 +805,18 @@ class TransformedGraphModule(_ChecksReplacements, GraphModule):
         """
         return transformed_parameters(self, params)
 
+    _STACKED_KEY = "recfuse_stacked"
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        metadata = getattr(destination, "_metadata", None)
+        stacked = getattr(self, "_recfuse_stacked", None)
+        if metadata is not None and prefix[:-1] in metadata and stacked:
+            metadata[prefix[:-1]][self._STACKED_KEY] = self.stacked_parameters()
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        unstack_saved_rows(self, state_dict, prefix, (local_metadata or {}).get(self._STACKED_KEY))
         map_original_keys(self, state_dict, prefix, missing_keys, error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)

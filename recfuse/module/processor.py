@@ -363,42 +363,84 @@ class FusedFeatureProcessor(nn.Module):
 
     _FEATURES_KEY = "recfuse_feature_names"
 
+    _DIMS_KEY = "recfuse_embedding_dims"
+
     def get_extra_state(self) -> torch.Tensor:
         """The feature names in order, as UTF-8 JSON in a uint8 tensor (state_dict key ``_extra_state``):
         a state_dict that lost its ``_metadata`` (``dict(sd)``, a safetensors round trip) still says
-        which feature each stacked row is. A tensor, so that tensor-only formats keep it.
+        which feature each stacked row is. A tensor, so that tensor-only formats keep it. With mixed
+        embedding dims, the JSON is ``{"names": [...], "dims": [...]}``: which dim group (``_d{dim}``
+        parameters) holds a feature depends on its dim too.
 
         Example:
             >>> fp = FusedFeatureProcessor(["a", "b"], 4)
             >>> FusedFeatureProcessor._decode_names(fp.state_dict()["_extra_state"])
             ['a', 'b']
+            >>> fp = FusedFeatureProcessor(["a", "b"], [4, 8])
+            >>> FusedFeatureProcessor._decode_dims(fp.state_dict()["_extra_state"])
+            [4, 8]
         """
-        return torch.tensor(list(json.dumps(list(self.feature_names)).encode()), dtype=torch.uint8)
+        names = list(self.feature_names)
+        state = names if len(self._layout.groups) == 1 else {"names": names, "dims": list(self.embedding_dims)}
+        return torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
 
     def set_extra_state(self, state) -> None:
         # The names are the module's construction; `_load_from_state_dict` has compared them.
         pass
 
     @staticmethod
-    def _decode_names(state) -> Optional[list]:
+    def _decoded(state):
         try:
-            names = json.loads(bytes(state.tolist()).decode()) if isinstance(state, torch.Tensor) else state
+            return json.loads(bytes(state.tolist()).decode()) if isinstance(state, torch.Tensor) else state
         except (ValueError, TypeError, UnicodeDecodeError):
             return None
+
+    @staticmethod
+    def _decode_names(state) -> Optional[list]:
+        names = FusedFeatureProcessor._decoded(state)
+        if isinstance(names, dict):
+            names = names.get("names")
         return list(names) if isinstance(names, (list, tuple)) else None
+
+    @staticmethod
+    def _decode_dims(state) -> Optional[list]:
+        """The saver's embedding dims, where it had mixed dims (else None: one dim, whose
+        parameters' shapes say it)."""
+        dims = FusedFeatureProcessor._decoded(state)
+        dims = dims.get("dims") if isinstance(dims, dict) else None
+        return list(dims) if isinstance(dims, (list, tuple)) else None
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         metadata = getattr(destination, "_metadata", None)
         if metadata is not None and prefix[:-1] in metadata:
             metadata[prefix[:-1]][self._FEATURES_KEY] = list(self.feature_names)
+            metadata[prefix[:-1]][self._DIMS_KEY] = list(self.embedding_dims)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         saved = (local_metadata or {}).get(self._FEATURES_KEY)
+        saved_dims = (local_metadata or {}).get(self._DIMS_KEY)
         extra_key = prefix + "_extra_state"
         if saved is None and extra_key in state_dict:
             saved = self._decode_names(state_dict[extra_key])
+            saved_dims = self._decode_dims(state_dict[extra_key])
+        if saved is not None and saved_dims is not None and len(saved_dims) == len(saved):
+            # With mixed dims a feature's rows live in its dim group's `_d{dim}` parameters. A saver
+            # whose features have other dims (the same names, dims swapped) has groups of other
+            # members but the same keys and shapes: the rows loaded into other features silently
+            # (each feature got another's weights; red-team round 17), where an eager per-feature
+            # ModuleDict refuses the size mismatch.
+            mine = dict(zip(self.feature_names, self.embedding_dims))
+            differ = [(n, d, mine[n]) for n, d in zip(saved, saved_dims) if n in mine and mine[n] != d]
+            if differ:
+                where = f"{type(self).__name__} at {prefix[:-1] or 'the root'!r}"
+                text = ", ".join(f"{n!r}: {d} there, {m} here" for n, d, m in differ)
+                error_msgs.append(
+                    f"{where}: the state_dict was saved by a module whose features have other embedding dims "
+                    f"({text}); its dim groups' rows would load into other features. Load it into a module "
+                    f"with the saver's embedding_dims={list(saved_dims)!r}.")
+                return
         per_feature = any(p is not None and p.dim() == ndim for names in self._parameter_names
                           for p, ndim in zip((self._parameters.get(n) for n in names), PER_FEATURE_NDIM))
         if per_feature and saved is not None and tuple(saved) != self.feature_names:
