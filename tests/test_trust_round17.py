@@ -73,7 +73,9 @@ Not fixed (reported):
   calls but not on those fusion replaced (``lns.0``, ``lin``): a hook that changes outputs (here:
   clamps every Linear's output) leaves the result 0.125 off the original, silently. Refusing would
   also refuse PyTorch's observers that use global hooks (FlopCounterMode's ModTracker,
-  CommDebugMode, torch.utils.module_tracker), which change nothing; left for the lead.
+  CommDebugMode, torch.utils.module_tracker), which change nothing. Now a warning through
+  ``logging`` (once per model and set of hooks) names the replaced modules
+  (`graph_module._note_global_hooks`; the last test below).
 * Finding 2 maps the *model's* rows by name; an optimizer state_dict saved with the first
   transform (Adam's exp_avg of ``recfuse_g0_ln_weight``) still loads by position into the second,
   so on resume the moments of the reordered rows belong to other features. A state_dict without
@@ -376,3 +378,29 @@ def test_a_transformed_processor_called_twice_and_a_deep_copy_train_as_the_origi
     assert model.load_state_dict(partial, strict=False).missing_keys == \
         other.load_state_dict(partial, strict=False).missing_keys == ["proc.lns.1.weight", "proc.lns.1.bias"]
     _close(model(user, item), other(user, item))
+
+
+# -- global module hooks: not refused (observers use them), but never silent ----------------------
+
+
+def test_a_global_forward_hook_after_transform_is_named_in_a_warning(caplog):
+    """A global forward hook that clamps every Linear's output changes the original's answer but
+    not the transformed graph's (its Linear call is fused away): the difference is measured, and
+    the first call with the hook set logs a warning naming the replaced modules, once."""
+    torch.manual_seed(0)
+    model = Spelled(lambda: nn.LayerNorm(D_), torch.tanh, torch.relu)
+    x = torch.randn(5, 3 * D_)
+    g = recfuse.transform(copy.deepcopy(model), (x,))
+    with caplog.at_level("WARNING", logger="recfuse"):
+        _close(g(x), model(x))
+        assert not [r for r in caplog.records if "global module forward hooks" in r.getMessage()]
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, args, out: out.clamp(max=0.1) if isinstance(m, nn.Linear) else None)
+        try:
+            hooked_original, transformed = model(x), g(x)
+            g(x)
+        finally:
+            handle.remove()
+    assert (hooked_original - transformed).abs().max() > 0.05
+    warned = [r.getMessage() for r in caplog.records if "global module forward hooks" in r.getMessage()]
+    assert len(warned) == 1 and "lin" in warned[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import logging
 import re
 import sys
 import traceback
@@ -22,6 +23,8 @@ from torch.fx import GraphModule
 from torch.fx.graph_module import _WrappedCall, reduce_graph_module
 from torch.fx import _symbolic_trace as _fx_symbolic_trace
 from torch.nn.modules import module as _nn_module
+
+log = logging.getLogger("recfuse")
 
 __all__ = ["TransformedGraphModule", "map_original_keys", "carry_state", "mark_stacked_away"]
 
@@ -529,6 +532,8 @@ def _lean_call(self, *args, **kwargs):
     (benchmarks/NOTES.md, "CPU host path"); an error of the generated code is reported as
     `_WrappedCall` reports it."""
     if not _plain_call(self):
+        if _nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks:
+            _note_global_hooks(self)
         if _is_compiling():
             # torch.compile traces the call: Dynamo refuses to trace GraphModule's `_WrappedCall`
             # (a skipped function: fullgraph=True raised, otherwise a graph break), and
@@ -540,6 +545,29 @@ def _lean_call(self, *args, **kwargs):
     except Exception as e:
         _report_generated_code_error(e)
         raise
+
+
+_GLOBAL_HOOKS_NOTED: set = set()
+
+
+def _note_global_hooks(gm) -> None:
+    """Warn, once per set of global forward hooks and model, that the hooks do not see the
+    modules whose calls fusion replaced: a hook that changes outputs would be skipped there
+    (0.125 off the original with a clamp of every Linear's output; red-team round 17). Not
+    refused: PyTorch's observers (FlopCounterMode, CommDebugMode, module_tracker) register global
+    hooks that change nothing."""
+    absorbed = getattr(gm, "_recfuse_absorbed", None)
+    if not absorbed:
+        return
+    key = (id(gm), tuple(_nn_module._global_forward_hooks), tuple(_nn_module._global_forward_pre_hooks))
+    if key in _GLOBAL_HOOKS_NOTED:
+        return
+    _GLOBAL_HOOKS_NOTED.add(key)
+    log.warning("recfuse: global module forward hooks are registered; they run on the transformed model "
+                "and the modules its graph still calls, but not on the modules fusion replaced (%s), "
+                "whose calls are now one fused op. A hook that changes those modules' outputs is not "
+                "applied to them: make the change in the model's code, or run the original model.",
+                ", ".join(sorted(absorbed)[:6]) + (", ..." if len(absorbed) > 6 else ""))
 
 
 def _report_generated_code_error(e: Exception) -> None:
