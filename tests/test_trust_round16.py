@@ -58,19 +58,9 @@ import torch
 from torch import nn
 
 import recfuse
+from trust_helpers import close as _close, randomized as _randomized
 
 D_, H_ = 4, 2
-
-
-def _close(a, b, tol=1e-5):
-    torch.testing.assert_close(a, b, atol=tol, rtol=tol)
-
-
-def _randomized(m: nn.Module) -> nn.Module:
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_()
-    return m
 
 
 # -- FusedFeatureProcessor.from_modules: a list of modules beside a dict in another order ---------

@@ -87,7 +87,6 @@ Not fixed (reported):
   for module types).
 """
 import copy
-import io
 
 import pytest
 import torch
@@ -95,26 +94,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import recfuse
+from trust_helpers import close as _close, randomized as _randomized, reloaded as _reloaded
 
 D_, H_ = 4, 2
-
-
-def _close(a, b, tol=1e-5):
-    torch.testing.assert_close(a, b, atol=tol, rtol=tol)
-
-
-def _randomized(m: nn.Module) -> nn.Module:
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_()
-    return m
-
-
-def _reloaded(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
 
 
 # -- FusedFeatureProcessor checkpoints: the same features with other embedding dims ---------------
