@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 import recfuse
-from trust_helpers import close as _close, randomized as _randomized
+from trust_helpers import close as _close, randomized as _randomized, reloaded as _reloaded
 
 D_, H_ = 4, 2
 
@@ -145,15 +145,6 @@ class WithSettings(nn.Module):
         if self.use_residual:
             out = out + x[:, :1]
         return out
-
-
-def _reloaded(m):
-    import io
-
-    buf = io.BytesIO()
-    torch.save(m, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
 
 
 def _transformed_with_settings(copy_how: str):
