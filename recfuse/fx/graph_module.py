@@ -139,6 +139,14 @@ def unstack_saved_rows(module: torch.nn.Module, state_dict: dict, prefix: str, s
         del state_dict[key]
         for i, old in enumerate(olds):
             state_dict[prefix + old] = value[i]
+        if new in mine:
+            # The model's rows are right now; an optimizer's state of this parameter, saved beside
+            # this checkpoint, is not (it has no names and loads by position).
+            log.warning("recfuse: %s%s was saved with its rows stacked in another order (%s) than this "
+                        "transform stacks them (%s); the rows are loaded by name, but an optimizer "
+                        "state_dict saved with that checkpoint would load them by position into other "
+                        "features: do not resume it into this model.", prefix, new, ", ".join(olds),
+                        ", ".join(mine[new]))
 
 
 class _StackedAwayNames(dict):
