@@ -20,7 +20,9 @@ Found wrong (each a test below that fails before its fix):
    what the graph could not follow is refused by name: new settings (``m.eps = ...``), hooks,
    tensors added or removed, one row of a stacked parameter frozen while the others train, and
    any use of such a stand-in after apply returned (a module kept to build an optimizer group
-   later would hand out copies the graph never reads).
+   later would hand out copies the graph never reads). Fused modules without tensors that torch.fx
+   dropped from the result (nn.Tanh, the out activation) are met too, so a setting fn changes
+   there (``GELU.approximate``) is refused rather than ignored (``inplace`` is accepted).
 
 Probed and found right (probe scripts; the cheap ones pinned below): ``torch.amp.GradScaler("cpu")``
 with an overflowing first step (skipped, scale halved, same parameters after 3 steps);
@@ -270,3 +272,38 @@ def test_recipes_applied_before_transform(prep):
     for mode in ("train", "eval"):
         getattr(ref, mode)(), getattr(g, mode)()
         assert _err(g(x), ref(x)) < 1e-5
+
+
+class BlocksThenAct(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(D), nn.Tanh()) for _ in range(F_))
+        self.lin = nn.Linear(D, H)
+        self.act = act
+
+    def forward(self, x):
+        return self.act(self.lin(torch.stack([b(s) for b, s in zip(self.blocks, x.split(D, 1))], 1)))
+
+
+def test_apply_meets_fused_modules_without_tensors():
+    """Activation modules fusion replaced and torch.fx dropped from the result (no tensors) are
+    met by fn too: a changed setting the graph would ignore (GELU's approximate) is refused, a
+    change of `inplace` (no value changes) is accepted."""
+    torch.manual_seed(0)
+    m = BlocksThenAct(nn.GELU(approximate="tanh"))
+    ref = copy.deepcopy(m)
+    x = torch.randn(B, F_ * D)
+    g = recfuse.transform(m, (x,))
+    met = []
+    g.apply(lambda mod: met.append(type(mod).__name__))
+    assert met.count("Tanh") == F_ and met.count("LayerNorm") == F_ and met.count("Linear") == 1
+    if "act" in g._recfuse_absorbed:
+        with pytest.raises(RecfuseError, match=r"changed the settings of `act`"):
+            g.apply(lambda mod: setattr(mod, "approximate", "none") if isinstance(mod, nn.GELU) else None)
+    torch.manual_seed(0)
+    m = BlocksThenAct(nn.ReLU())
+    ref = copy.deepcopy(m)
+    g = recfuse.transform(m, (x,))
+    fn = lambda mod: setattr(mod, "inplace", True) if isinstance(mod, nn.ReLU) else None  # noqa: E731
+    ref.apply(fn), g.apply(fn)
+    assert _err(g(x), ref(x)) < 1e-5

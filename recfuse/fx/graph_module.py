@@ -562,6 +562,10 @@ def _stand_in(gm: torch.nn.Module, path: str, signature: tuple, holder: torch.nn
     return m, rows
 
 
+def _without_inplace(signature: tuple) -> tuple:
+    return (signature[0], tuple(kv for kv in signature[1] if kv[0] != "inplace"))
+
+
 def apply_to_fused(gm: torch.nn.Module, fn) -> torch.nn.Module:
     """``gm.apply(fn)`` where `fn` meets, at the path of each module whose calls fusion replaced,
     a module of the original's class with its current tensors (stacked rows as copies, written
@@ -596,6 +600,14 @@ def apply_to_fused(gm: torch.nn.Module, fn) -> torch.nn.Module:
         fn(mod)
 
     walk(gm, "")
+    for path in absorbed:
+        if path not in stand_ins and path not in missed:
+            # a module without tensors (nn.Tanh, nn.LeakyReLU) that torch.fx dropped from the result:
+            # fn still meets it, so that a setting it changes is refused rather than ignored
+            m, rows = _stand_in(gm, path, absorbed[path], torch.nn.Module())
+            if m is not None:
+                stand_ins[path] = (m, rows, None, dict(m._parameters), dict(m._buffers))
+                m.apply(fn)
     if missed:
         log.warning("recfuse: apply(fn) on the transformed model met recfuse's holders at %s, whose calls "
                     "fusion replaced (their class could not be imported to stand in for them); fn did not "
@@ -604,7 +616,8 @@ def apply_to_fused(gm: torch.nn.Module, fn) -> torch.nn.Module:
     grads = {}
     with torch.no_grad():
         for path, (m, rows, holder, params, buffers) in stand_ins.items():
-            if module_signature(m) != absorbed[path]:
+            # `inplace` changes no value: the fused graph computes activations out of place anyway
+            if _without_inplace(module_signature(m)) != _without_inplace(absorbed[path]):
                 raise RecfuseError(
                     f"`apply(fn)` changed the settings of `{path}` ({dict(absorbed[path][1])} -> "
                     f"{dict(module_signature(m)[1])}): recfuse.transform fused its calls into the graph, which keeps "
