@@ -498,6 +498,181 @@ def transformed_parameters(module: torch.nn.Module, params: dict) -> dict:
     return out
 
 
+class _StandInTensors(dict):
+    """The `_parameters` / `_buffers` of a stand-in (`apply_to_fused`) once `apply` has returned:
+    reading them raises, so that a module kept from the walk (to build an optimizer group or
+    register hooks later) cannot hand out copies that the fused graph never reads."""
+
+    message = ""
+
+    def _expired(self, *args, **kwargs):
+        from ..errors import RecfuseError
+
+        raise RecfuseError(self.message)
+
+    __getitem__ = get = items = values = keys = __iter__ = __contains__ = __len__ = _expired
+
+
+def _module_class(qualname: str):
+    """The class a `module_signature` names, or None where it cannot be imported (a local class)."""
+    if "<locals>" in qualname:
+        return None
+    parts = qualname.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        mod = sys.modules.get(".".join(parts[:i]))
+        if mod is None:
+            continue
+        obj = mod
+        try:
+            for a in parts[i:]:
+                obj = getattr(obj, a)
+        except AttributeError:
+            return None
+        return obj if isinstance(obj, type) and issubclass(obj, torch.nn.Module) else None
+    return None
+
+
+def _stand_in(gm: torch.nn.Module, path: str, signature: tuple, holder: torch.nn.Module):
+    """A module of the original class and settings at `path` whose tensors are those the result
+    holds for it: the holder's own (the very objects) and clones of the stacked rows (written back
+    by `apply_to_fused`). None where the class cannot be imported."""
+    cls = _module_class(signature[0])
+    if cls is None:
+        return None, {}
+    m = cls.__new__(cls)
+    torch.nn.Module.__init__(m)
+    m.__dict__.update(dict(signature[1]))
+    rows = {}
+    for new, olds in getattr(gm, "_recfuse_stacked", {}).items():
+        for row, old in enumerate(olds):
+            owner, _, leaf = old.rpartition(".")
+            if owner == path:
+                stacked = getattr(gm, new)
+                value = stacked[row].detach().clone()
+                if isinstance(stacked, torch.nn.Parameter):
+                    m._parameters[leaf] = torch.nn.Parameter(value, requires_grad=stacked.requires_grad)
+                else:
+                    m._buffers[leaf] = value
+                rows[leaf] = (new, row, m._parameters.get(leaf, m._buffers.get(leaf)))
+    for k, t in holder._parameters.items():
+        m._parameters.setdefault(k, t)
+    for k, t in dict.items(holder._buffers):
+        m._buffers.setdefault(k, t)
+    weight = m._parameters.get("weight")
+    if issubclass(cls, torch.nn.Linear) and weight is not None and weight.dim() == 2:
+        # module_signature leaves out the shape settings; init functions read them (fan in / out)
+        m.__dict__.setdefault("in_features", weight.shape[1])
+        m.__dict__.setdefault("out_features", weight.shape[0])
+    _refuse_hooks(m, path, (
+        f"cannot register a hook on `{path}` (met in `apply`): recfuse.transform fused its calls into the "
+        "transformed model's graph, which no longer calls this module, so the hook would never run. "
+        "Register it on the original model before recfuse.transform."))
+    return m, rows
+
+
+def _without_inplace(signature: tuple) -> tuple:
+    return (signature[0], tuple(kv for kv in signature[1] if kv[0] != "inplace"))
+
+
+def apply_to_fused(gm: torch.nn.Module, fn) -> torch.nn.Module:
+    """``gm.apply(fn)`` where `fn` meets, at the path of each module whose calls fusion replaced,
+    a module of the original's class with its current tensors (stacked rows as copies, written
+    back when `fn` changed them) instead of recfuse's holder there. Re-initialisation recipes
+    (``model.apply(init_fn)`` with ``isinstance(m, nn.LayerNorm)``) otherwise silently skipped
+    every fused LayerNorm and Linear (red-team round 18). What the fused graph could not follow
+    is refused: new settings, hooks, parameters added or removed, one row of a stacked parameter
+    frozen while others train."""
+    from ..errors import RecfuseError
+
+    absorbed = getattr(gm, "_recfuse_absorbed", None) or {}
+    stand_ins, missed = {}, []
+
+    def walk(mod, path):
+        for name, child in mod._modules.items():
+            if child is None:
+                continue
+            sub = f"{path}.{name}" if path else name
+            if sub in absorbed:
+                m, rows = _stand_in(gm, sub, absorbed[sub], child)
+                if m is None:
+                    missed.append(sub)
+                    child.apply(fn)
+                    continue
+                stand_ins[sub] = (m, rows, child, {k: t for k, t in m._parameters.items()},
+                                  {k: t for k, t in m._buffers.items()})
+                m.apply(fn)
+            elif isinstance(child, TransformedGraphModule) or not any(p.startswith(sub + ".") for p in absorbed):
+                child.apply(fn)
+            else:
+                walk(child, sub)
+        fn(mod)
+
+    walk(gm, "")
+    for path in absorbed:
+        if path not in stand_ins and path not in missed:
+            # a module without tensors (nn.Tanh, nn.LeakyReLU) that torch.fx dropped from the result:
+            # fn still meets it, so that a setting it changes is refused rather than ignored
+            m, rows = _stand_in(gm, path, absorbed[path], torch.nn.Module())
+            if m is not None:
+                stand_ins[path] = (m, rows, None, dict(m._parameters), dict(m._buffers))
+                m.apply(fn)
+    if missed:
+        log.warning("recfuse: apply(fn) on the transformed model met recfuse's holders at %s, whose calls "
+                    "fusion replaced (their class could not be imported to stand in for them); fn did not "
+                    "see them as the original's modules. Apply fn to the original before recfuse.transform.",
+                    ", ".join(f"`{p}`" for p in missed))
+    grads = {}
+    with torch.no_grad():
+        for path, (m, rows, holder, params, buffers) in stand_ins.items():
+            # `inplace` changes no value: the fused graph computes activations out of place anyway
+            if _without_inplace(module_signature(m)) != _without_inplace(absorbed[path]):
+                raise RecfuseError(
+                    f"`apply(fn)` changed the settings of `{path}` ({dict(absorbed[path][1])} -> "
+                    f"{dict(module_signature(m)[1])}): recfuse.transform fused its calls into the graph, which keeps "
+                    "the original settings. Change them on the original model before recfuse.transform.")
+            if set(m._parameters) != set(params) or set(m._buffers) != set(buffers):
+                raise RecfuseError(
+                    f"`apply(fn)` added or removed tensors of `{path}` ({sorted(params) + sorted(buffers)} -> "
+                    f"{sorted(m._parameters) + sorted(m._buffers)}), which recfuse.transform fused into its graph. "
+                    "Do it on the original model before recfuse.transform.")
+            for k in list(params) + list(buffers):
+                t = m._parameters[k] if k in params else m._buffers[k]
+                before = params.get(k, buffers.get(k))
+                if k in rows:
+                    new, row, _ = rows[k]
+                    stacked = getattr(gm, new)
+                    if t is None or t.shape != stacked[row].shape:
+                        raise RecfuseError(
+                            f"`apply(fn)` set `{path}.{k}` to a tensor of shape {None if t is None else tuple(t.shape)}; it "
+                            f"is row {row} of `{new}` {tuple(stacked.shape)} of the transformed model.")
+                    stacked[row].copy_(t)
+                    if isinstance(stacked, torch.nn.Parameter):
+                        grads.setdefault(new, {})[row] = (f"{path}.{k}", t.requires_grad)
+                elif t is not before:
+                    setattr(holder, k, t)
+            for d in ("_parameters", "_buffers"):
+                expired = _StandInTensors()
+                expired.message = (
+                    f"this {type(m).__name__} stood in for `{path}` of the transformed model while `apply(fn)` ran; "
+                    "recfuse.transform fused that module into its graph and keeps its tensors elsewhere "
+                    f"(stacked_parameters(): {sorted({v[0] for v in rows.values()})}). Use the transformed "
+                    "model's own parameters (named_parameters()).")
+                m.__dict__[d] = expired
+        for new, flags in grads.items():
+            stacked = getattr(gm, new)
+            wanted = {f for _, f in flags.values()}
+            if len(flags) == stacked.shape[0] and len(wanted) == 1:
+                stacked.requires_grad_(wanted.pop())
+            elif wanted != {stacked.requires_grad}:
+                changed = [n for n, f in flags.values() if f != stacked.requires_grad]
+                raise RecfuseError(
+                    f"`apply(fn)` set requires_grad of {', '.join(f'`{n}`' for n in changed)} but not of the other rows of "
+                    f"`{new}` (recfuse.transform stacked them into one parameter, whose rows cannot be frozen one by one). "
+                    "Freeze them in the original model and transform it (a frozen feature stays frozen), or transform "
+                    "with stack_parameters=False.")
+    return gm
+
+
 def _restoring_grad_mode(forward):
     """`forward` that gives the caller back its grad mode when the model's code raised inside a
     ``torch.no_grad()`` region: generated graph code has no ``finally`` for the region's exit."""
@@ -840,6 +1015,12 @@ class TransformedGraphModule(_ChecksReplacements, GraphModule):
             [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
         """
         return transformed_parameters(self, params)
+
+    def apply(self, fn):
+        # fn meets the fused modules as the original's classes (see apply_to_fused)
+        if not getattr(self, "_recfuse_absorbed", None):
+            return super().apply(fn)
+        return apply_to_fused(self, fn)
 
     _STACKED_KEY = "recfuse_stacked"
 
