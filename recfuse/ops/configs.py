@@ -468,9 +468,8 @@ TABLE_ENV = "RECFUSE_TUNED_TABLE"
 
 def _table_architecture(slug: str) -> Optional[tuple]:
     """(compute capability, SM count) a shipped table was tuned on, None if it does not say."""
-    path = os.path.join(TUNED_DIR, slug + ".json")
     try:
-        with open(path) as f:
+        with open(table_path(slug)) as f:
             meta = json.load(f)
         return tuple(meta["compute_capability"]), int(meta["sm_count"])
     except (OSError, KeyError, TypeError, ValueError):
