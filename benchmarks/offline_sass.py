@@ -72,9 +72,20 @@ def build_plan(kind: str, D: int, H: int, dtype: torch.dtype, *, table: str = "n
             plan = launch.backward_plan(gy, x, w, b, lw, lb, 1e-5, 1, stats)
         if plan is None:
             raise SystemExit(f"no backward kernel for D={D} H={H} {dtype} with {cfg}")
-        tensors = (gy, x, w, b, lw, lb, x, stats, stats)
-        plan.meta.update(launch.device_constexprs("backward", dtype, "cuda", fp32_dots=cfg.fp32_dots))
+        dz = torch.empty(F, B, H, dtype=plan.dz_dtype or torch.float32)
+        tensors = (gy, x, w, b, lw, lb, x, stats, stats, dz)
+        cuda_constexprs = launch.device_constexprs("backward", dtype, "cuda", fp32_dots=cfg.fp32_dots)
+        plan.meta.update(cuda_constexprs)
+        if plan.weight_meta is not None:
+            plan.weight_meta.update({k: v for k, v in cuda_constexprs.items() if k in plan.weight_meta})
     return plan, cfg, source, tensors + tuple(plan.ints)
+
+
+def weight_kernel_args(plan, kernel_args: tuple) -> tuple:
+    """The split backward's weight-gradient kernel arguments (x, dz, stats, ln affine, partial),
+    from the fused kernel's."""
+    gy, x, w, b, lw, lb, dx, partial, stats, dz = kernel_args[:10]
+    return (x, dz, stats, lw, lb, partial) + tuple(plan.weight_ints)
 
 
 def compile_offline(jit_fn, args: tuple, meta: dict, num_warps: int, num_stages: int, arch: int = 90):
@@ -188,6 +199,13 @@ def main(argv=None) -> int:
           f"{report['instructions']} SASS instructions, {report['per_element']} an element of a row tile; "
           f"if issue-bound, at most {report['issue_ceiling_pct']}% of the copy floor")
     print("  " + ", ".join(f"{op} {n}" for op, n in list(report["opcodes"].items())[:args.top]))
+    if args.kind == "backward" and plan.weight_meta is not None:
+        wk = compile_offline(launch._launch_bwd_weight.jit_fn, weight_kernel_args(plan, kernel_args),
+                             plan.weight_meta, cfg.dw_num_warps, cfg.dw_num_stages, args.arch)
+        wr = sass_report(wk, cfg.dw_block_b * plan.weight_meta["BLOCK_K"] / (32 * cfg.dw_num_warps))
+        report["weight_kernel"] = wr
+        print(f"weight-gradient kernel: registers {wr['registers']}, stack {wr['stack_bytes']} B, shared "
+              f"{wr['shared_bytes']} B; {wr['per_element']} SASS instructions an element of its tile")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

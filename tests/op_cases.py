@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 import recfuse
+from recfuse.ops import configs, launch
 
 # ||out - ref|| / ||ref|| bounds from the design notes.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float64: 1e-12}
@@ -149,3 +150,11 @@ def randomized_ln_affine(fp):
             if name.startswith("ln_"):
                 p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "weight" in name else 0.0))
     return fp
+
+
+def forced_backward(gy, args, case, stats, chain, **knobs):
+    """`launch.backward` with the heuristic config and `knobs` forced: (gradients, its launch meta)."""
+    forced = lambda D, H, dt: configs.heuristic_backward(D, H, dt, **knobs)  # noqa: E731
+    with configs.override(backward=forced), launch.trace_launches() as seen:
+        grads = launch.backward(gy, *args, case.eps, case.feature_dim, stats, chain=chain)
+    return grads, [m for kind, _, m, _ in seen if kind == "backward"][0]

@@ -11,7 +11,7 @@ import triton.language as tl
 
 import recfuse
 from recfuse.ops import configs, launch
-from op_cases import Case, check_against_float64, check_nan_parity, make_inputs, run_op
+from op_cases import Case, check_against_float64, check_nan_parity, forced_backward, make_inputs, run_op
 from recfuse.chain import DEFAULT as DEFAULT_CHAIN, chain_of
 from recfuse.ops.composite import composite_backward
 
@@ -309,14 +309,6 @@ def test_fp32_backward_dots_on_split_bf16_operands(case, fp32_dots, tol):
             continue
         err = ((g.double() - r).norm() / r.norm().clamp_min(1e-12)).item()
         assert err < tol, f"{name}: {err:.2e}"
-
-
-def forced_backward(gy, args, case, stats, chain, **knobs):
-    """`launch.backward` with the heuristic config and `knobs` forced: (gradients, its launch meta)."""
-    forced = lambda D, H, dt: configs.heuristic_backward(D, H, dt, **knobs)  # noqa: E731
-    with configs.override(backward=forced), launch.trace_launches() as seen:
-        grads = launch.backward(gy, *args, case.eps, case.feature_dim, stats, chain=chain)
-    return grads, [m for kind, _, m, _ in seen if kind == "backward"][0]
 
 
 CHUNKED_BWD_CASES = [

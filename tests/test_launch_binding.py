@@ -30,6 +30,8 @@ def _backward_sources(D, H, dtype):
     for prefetch in (0, 1):
         if heuristic.use_dot and not heuristic.block_k:
             yield f"prefetch={prefetch}", configs.heuristic_backward(D, H, dtype, prefetch=prefetch)
+            yield f"split_dw prefetch={prefetch}", configs.heuristic_backward(D, H, dtype, prefetch=prefetch,
+                                                                              split_dw=64)
     name = configs._DTYPE_NAMES[dtype]
     for (kind, d, h, dt, _), entry in TABLE.items():
         if kind == "backward" and d == D and h == H and dt == name:
@@ -75,10 +77,13 @@ def test_every_backward_plan_gives_every_kernel_parameter_a_value(D, H, dtype):
         with configs.override(backward=cfg):
             plan = launch.backward_plan(gy, x, w, b, lw, lb, 1e-5, 0)
         assert plan is not None, name
-        # 9 tensors (grad_y, x, the 4 parameters, dx, partials, stats), then the integers.
-        _assert_every_parameter_has_a_value(plan.launcher, 9 + len(plan.ints), plan.meta, f"backward {name} {cfg}")
+        # 10 tensors (grad_y, x, the 4 parameters, dx, partials, stats, dz), then the integers.
+        _assert_every_parameter_has_a_value(plan.launcher, 10 + len(plan.ints), plan.meta, f"backward {name} {cfg}")
         _assert_every_parameter_has_a_value(launch._launch_partials_to_grads, 5 + len(plan.reduce_ints),
                                             plan.reduce_meta, f"reduction {name}")
+        if plan.weight_meta is not None:  # x, dz, stats, the LayerNorm affine, partials
+            _assert_every_parameter_has_a_value(launch._launch_bwd_weight, 6 + len(plan.weight_ints),
+                                                plan.weight_meta, f"weight gradient {name}")
 
 
 @pytest.mark.parametrize("D,H,dtype", SHAPES, ids=lambda v: str(v).replace("torch.", ""))
@@ -99,13 +104,17 @@ def test_a_left_out_constexpr_with_a_default_is_filled_and_one_without_is_not():
 
     cache = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
     n = len(cache.arg_names)
-    assert cache.arg_names[-4:] == ["PREFETCH", "UNROLL_H", "LOOP_STAGES", "COL_SUMS"]
-    assert cache.trailing_args(range(n - 5), {"BLOCK_H": 16}) == [16, False, False, None, False]
-    assert cache.trailing_args(range(n - 5), {"BLOCK_H": 16, "PREFETCH": True}) == [16, True, False, None, False]
-    assert cache.trailing_args(range(n - 5), {"BLOCK_H": 4, "UNROLL_H": True}) == [4, False, True, None, False]
-    assert cache.trailing_args(range(n - 5), {"BLOCK_H": 1, "LOOP_STAGES": 3, "COL_SUMS": True}) == [
-        1, False, False, 3, True]
-    assert cache.trailing_args(range(n - 5), {"PREFETCH": True}) is None
+    assert cache.arg_names[-5:] == ["PREFETCH", "UNROLL_H", "LOOP_STAGES", "COL_SUMS", "DZ_OUT"]
+    assert cache.trailing_args(range(n - 6), {"BLOCK_H": 16}) == [16, False, False, None, False, False]
+    assert cache.trailing_args(range(n - 6), {"BLOCK_H": 16, "PREFETCH": True}) == [16, True, False, None, False,
+                                                                                   False]
+    assert cache.trailing_args(range(n - 6), {"BLOCK_H": 4, "UNROLL_H": True}) == [4, False, True, None, False,
+                                                                                  False]
+    assert cache.trailing_args(range(n - 6), {"BLOCK_H": 1, "LOOP_STAGES": 3, "COL_SUMS": True}) == [
+        1, False, False, 3, True, False]
+    assert cache.trailing_args(range(n - 6), {"BLOCK_H": 16, "DZ_OUT": True}) == [16, False, False, None, False,
+                                                                                 True]
+    assert cache.trailing_args(range(n - 6), {"PREFETCH": True}) is None
 
 
 def _float64_grads(x, params, gy):

@@ -34,7 +34,7 @@ class CompiledLaunchCache:
         >>> from recfuse.ops import kernels
         >>> launch = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
         >>> launch.defaults
-        {'PREFETCH': False, 'UNROLL_H': False, 'LOOP_STAGES': None, 'COL_SUMS': False}
+        {'PREFETCH': False, 'UNROLL_H': False, 'LOOP_STAGES': None, 'COL_SUMS': False, 'DZ_OUT': False}
     """
 
     def __init__(self, jit_fn):
@@ -60,10 +60,10 @@ class CompiledLaunchCache:
         Example:
             >>> from recfuse.ops import kernels
             >>> launch = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
-            >>> n = len(launch.arg_names)  # the last five: BLOCK_H, then four with defaults
-            >>> launch.trailing_args(range(n - 5), {"BLOCK_H": 16})
-            [16, False, False, None, False]
-            >>> launch.trailing_args(range(n - 5), {}) is None  # BLOCK_H has no default
+            >>> n = len(launch.arg_names)  # the last six: BLOCK_H, then five with defaults
+            >>> launch.trailing_args(range(n - 6), {"BLOCK_H": 16})
+            [16, False, False, None, False, False]
+            >>> launch.trailing_args(range(n - 6), {}) is None  # BLOCK_H has no default
             True
         """
         trailing = []

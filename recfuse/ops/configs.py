@@ -137,6 +137,17 @@ class BackwardConfig(TileConfig):
     # No tl.dot, H = 1 or `unroll_h`: 1 sums the gradient columns per row tile instead of in row
     # slots (one [rows, D] slot tile per output column with `unroll_h`).
     col_sums: int = 0
+    # Whole-row tl.dot path only: n > 0 leaves the weight gradient to a second kernel
+    # (`kernels.ln_tanh_linear_relu_bwd_weight`: dz^T @ t over rows, n columns of t at a time,
+    # t recomputed from x and the rows' mean / rstd, which the first kernel writes with dz);
+    # 0 keeps it in the fused kernel. It trades an extra read of x and a write and read of dz
+    # ([F, B, H]) for the fused kernel's [H, D] accumulator and third dot, which hold registers
+    # (255 with spills at H >= 16) for its whole row loop.
+    split_dw: int = 0
+    # The weight-gradient kernel's rows a tile, warps and software-pipelining depth.
+    dw_block_b: int = 64
+    dw_num_warps: int = 4
+    dw_num_stages: int = 3
 
 
 KernelConfig = ForwardConfig  # the name launch-level code and older tests use
@@ -145,7 +156,8 @@ _FORWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "persistent", "t
 _OPTIONAL_FORWARD_KNOBS = ("unroll_h",)
 _BACKWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "programs_per_sm", "num_stages")
 # Knobs an older table's entries may lack: the heuristic's value stands.
-_OPTIONAL_BACKWARD_KNOBS = ("block_k", "prefetch", "unroll_h", "loop_stages", "col_sums")
+_OPTIONAL_BACKWARD_KNOBS = ("block_k", "prefetch", "unroll_h", "loop_stages", "col_sums", "split_dw", "dw_block_b",
+                            "dw_num_warps", "dw_num_stages")
 
 # ---------------------------------------------------------------------------------------------
 # the heuristic
@@ -663,6 +675,9 @@ def backward_fits(cfg: BackwardConfig, D: int, H: int) -> bool:
         return False
     if cfg.use_dot:
         if cfg.block_k and (cfg.block_k < 16 or cfg.block_k >= cfg.block_d or cfg.block_d % cfg.block_k):
+            return False
+        if cfg.split_dw and (cfg.block_k or cfg.split_dw < 16 or cfg.split_dw > cfg.block_d
+                             or cfg.dw_block_b < 16 or cfg.dw_num_warps not in (1, 2, 4, 8)):
             return False
         return cfg.block_d >= 16 and cfg.block_b >= 16 and (
             cfg.block_k > 0 or cfg.block_h * cfg.block_d <= 2 * BWD_MAX_WEIGHT_TILE)

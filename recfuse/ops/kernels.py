@@ -695,7 +695,7 @@ def _column_store(part, acc_w_h, acc_b_h, h: tl.constexpr, cols, cmask, hs, D, H
 
 @triton.jit
 def ln_tanh_linear_relu_bwd(
-    GY, X, W, BIAS, LNW, LNB, DX, PARTIAL, STATS,
+    GY, X, W, BIAS, LNW, LNB, DX, PARTIAL, STATS, DZ,
     B, D, H, rows_per_program, stats_half,
     stride_x_f, stride_x_b, stride_x_d,
     stride_gy_f, stride_gy_b, stride_gy_h,
@@ -712,6 +712,7 @@ def ln_tanh_linear_relu_bwd(
     LOAD_STATS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PREFETCH: tl.constexpr = False,
     UNROLL_H: tl.constexpr = False, LOOP_STAGES: tl.constexpr = None, COL_SUMS: tl.constexpr = False,
+    DZ_OUT: tl.constexpr = False,
 ):
     # EVEN_B: every program's rows are all < B (B is a multiple of rows_per_program).
     # LOAD_STATS: STATS holds the forward's per-row mean and rstd ([2, F, B] fp32).
@@ -728,6 +729,10 @@ def ln_tanh_linear_relu_bwd(
     # COL_SUMS (no tl.dot; H = 1 or UNROLL_H): the gradient columns summed per tile (one cross-warp
     # reduction a tile and column) instead of [BLOCK_B, BLOCK_D] row slots (one per output column
     # with UNROLL_H), whose registers cap the programs per SM.
+    # DZ_OUT (tl.dot path): no weight gradient here. dz goes to DZ ([F, B, H], contiguous: in
+    # grad_y's dtype where it is exactly that, else fp32) and, unless LOAD_STATS, the rows' mean
+    # and rstd to STATS; `ln_tanh_linear_relu_bwd_weight` makes the weight gradient from them in
+    # column chunks. The [H, D] accumulator and its dot leave this kernel's registers.
     # PARTIAL row of this program: [H*D weight | H bias | D ln_weight | D ln_bias], fp32.
     pid_p = tl.program_id(0)
     f = tl.program_id(1).to(tl.int64)
@@ -747,10 +752,11 @@ def ln_tanh_linear_relu_bwd(
     # does (a lo part there cost 35 more registers a thread at D=64, spills at D=256); a 16-bit
     # grad_y through relu (or no out-activation) is a 16-bit dz already.
     W_PARTS: tl.constexpr = 1 if W.dtype.element_ty == BWD_DOT_DTYPE else max(SPLIT_Z, SPLIT_DT)
-    T_DW_PARTS: tl.constexpr = 1 if X.dtype.element_ty == BWD_DOT_DTYPE else SPLIT_DW
+    T_DW_PARTS: tl.constexpr = 1 if X.dtype.element_ty == BWD_DOT_DTYPE or DZ_OUT else SPLIT_DW
     T_PARTS: tl.constexpr = max(SPLIT_Z if OUT_ACT != 0 else 1, T_DW_PARTS)
     DZ_EXACT: tl.constexpr = (OUT_ACT == 0 or OUT_ACT == 3) and GY.dtype.element_ty == BWD_DOT_DTYPE
-    DZ_PARTS: tl.constexpr = 1 if DZ_EXACT else max(SPLIT_DT, SPLIT_DW)
+    DZ_PARTS: tl.constexpr = 1 if DZ_EXACT else (SPLIT_DT if DZ_OUT else max(SPLIT_DT, SPLIT_DW))
+    STORE_STATS: tl.constexpr = DZ_OUT and NORM != 0 and not LOAD_STATS
     w = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :],
                 mask=hmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
     if SPLIT16:
@@ -814,7 +820,7 @@ def ln_tanh_linear_relu_bwd(
                 X, GY, STATS, f, rows + BLOCK_B, last_row, cols, cmask, hs, hmask, B, stats_half,
                 stride_x_f, stride_x_b, stride_x_d, stride_gy_f, stride_gy_b, stride_gy_h,
                 LOAD_STATS and NORM != 0, EVEN_D, X_EVICT, BLOCK_H)
-            xhat, a, t, _, rstd, g = _norm_act_tile(
+            xhat, a, t, mean, rstd, g = _norm_act_tile(
                 x_cur.to(tl.float32), mean_cur, mean_cur, rstd_cur, mask, cmask, f, cols, D, eps, LNW, LNB,
                 stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, LOAD_STATS, EVEN_D, EVEN_B, NORM, ACT,
                 X.dtype.element_ty == tl.float32)
@@ -825,7 +831,7 @@ def ln_tanh_linear_relu_bwd(
             x_rows = X + f * stride_x_f + rows64 * stride_x_b
             x_ptrs = x_rows[:, None] + cols[None, :] * stride_x_d
             stat_ptrs = STATS + f * B + rows64
-            xhat, a, t, _, rstd, g = _normalize_activate(
+            xhat, a, t, mean, rstd, g = _normalize_activate(
                 x_ptrs, x_rows, mask, cmask, f, cols, D, eps, LNW, LNB, stride_lnw_f, stride_lnb_f,
                 stat_ptrs, stat_ptrs + stats_half, rmask, HAS_LNW, HAS_LNB, FAST_TANH, LOAD_STATS,
                 EVEN_D, EVEN_B, X_EVICT, NORM, ACT,
@@ -885,9 +891,24 @@ def ln_tanh_linear_relu_bwd(
                     dz = tl.where(z > 0, gy, 0.0)
                 else:
                     dz = gy * _activate_grad(z, _activate(z, OUT_ACT, FAST_TANH), OUT_ACT, FAST_TANH)
+            if DZ_OUT:
+                dz_ptrs = DZ + (f * B + rows64)[:, None] * H + hs[None, :]
+                if EVEN_B:
+                    tl.store(dz_ptrs, dz.to(DZ.dtype.element_ty), mask=hmask[None, :])
+                else:
+                    tl.store(dz_ptrs, dz.to(DZ.dtype.element_ty), mask=rmask[:, None] & hmask[None, :])
+                if STORE_STATS:
+                    stat_out = STATS + f * B + rows64
+                    if EVEN_B:
+                        tl.store(stat_out, mean)
+                        tl.store(stat_out + stats_half, rstd)
+                    else:
+                        tl.store(stat_out, mean, mask=rmask)
+                        tl.store(stat_out + stats_half, rstd, mask=rmask)
             if USE_DOT and BWD_DOT_DTYPE == tl.float32:
                 dt = tl.dot(dz, w, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
-                acc_w += tl.dot(tl.trans(dz), t, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
+                if not DZ_OUT:
+                    acc_w += tl.dot(tl.trans(dz), t, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
             elif USE_DOT:
                 # 16-bit tensor cores with fp32 accumulation. dx = rstd * (projection of dt) cancels,
                 # so a dz rounded to bf16 would cost ~3e-2 relative error in dx: dz goes in as 16-bit
@@ -895,8 +916,9 @@ def ln_tanh_linear_relu_bwd(
                 dz0, dz1, dz2 = _split16(dz, BWD_DOT_DTYPE, DZ_PARTS)
                 dt = _dot_parts(dz0, dz1, dz2, w0, w1, w2, tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32),
                                 min(DZ_PARTS, SPLIT_DT), W_PARTS, SPLIT_DT, DOT_UPCAST)
-                acc_w = _dot_parts(tl.trans(dz0), tl.trans(dz1), tl.trans(dz2), t0, t1, t2, acc_w,
-                                   min(DZ_PARTS, SPLIT_DW), T_DW_PARTS, SPLIT_DW, DOT_UPCAST)
+                if not DZ_OUT:
+                    acc_w = _dot_parts(tl.trans(dz0), tl.trans(dz1), tl.trans(dz2), t0, t1, t2, acc_w,
+                                       min(DZ_PARTS, SPLIT_DW), T_DW_PARTS, SPLIT_DW, DOT_UPCAST)
             elif BLOCK_H == 1:
                 dz1 = tl.sum(dz, axis=1)
                 dt = dz1[:, None] * tl.sum(w, axis=0)[None, :]
@@ -954,12 +976,78 @@ def ln_tanh_linear_relu_bwd(
     else:
         if BLOCK_H == 1 and not SUM_PER_TILE:
             acc_w += tl.sum(acc_w_rows, axis=0)[None, :]
-        tl.store(part + hs[:, None] * D + cols[None, :], acc_w, mask=hmask[:, None] & cmask[None, :])
+        if not DZ_OUT:
+            tl.store(part + hs[:, None] * D + cols[None, :], acc_w, mask=hmask[:, None] & cmask[None, :])
         tl.store(part + H * D + hs, tl.sum(acc_b_rows, axis=0), mask=hmask)
     part += H * D + H
     # Absent LayerNorm affine: zeros, so the reduction stays one uniform pass.
     tl.store(part + cols, tl.sum(acc_lnw_rows, axis=0), mask=cmask)
     tl.store(part + D + cols, tl.sum(acc_lnb_rows, axis=0), mask=cmask)
+
+
+@triton.jit
+def ln_tanh_linear_relu_bwd_weight(
+    X, DZ, STATS, LNW, LNB, PARTIAL,
+    B, D, H, rows_per_program, stats_half,
+    stride_x_f, stride_x_b, stride_x_d,
+    stride_lnw_f, stride_lnb_f, stride_part_prog,
+    HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
+    FAST_TANH: tl.constexpr, BWD_DOT_PRECISION: tl.constexpr, BWD_DOT_DTYPE: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, SPLIT_DW: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """The weight gradient dz^T @ t of `ln_tanh_linear_relu_bwd` with DZ_OUT, as a GEMM over rows.
+
+    Program (p, f, k) owns columns [k * BLOCK_K, (k + 1) * BLOCK_K) of feature f's weight
+    gradient over the rows of backward program p (the same `rows_per_program`), and writes them
+    into that program's partial row (no atomics: the reduction's order is fixed). t is recomputed
+    from those columns of x and the rows' saved mean and rstd, so the live state is a [BLOCK_H,
+    BLOCK_K] accumulator and one [BLOCK_B, BLOCK_K] tile, whatever D. The products are the fused
+    kernel's: 16-bit parts of fp32 values (`_dot_parts`, SPLIT_DW) or fp32 operands.
+    EVEN_D: D % BLOCK_K == 0. EVEN_B: every tile's rows are < B.
+    """
+    pid_p = tl.program_id(0)
+    f = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_prog = tl.num_programs(0)
+    kmask = cols < D
+    hs = tl.arange(0, BLOCK_H)
+    hmask = hs < H
+    DZ_PARTS: tl.constexpr = 1 if DZ.dtype.element_ty == BWD_DOT_DTYPE else SPLIT_DW
+    T_PARTS: tl.constexpr = 1 if X.dtype.element_ty == BWD_DOT_DTYPE else SPLIT_DW
+    acc = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
+    row_start = pid_p * rows_per_program
+    for r0 in tl.range(row_start, row_start + rows_per_program, BLOCK_B):
+        rows = r0 + tl.arange(0, BLOCK_B)
+        rmask = rows < B
+        rows64 = rows.to(tl.int64)
+        mean = tl.zeros([BLOCK_B], dtype=tl.float32)
+        rstd = tl.full([BLOCK_B], 1.0, tl.float32)
+        if NORM != 0:
+            if EVEN_B:
+                mean = tl.load(STATS + f * B + rows64)
+                rstd = tl.load(STATS + stats_half + f * B + rows64)
+            else:
+                mean = tl.load(STATS + f * B + rows64, mask=rmask, other=0.0)
+                rstd = tl.load(STATS + stats_half + f * B + rows64, mask=rmask, other=0.0)
+        _, _, t, _ = _chunk_norm_act(
+            X, f * stride_x_f + rows64 * stride_x_b, cols, kmask, rmask, f, mean, rstd, LNW, LNB, stride_x_d,
+            stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_D, EVEN_B, X_EVICT, NORM, ACT)
+        dz_ptrs = DZ + (f * B + rows64)[:, None] * H + hs[None, :]
+        if EVEN_B:
+            dz = tl.load(dz_ptrs, mask=hmask[None, :], other=0.0)
+        else:
+            dz = tl.load(dz_ptrs, mask=rmask[:, None] & hmask[None, :], other=0.0)
+        if BWD_DOT_DTYPE == tl.float32:
+            acc += tl.dot(tl.trans(dz.to(tl.float32)), t, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
+        else:
+            dz0, dz1, dz2 = _split16(dz.to(tl.float32), BWD_DOT_DTYPE, DZ_PARTS)
+            t0, t1, t2 = _split16(t, BWD_DOT_DTYPE, T_PARTS)
+            acc = _dot_parts(tl.trans(dz0), tl.trans(dz1), tl.trans(dz2), t0, t1, t2, acc,
+                             DZ_PARTS, T_PARTS, SPLIT_DW, DOT_UPCAST)
+    part = PARTIAL + (f * n_prog + pid_p) * stride_part_prog
+    tl.store(part + hs[:, None] * D + cols[None, :], acc, mask=hmask[:, None] & kmask[None, :])
 
 
 @triton.jit
@@ -1007,7 +1095,7 @@ def _accumulate_partial(ptrs, vals, mask, r0, row_start):
 
 @triton.jit
 def ln_tanh_linear_relu_bwd_chunked(
-    GY, X, W, BIAS, LNW, LNB, DX, PARTIAL, STATS,
+    GY, X, W, BIAS, LNW, LNB, DX, PARTIAL, STATS, DZ,
     B, D, H, rows_per_program, stats_half,
     stride_x_f, stride_x_b, stride_x_d,
     stride_gy_f, stride_gy_b, stride_gy_h,

@@ -36,6 +36,7 @@ _launch_fwd = CompiledLaunchCache(kernels.ln_tanh_linear_relu_fwd)
 _launch_fwd_y_strided = CompiledLaunchCache(kernels.ln_tanh_linear_relu_fwd_y_strided)
 _launch_bwd = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
 _launch_bwd_chunked = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_chunked)
+_launch_bwd_weight = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_weight)
 _launch_partials_to_grads = CompiledLaunchCache(kernels.partials_to_grads)
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
@@ -428,14 +429,30 @@ class BackwardPlan:
     reduce_meta: dict
     zero_dx: bool
     launcher: CompiledLaunchCache = _launch_bwd
-    bound: Optional[Callable] = None  # the two compiled kernels, bound after the first launch
+    # The weight-gradient kernel (`BackwardConfig.split_dw`), or None where the fused kernel
+    # makes the weight gradient: its grid, integers, constexprs and launch options, and the
+    # dz buffer ([F, B, H], `dz_dtype`) and row-stats buffer ([2, F, B] fp32) it reads.
+    weight_grid: Optional[tuple] = None
+    weight_ints: tuple = ()
+    weight_meta: Optional[dict] = None
+    weight_options: Optional[dict] = None
+    dz_shape: tuple = ()
+    dz_dtype: Optional[torch.dtype] = None
+    stats_shape: Optional[tuple] = None
+    bound: Optional[Callable] = None  # the compiled kernels, bound after the first launch
     bound_reduce: Optional[Callable] = None
+    bound_weight: Optional[Callable] = None
 
     def __call__(self, grad_y, x, weight, bias, ln_weight, ln_bias, stats):
         # dx in x's own strides: when x is a view (a [B, F*D] buffer seen as [F, B, D]),
         # autograd's view backward hands the base's gradient over without a copy of x's size.
         dx = torch.empty_like(x)
         partial = x.new_empty(self.partial_shape, dtype=torch.float32)
+        dz = partial
+        if self.weight_meta is not None:
+            dz = x.new_empty(self.dz_shape, dtype=self.dz_dtype)
+            if stats is None and self.stats_shape is not None:
+                stats = x.new_empty(self.stats_shape, dtype=torch.float32)  # the fused kernel writes it
         # A fresh tensor per gradient (a custom op's outputs may not alias each other), in the
         # parameter's dtype and contiguous shape: autograd takes it as .grad without a copy.
         # (`_empty_or_like` of each, written out: this runs on every backward.)
@@ -450,19 +467,31 @@ class BackwardPlan:
             return dx, gw, gb, glw, glb
         if _TRACE is not None:
             _TRACE.append(("backward", self.grid, self.meta, self.cfg))
-        tensors = (grad_y, x, weight, bias if bias is not None else weight,
-                   ln_weight if ln_weight is not None else weight, ln_bias if ln_bias is not None else weight,
-                   dx, partial, stats if stats is not None else partial)
+        stats = stats if stats is not None else partial
+        lnw = ln_weight if ln_weight is not None else weight
+        lnb = ln_bias if ln_bias is not None else weight
+        tensors = (grad_y, x, weight, bias if bias is not None else weight, lnw, lnb, dx, partial, stats, dz)
         reduce_tensors = (partial, gw, gb if bias is not None else gw, glw if ln_weight is not None else gw,
                           glb if ln_bias is not None else gw)
-        if self.bound is not None and self.bound_reduce is not None:
+        weight_tensors = (x, dz, stats, lnw, lnb, partial)
+        split = self.weight_meta is not None
+        if self.bound is not None and self.bound_reduce is not None and (self.bound_weight is not None or not split):
             self.bound(*tensors)
+            if split:
+                self.bound_weight(*weight_tensors)
             self.bound_reduce(*reduce_tensors)
         else:
             options = dict(num_warps=self.cfg.num_warps, num_stages=self.cfg.num_stages)
             self.launcher(self.grid, tensors + self.ints, self.meta, **options)
+            if split:
+                _launch_bwd_weight(self.weight_grid, weight_tensors + self.weight_ints, self.weight_meta,
+                                   **self.weight_options)
             _launch_partials_to_grads(self.reduce_grid, reduce_tensors + self.reduce_ints, self.reduce_meta)
             self.bound = self.launcher.bind(self.grid, tensors + self.ints, self.meta, len(tensors), **options)
+            if split:
+                self.bound_weight = _launch_bwd_weight.bind(self.weight_grid, weight_tensors + self.weight_ints,
+                                                            self.weight_meta, len(weight_tensors),
+                                                            **self.weight_options)
             self.bound_reduce = _launch_partials_to_grads.bind(
                 self.reduce_grid, reduce_tensors + self.reduce_ints, self.reduce_meta, len(reduce_tensors))
         if self.zero_dx:
@@ -521,9 +550,12 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
         # The "dx 3e-3 off with saved stats" once seen there was a relu tie, not a bug: both
         # ways flip a z within rounding of 0 now and then (benchmarks/NOTES.md).
         stats = None
+    split = cfg.use_dot and not chunked and cfg.split_dw > 0
     K = configs.partial_row_size(D, H)
     P = configs.programs_per_feature(cfg, F, B, D, H, x.numel() * x.element_size(), _num_sms(dev)) if B > 0 else 1
-    rows_per_program = triton.cdiv(triton.cdiv(max(B, 1), P), cfg.block_b) * cfg.block_b
+    # Both kernels of a split backward walk the same rows per program: a whole number of either's tiles.
+    row_tile = max(cfg.block_b, cfg.dw_block_b) if split else cfg.block_b
+    rows_per_program = triton.cdiv(triton.cdiv(max(B, 1), P), row_tile) * row_tile
     P = triton.cdiv(max(B, 1), rows_per_program)
     sxf, sxb = _feature_major(x, feature_dim)
     sgf, sgb = _feature_major(grad_y, feature_dim)
@@ -580,9 +612,37 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
         LNB_PER_F=per_feature[3], ANY_PER_F=any(per_feature), ANY_SHARED=not all(per_feature),
         BLOCK_J=configs.REDUCE_BLOCK_J, BLOCK_K=block_k,
     )
-    return BackwardPlan(cfg, (P, F), ints, meta, (F * P, K), reduce_grid, (F, P, K, H, D), reduce_meta,
+    plan = BackwardPlan(cfg, (P, F), ints, meta, (F * P, K), reduce_grid, (F, P, K, H, D), reduce_meta,
                         zero_dx=D == 1 and chain.norm == "layer_norm",
                         launcher=_launch_bwd_chunked if chunked else _launch_bwd)
+    if split:
+        _add_weight_kernel(plan, grad_y, x, ln_weight, ln_bias, F, B, D, H, rows_per_program, sxf, sxb)
+    return plan
+
+
+def _add_weight_kernel(plan: BackwardPlan, grad_y, x, ln_weight, ln_bias, F, B, D, H, rows_per_program, sxf, sxb):
+    """Make `plan` a split backward: the fused kernel writes dz (and the row stats) instead of the
+    weight gradient, which `kernels.ln_tanh_linear_relu_bwd_weight` makes from them."""
+    cfg, meta = plan.cfg, plan.meta
+    meta["DZ_OUT"] = True
+    # dz as the fused kernel has it: grad_y's own values where dz is grad_y masked by relu (or
+    # grad_y itself) and grad_y is in the dots' operand dtype, else fp32 (`DZ_EXACT` there).
+    exact = meta["OUT_ACT"] in (0, 3) and _TL_DTYPES.get(grad_y.dtype) == meta["BWD_DOT_DTYPE"]
+    plan.dz_dtype = grad_y.dtype if exact else torch.float32
+    plan.dz_shape = (F, B, H)
+    plan.stats_shape = (2, F, B) if meta["NORM"] != 0 and not meta["LOAD_STATS"] else None
+    block_k = min(cfg.split_dw, cfg.block_d)
+    plan.weight_grid = (plan.grid[0], F, triton.cdiv(D, block_k))
+    plan.weight_ints = (B, D, H, rows_per_program, F * B, sxf, sxb, x.stride(2),
+                        _param_stride(ln_weight, 2), _param_stride(ln_bias, 2), plan.ints[-3])
+    plan.weight_meta = dict(
+        HAS_LNW=meta["HAS_LNW"], HAS_LNB=meta["HAS_LNB"], NORM=meta["NORM"], ACT=meta["ACT"],
+        FAST_TANH=meta["FAST_TANH"], BWD_DOT_PRECISION=meta["BWD_DOT_PRECISION"],
+        BWD_DOT_DTYPE=meta["BWD_DOT_DTYPE"], DOT_UPCAST=meta["DOT_UPCAST"], SPLIT_DW=meta["SPLIT_DW"],
+        EVEN_D=D % block_k == 0, EVEN_B=B > 0 and B % rows_per_program == 0, X_EVICT=cfg.x_evict,
+        BLOCK_B=cfg.dw_block_b, BLOCK_K=block_k, BLOCK_H=cfg.block_h,
+    )
+    plan.weight_options = dict(num_warps=cfg.dw_num_warps, num_stages=cfg.dw_num_stages)
 
 
 def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats=None, key=None, chain=DEFAULT):

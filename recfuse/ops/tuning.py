@@ -126,6 +126,7 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
         # Triton's pipelining of the row loop instead (`BackwardConfig.loop_stages`)
         out += [dataclasses.replace(c, prefetch=0, loop_stages=stages) for c in list(out)
                 if c.use_dot and not c.block_k and not c.loop_stages for stages in (2, 3)]
+        out += split_weight_candidates(D, H, dtype)
         # K-chunked tiles (`kernels.ln_tanh_linear_relu_bwd_chunked`): columns at a time, so
         # longer row tiles fit the registers
         for block_k, block_b, warps, pps in itertools.product((32, 64), (16, 32, 64), (4, 8), (2, 4, 8, 16)):
@@ -135,6 +136,39 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
                 out.append(cfg)
     return list(dict.fromkeys(out))
 
+
+
+def split_weight_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.BackwardConfig]:
+    """Whole-row tl.dot backwards whose weight gradient is a kernel of its own
+    (`BackwardConfig.split_dw`): without the [H, D] accumulator and its dot the fused kernel's
+    row tiles can be shorter and its warps more, and the weight-gradient kernel's tile is a
+    [BLOCK_H, 64-128] accumulator whatever D. H >= 8 (below, the fused kernel's accumulator is
+    small); weights of at most 4096 fp32 elements (the fp32 weight is held as three bf16 parts)
+    or 16384 bf16 ones.
+
+    Example:
+        >>> cands = split_weight_candidates(256, 16, torch.bfloat16)
+        >>> {c.split_dw for c in cands}, all(c.use_dot and not c.block_k for c in cands)
+        ({64, 128}, True)
+        >>> split_weight_candidates(256, 4, torch.bfloat16)
+        []
+    """
+    block_d, block_h = triton.next_power_of_2(D), configs.dot_block_h(H)
+    limit = 16384 if dtype == torch.bfloat16 else 4096
+    if H < 8 or block_d < 16 or block_h * block_d > limit:
+        return []
+    out = []
+    fused_tiles = ((16, 4, 16), (16, 8, 8), (32, 4, 8), (32, 8, 8), (64, 4, 16))
+    weight_tiles = ((64, 64, 4), (128, 64, 8))
+    for (block_b, warps, pps), (dw_k, dw_b, dw_w) in itertools.product(fused_tiles, weight_tiles):
+        if block_b * block_d > 8192:
+            continue
+        cfg = configs.heuristic_backward(D, H, dtype, use_dot=True, block_b=block_b, num_warps=warps, num_stages=1,
+                                         programs_per_sm=pps, block_k=0, prefetch=0, loop_stages=0,
+                                         split_dw=min(dw_k, block_d), dw_block_b=dw_b, dw_num_warps=dw_w)
+        if cfg is not None and configs.backward_fits(cfg, D, H):
+            out.append(cfg)
+    return list(dict.fromkeys(out))
 
 
 def confirm_at_scale(timed: list, time_at_scale, finalists: int) -> list:
@@ -179,7 +213,7 @@ def kernel_path(cfg) -> tuple:
     if isinstance(cfg, configs.ForwardConfig):
         return ("forward", cfg.use_dot, bool(cfg.block_k), bool(cfg.persistent), bool(cfg.unroll_h))
     return ("backward", cfg.use_dot, bool(cfg.block_k), bool(cfg.unroll_h), bool(cfg.loop_stages),
-            bool(cfg.col_sums), bool(cfg.prefetch))
+            bool(cfg.col_sums), bool(cfg.prefetch), bool(cfg.split_dw))
 
 
 def spread(cands: list, limit: int = 12) -> list:

@@ -1,0 +1,126 @@
+"""The split backward (`BackwardConfig.split_dw`): the whole-row tl.dot kernel writes dz and the
+rows' mean / rstd instead of the weight gradient, and `kernels.ln_tanh_linear_relu_bwd_weight`
+makes the weight gradient from them, a chunk of columns at a time.
+
+Each case runs under the Triton interpreter (``make test-interpret``) and, where a GPU is present,
+on it at sizes with many row tiles per program. The reference is float64; the fused kernel (the
+same products, summed in another order) is the second one.
+"""
+import pytest
+import torch
+
+import recfuse
+from recfuse.chain import DEFAULT as DEFAULT_CHAIN, chain_of
+from recfuse.ops import configs, launch
+from recfuse.ops.composite import composite_backward
+from op_cases import Case, forced_backward, make_inputs
+
+DEVICES = [
+    pytest.param("cpu", id="interpreter", marks=pytest.mark.interpret),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+]
+
+CASES = [
+    # (case, dtype, chain): masked D (40, 48) and rows, per-feature and shared weights, fp32 split
+    # into bf16 parts, 16-bit dots, fp16's fp32 operands, other chains (no norm, RMSNorm, a
+    # non-relu out-activation whose dz is not grad_y's values: an fp32 dz buffer).
+    (Case(1, 64, 64, 16, ln="per_feature", bias="per_feature"), torch.float32, None),
+    (Case(2, 37, 48, 8, feature_dim=1, strided_view=True, per_feature_weight=True, ln="shared"), torch.float32, None),
+    (Case(2, 40, 40, 5, ln="none", bias="none", eps=0.0), torch.bfloat16, None),
+    (Case(2, 33, 32, 20, ln="per_feature"), torch.float16, None),
+    (Case(2, 24, 64, 6, feature_dim=1, ln="per_feature"), torch.float32, chain_of("layer_norm", "gelu", "tanh")),
+    (Case(1, 48, 32, 12, ln="none"), torch.float32, chain_of("rms_norm", "silu", None)),
+    (Case(2, 20, 32, 6, ln="none"), torch.bfloat16, chain_of(None, "sigmoid", "relu")),
+    (Case(2, 50, 64, 17, feature_dim=1, ln="per_feature", bias="per_feature"), torch.bfloat16, None),
+    (Case(1, 64, 40, 16, ln="shared", per_feature_weight=True), torch.float32, chain_of("layer_norm", "tanh", "gelu")),
+]
+
+
+def _scaled(case: Case, device: str) -> Case:
+    # On the GPU: rows enough for many tiles per program, and padded rows (B not a multiple of 64).
+    return case if device == "cpu" else Case(case.F, 1000 + case.B, case.D, case.H, **{
+        k: getattr(case, k) for k in ("feature_dim", "strided_view", "per_feature_weight", "bias", "ln", "eps")})
+
+
+def _inputs(case: Case, device: str, seed: int):
+    return [None if t is None else t.to(device) for t in make_inputs(case, generator=torch.Generator().manual_seed(seed))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case, dtype, chain", CASES, ids=str)
+def test_split_weight_gradient_matches_float64_and_the_fused_kernel(case, dtype, chain, device):
+    chain = chain or DEFAULT_CHAIN
+    case = _scaled(case, device)
+    x, w, b, lw, lb, gy = _inputs(case, device, seed=3)
+    if chain.norm == "rms_norm":
+        lb = None
+    args = [None if t is None else t.to(dtype) for t in (x, w, b, lw, lb)]
+    gy = gy.to(dtype)
+    x64, w64, b64, lw64, lb64 = (None if t is None else t.double() for t in args)
+    z = recfuse.reference.feature_mlp(x64, w64, b64, ln_weight=lw64, ln_bias=lb64, eps=case.eps,
+                                      feature_dim=case.feature_dim, norm=chain.norm, activation=chain.activation,
+                                      out_activation=None)
+    if chain.out_activation == "relu":  # relu ties: rounding decides the mask on any path
+        gy = gy.masked_fill(z.abs() < 1e-3, 0)
+    rows = 16 if device == "cpu" else 64
+    knobs = dict(use_dot=True, block_b=16, programs_per_sm=1, block_k=0, prefetch=0)
+    split, meta = forced_backward(gy, args, case, None, chain, split_dw=16, dw_block_b=rows, **knobs)
+    fused, fused_meta = forced_backward(gy, args, case, None, chain, **knobs)
+    assert meta["DZ_OUT"] and "DZ_OUT" not in fused_meta
+    reference = composite_backward(gy.double(), *[None if t is None else t.double() for t in args], case.eps,
+                                   case.feature_dim, chain)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}[dtype]
+    for name, g, gf, r in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), split, fused, reference):
+        if r is None or not g.numel():
+            continue
+        assert g.shape == r.shape and g.dtype == gf.dtype and g.device == gf.device
+        scale = r.norm().clamp_min(1e-12)
+        err = ((g.double() - r).norm() / scale).item()
+        # 16-bit: no worse than the fused kernel by more than a rounding's worth
+        bound = tol if dtype == torch.float32 else max(tol, 1.5 * ((gf.double() - r).norm() / scale).item())
+        assert err < bound, f"{name}: {err:.2e} >= {bound:.1e}"
+        if name != "weight":  # the fused kernel's own code makes these: the same bits
+            assert torch.equal(g, gf), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_weight_gradient_is_bitwise_deterministic_and_launches_three_kernels(device, monkeypatch):
+    case = _scaled(Case(2, 48, 64, 20, ln="per_feature"), device)
+    x, w, b, lw, lb, gy = _inputs(case, device, seed=4)
+    args = [t.float() for t in (gy, x, w, b, lw, lb)]
+    forced = lambda D, H, dt: configs.heuristic_backward(D, H, dt, use_dot=True, block_b=16, block_k=0,  # noqa: E731
+                                                         programs_per_sm=1, split_dw=32, dw_block_b=16)
+    calls = []
+
+    class Counted:
+        def __init__(self, name):
+            self.name, self.real = name, getattr(launch, name)
+
+        def __call__(self, *a, **k):
+            calls.append(self.name)
+            return self.real(*a, **k)
+
+        def bind(self, *a, **k):
+            return None  # every launch through __call__, counted
+
+    for name in ("_launch_bwd", "_launch_bwd_weight", "_launch_partials_to_grads"):
+        monkeypatch.setattr(launch, name, Counted(name))
+    with configs.override(backward=forced):
+        first = launch.backward(*args, case.eps, case.feature_dim)
+        second = launch.backward(*args, case.eps, case.feature_dim)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert calls == ["_launch_bwd", "_launch_bwd_weight", "_launch_partials_to_grads"] * 2
+
+
+def test_split_weight_candidates_fit_and_name_their_kernel_path():
+    from recfuse.ops import tuning
+
+    for D, H, dtype in [(256, 16, torch.bfloat16), (64, 64, torch.float32), (160, 16, torch.bfloat16)]:
+        cands = tuning.split_weight_candidates(D, H, dtype)
+        assert cands and all(configs.backward_fits(c, D, H) for c in cands)
+        assert all(tuning.kernel_path(c)[-1] for c in cands)
+        entry = configs.config_to_entry(cands[0])
+        assert configs.config_from_entry("backward", entry, D, H, dtype) == cands[0]
+    # the chunked kernel has no split: a config asking for both does not fit
+    both = configs.heuristic_backward(256, 16, torch.float32, use_dot=True, block_k=64, split_dw=64)
+    assert not configs.backward_fits(both, 256, 16)
