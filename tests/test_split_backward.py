@@ -79,7 +79,9 @@ def test_split_weight_gradient_matches_float64_and_the_fused_kernel(case, dtype,
         # 16-bit: no worse than the fused kernel by more than a rounding's worth
         bound = tol if dtype == torch.float32 else max(tol, 1.5 * ((gf.double() - r).norm() / scale).item())
         assert err < bound, f"{name}: {err:.2e} >= {bound:.1e}"
-        if name != "weight":  # the fused kernel's own code makes these: the same bits
+        if name != "weight" and device == "cpu":
+            # the fused kernel's own code makes these: the same bits in the interpreter (compiled,
+            # the two variants contract and order their arithmetic apart: float64 is the judge)
             assert torch.equal(g, gf), name
 
 
