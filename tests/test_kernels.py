@@ -371,6 +371,27 @@ def test_k_chunked_backward_matches_float64_and_the_whole_row_kernel(case, dtype
             assert ((g.double() - gw.double()).norm() / scale).item() < 1e-5, name
 
 
+@pytest.mark.parametrize("case, dtype, block_k, persistent", [
+    (Case(2, 37, 160, 1, feature_dim=1, ln="per_feature", bias="per_feature"), torch.float32, 32, 0),
+    (Case(2, 40, 48, 3, ln="shared"), torch.bfloat16, 16, 0),
+    (Case(3, 33, 96, 2, feature_dim=1, strided_view=True, ln="none", eps=0.0), torch.float32, 32, 2),
+    (Case(1, 64, 160, 1, ln="per_feature"), torch.bfloat16, 32, 2),
+], ids=str)
+def test_k_chunked_row_forward_matches_float64(case, dtype, block_k, persistent):
+    # The row path (no tl.dot, H <= 4) in whole chunks of a D that is not a power of two:
+    # `_chunked_norm_act_linear` with a row reduction (H = 1) or a broadcast sum per chunk, masked
+    # rows, persistent programs walking several tiles.
+    block_h = min(4, triton.next_power_of_2(case.H))
+    forced = configs.heuristic_forward(case.D, case.H, dtype, False, use_dot=False, block_b=8, num_warps=2,
+                                       unroll_h=0, block_h=block_h, block_k=block_k, persistent=persistent,
+                                       tile_stages=3 if persistent else 1)
+    assert configs.forward_fits(forced, case.D, case.H)
+    with configs.override(forward=forced), launch.trace_launches() as launches:
+        check_against_float64(case, dtype)
+    meta = [m for kind, _, m, _ in launches if kind == "forward"][0]
+    assert not meta["USE_DOT"] and meta["BLOCK_K"] == block_k and meta["K_CHUNKS"] == case.D // block_k
+
+
 def test_k_chunked_backward_is_bitwise_deterministic():
     case = Case(1, 64, 48, 8, ln="per_feature")
     x, w, b, lw, lb, gy = make_inputs(case, generator=torch.Generator().manual_seed(2))

@@ -667,6 +667,8 @@ def forward_fits(cfg: ForwardConfig, D: int, H: int) -> bool:
         if cfg.block_k and (cfg.block_k > cfg.block_d or cfg.block_d % cfg.block_k):
             return False
         return cfg.block_b * cfg.block_d <= 4 * TILE_BUDGET
+    if cfg.block_k and (cfg.block_k >= cfg.block_d or cfg.block_d % cfg.block_k or cfg.unroll_h):
+        return False
     return cfg.block_b * cfg.block_d * cfg.block_h <= 2 * TILE_BUDGET
 
 

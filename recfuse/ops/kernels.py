@@ -384,11 +384,12 @@ def _chunked_norm_act_linear(
     W, LNW, LNB, stride_x_d, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f,
     HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr, FAST_TANH: tl.constexpr, EVEN_B: tl.constexpr,
     X_EVICT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    NORM: tl.constexpr, ACT: tl.constexpr,
+    NORM: tl.constexpr, ACT: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr,
 ):
     """(z = act(norm(x)) @ w^T, mean, rstd) of a row tile, BLOCK_K columns at a time
     (D == K_CHUNKS * BLOCK_K: no column masks, also where D is not a power of two).
+    The product: tl.dot, or (not USE_DOT, H <= 4) a row reduction or [rows, H, BLOCK_K] sum per chunk.
 
     Only a [rows, BLOCK_K] slice of x and of the weight is live at once, instead of the whole
     [rows, D] tile and [H, D] weight (with 3xTF32 those held 255 registers and spilled). The
@@ -443,8 +444,11 @@ def _chunked_norm_act_linear(
         if not EVEN_B:
             t = tl.where(rmask[:, None], t, 0.0)  # padded rows: rstd may be inf, t NaN
         wk = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :], mask=hmask[:, None], other=0.0)
-        acc = tl.dot(t.to(DOT_DTYPE), tl.trans(wk.to(DOT_DTYPE)), acc, input_precision=PRECISION,
-                     out_dtype=tl.float32)
+        if USE_DOT:
+            acc = tl.dot(t.to(DOT_DTYPE), tl.trans(wk.to(DOT_DTYPE)), acc, input_precision=PRECISION,
+                         out_dtype=tl.float32)
+        else:
+            acc += _row_linear(t, wk.to(tl.float32), False, BLOCK_H, PRECISION)
     return acc, mean, rstd
 
 
@@ -480,7 +484,7 @@ def _forward_tile(
         z, mean, rstd = _chunked_norm_act_linear(
             x_rows, rmask, f, D, H, eps, W, LNW, LNB, stride_x_d, stride_w_f, stride_w_h,
             stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_B, X_EVICT, DOT_DTYPE,
-            DOT_PRECISION, NORM, ACT, BLOCK_B, BLOCK_H, BLOCK_K, K_CHUNKS,
+            DOT_PRECISION, NORM, ACT, USE_DOT, BLOCK_B, BLOCK_H, BLOCK_K, K_CHUNKS,
         )
     else:
         _, _, t, mean, rstd, _ = _normalize_activate(

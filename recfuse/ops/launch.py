@@ -328,7 +328,8 @@ def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, s
         float(eps),
     )
     # Chunks need no column masks: D a whole number of them (also a D that is not a power of two).
-    chunked = bool(cfg.block_k) and cfg.use_dot and D % cfg.block_k == 0 and H <= cfg.block_h
+    # Without tl.dot (H <= 4, the row reduction or broadcast sum) too, unless one column at a time.
+    chunked = bool(cfg.block_k) and D % cfg.block_k == 0 and H <= cfg.block_h and (cfg.use_dot or not cfg.unroll_h)
     norm, act, out_act = chain_codes(chain)
     meta = dict(
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,

@@ -46,6 +46,15 @@ def forward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Forwa
             if 8 <= per_thread <= 32 and block_b * block_d * row_block_h <= 2 * configs.TILE_BUDGET:
                 out.append(configs.ForwardConfig(block_b, block_d, row_block_h, False, warps, persistent=persistent,
                                                  tile_stages=stages))
+    if H <= 4 and D != block_d:
+        # the row path in whole chunks of a D that is not a power of two: no padded columns
+        # (D=160 pads to 256: 60% more lanes normalised, put through tanh and multiplied)
+        for block_k in dict.fromkeys(w for w in (configs.chunk_width(D, 32), configs.chunk_width(D, 64)) if w):
+            for block_b, warps, persistent in itertools.product((4, 8, 16, 32), (1, 2, 4), (0, 32)):
+                per_thread = block_b * block_k * row_block_h / (warps * 32)
+                if 2 <= per_thread <= 16:
+                    out.append(configs.ForwardConfig(block_b, block_d, row_block_h, False, warps, persistent=persistent,
+                                                     tile_stages=3 if persistent else 1, block_k=block_k))
     if 2 <= H <= 16:
         # one output column at a time (`ForwardConfig.unroll_h`): a row reduction per column
         for block_b, warps in itertools.product((4, 8, 16, 32, 64), (1, 2, 4, 8)):
