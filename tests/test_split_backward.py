@@ -126,3 +126,17 @@ def test_split_weight_candidates_fit_and_name_their_kernel_path():
     # the chunked kernel has no split: a config asking for both does not fit
     both = configs.heuristic_backward(256, 16, torch.float32, use_dot=True, block_k=64, split_dw=64)
     assert not configs.backward_fits(both, 256, 16)
+
+
+def test_an_entry_without_split_dw_keeps_the_fused_kernel_where_the_heuristic_splits():
+    # An older table's entry (no split_dw key) was measured on the fused kernel: reading it must
+    # not pick up the heuristic's split (bf16 H=64 at 128-256 columns).
+    assert configs.heuristic_backward(256, 64, torch.bfloat16).split_dw == 128
+    old_entry = {k: v for k, v in configs.config_to_entry(configs.heuristic_backward(
+        256, 64, torch.bfloat16, use_dot=True, block_b=16, num_warps=4, programs_per_sm=8)).items()
+        if not k.startswith(("split_dw", "dw_"))}
+    cfg = configs.config_from_entry("backward", old_entry, 256, 64, torch.bfloat16)
+    assert cfg is not None and cfg.split_dw == 0 and cfg.block_b == 16
+    split = configs.config_from_entry("backward", dict(old_entry, split_dw=64, dw_num_warps=8), 256, 64,
+                                      torch.bfloat16)
+    assert (split.split_dw, split.dw_num_warps) == (64, 8)

@@ -247,6 +247,13 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
             return ForwardConfig(16, block_d, block_h, True, 4)  # 3xTF32 spills with 32 rows
         return ForwardConfig(block_b, block_d, block_h, True, num_warps)
     block_h = min(triton.next_power_of_2(H), 4)
+    if H == 1 and D != block_d and chunk_width(D, 32):
+        # A D that is not a power of two in whole chunks: the row path padded D=160 to 256 lanes.
+        # H100 tuner (recfuse/ops/tuned/; benchmarks/results/checks/tune_fwd_chunked_rows_h100.txt),
+        # 16-32 rows of 16-32 columns, one program per tile: bf16 D=160 220 -> 136 us, D=48 321 ->
+        # 142; fp32 D=160 164 -> 126, D=48 197 -> 117 (the grid's forward 51-66% -> 66-90% of floor).
+        block_k = chunk_width(D, 32)
+        return ForwardConfig(16, block_d, 1, False, 1 if block_k == 16 else 2, block_k=block_k)
     block_b = max(1, 2048 // (block_d * block_h))
     if full_tiles:
         num_warps = max(1, min(8, block_b * block_d * block_h // 2048))
@@ -365,14 +372,25 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
         else:
             block_b = max(1, min(8, TILE_BUDGET // (4 * block_d * block_h)))
             num_warps = 8 if block_b * block_d >= 2048 else 4
+    split_dw = 0
+    # Only the heuristic's own config: knobs without split_dw (a table entry of the fused kernel, a
+    # tuner's candidate) keep the fused kernel.
+    if not knobs and use_dot and not block_k and dtype == torch.bfloat16 and block_h == 64 and 128 <= block_d <= 256:
+        # The weight gradient in a kernel of its own (`BackwardConfig.split_dw`): the fused
+        # kernel's [64, D] accumulator and third dot gone, 16-row tiles fit with 16 programs per SM.
+        # H100 tuner, bf16 H=64, x 256 MB and 1 GB: D=128 1134 -> 903 us, D=160 1890 -> 1656, D=256
+        # 1981 (the former entry) -> 1333, and 1.3x faster than the fused kernel at 1 GB
+        # (benchmarks/results/checks/tune_split_dw_h100.txt). It lost at H=16 and for fp32.
+        block_b, num_warps, programs_per_sm, split_dw = 16, 4, 16, 128
     cfg = BackwardConfig(block_b, block_d, block_h, use_dot, num_warps, x_evict,
                          programs_per_sm=programs_per_sm or max(1, WARPS_PER_SM // num_warps), block_k=block_k,
-                         unroll_h=int(small_h and not use_dot), loop_stages=loop_stages)
+                         unroll_h=int(small_h and not use_dot), loop_stages=loop_stages, split_dw=split_dw,
+                         dw_num_warps=8 if split_dw else 4)
     knobs = {k: v for k, v in knobs.items() if k != "use_dot"}
     cfg = dataclasses.replace(cfg, **knobs) if knobs else cfg
     if not cfg.use_dot and 2 <= cfg.block_h <= 4 and cfg.block_b > 8 and not cfg.unroll_h:
         cfg = dataclasses.replace(cfg, block_b=8)
-    if "prefetch" not in knobs and cfg.use_dot and not cfg.block_k and dtype == torch.bfloat16 and (
+    if "prefetch" not in knobs and cfg.use_dot and not cfg.block_k and not cfg.split_dw and dtype == torch.bfloat16 and (
             cfg.block_b * cfg.block_d <= 4096 and cfg.block_h * cfg.block_d <= 4096):
         # bf16 tiles (and weights) of up to 4096 elements on the tl.dot path: loading the next
         # tile while this one is computed was 1.08-1.39x faster on the H100 at 8 of 9 such shapes
