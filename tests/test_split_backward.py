@@ -140,3 +140,23 @@ def test_an_entry_without_split_dw_keeps_the_fused_kernel_where_the_heuristic_sp
     split = configs.config_from_entry("backward", dict(old_entry, split_dw=64, dw_num_warps=8), 256, 64,
                                       torch.bfloat16)
     assert (split.split_dw, split.dw_num_warps) == (64, 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_split_backward_through_the_cached_plan_and_bound_launchers_on_cuda():
+    # The configs a CUDA call looks up (the H100 table, or the heuristic) split bf16 H=64 at 128
+    # columns: the second and third calls go through the kept plan's bound launchers of all
+    # three kernels, and give the first call's bits; all within the bf16 bound of float64.
+    case = Case(4, 1000, 128, 64, ln="per_feature", bias="per_feature")
+    x, w, b, lw, lb, gy = _inputs(case, "cuda", seed=5)
+    args = [t.to(torch.bfloat16) for t in (gy, x, w, b, lw, lb)]
+    plan = launch.backward_plan(*args, case.eps, case.feature_dim)
+    assert plan.weight_meta is not None, plan.cfg
+    runs = [launch.backward(*args, case.eps, case.feature_dim) for _ in range(3)]
+    assert plan.bound_weight is not None or launch.backward_plan(*args, case.eps, case.feature_dim).bound_weight
+    for later in runs[1:]:
+        assert all(torch.equal(a, c) for a, c in zip(runs[0], later))
+    reference = composite_backward(*[t.double() for t in args], case.eps, case.feature_dim)
+    for name, g, r in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), runs[0], reference):
+        err = ((g.double() - r).norm() / r.norm().clamp_min(1e-12)).item()
+        assert err < 2e-2, f"{name}: {err:.2e}"
