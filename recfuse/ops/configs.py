@@ -148,6 +148,10 @@ class BackwardConfig(TileConfig):
     dw_block_b: int = 64
     dw_num_warps: int = 4
     dw_num_stages: int = 3
+    # H = 1 without tl.dot, D the sum of two powers of two (48, 96, 160, ...): 1 walks each row
+    # tile as those two unmasked parts (`kernels.ln_tanh_linear_relu_bwd_rows2`; needs the
+    # forward's row stats) instead of one tile padded to the next power of two.
+    row_parts: int = 0
 
 
 KernelConfig = ForwardConfig  # the name launch-level code and older tests use
@@ -157,7 +161,7 @@ _OPTIONAL_FORWARD_KNOBS = ("unroll_h",)
 _BACKWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "programs_per_sm", "num_stages")
 # Knobs an older table's entries may lack: the heuristic's value stands.
 _OPTIONAL_BACKWARD_KNOBS = ("block_k", "prefetch", "unroll_h", "loop_stages", "col_sums", "split_dw", "dw_block_b",
-                            "dw_num_warps", "dw_num_stages")
+                            "dw_num_warps", "dw_num_stages", "row_parts")
 
 # ---------------------------------------------------------------------------------------------
 # the heuristic
@@ -402,6 +406,20 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
         # whole 512-wide rows: bf16x6 3831 us, fp32 FMA dots 2138 us (H100, D=512 H=16)
         cfg = dataclasses.replace(cfg, fp32_dots="ieee")
     return cfg
+
+
+def row_parts(D: int) -> Optional[tuple]:
+    """(D1, D2): D as two powers of two, the larger first, each at least 8, or None.
+
+    Example:
+        >>> row_parts(160), row_parts(48), row_parts(256), row_parts(200)
+        ((128, 32), (32, 16), None, None)
+    """
+    low = D & -D
+    high = D - low
+    if D <= 0 or high == 0 or high & (high - 1) or low < 8:
+        return None
+    return high, low
 
 
 def partial_row_size(D: int, H: int) -> int:

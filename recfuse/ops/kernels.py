@@ -990,6 +990,165 @@ def ln_tanh_linear_relu_bwd(
 
 
 @triton.jit
+def _part_norm_act(X, x_rows, cols, rmask, f, mean, rstd, LNW, LNB, stride_x_d, stride_lnw_f, stride_lnb_f,
+                   HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr, FAST_TANH: tl.constexpr, EVEN_B: tl.constexpr,
+                   X_EVICT: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr):
+    """(xhat, a, t, norm weight) of the columns `cols` (all < D) of a row tile with the rows' mean
+    and rstd; padded rows come out as exact zeros."""
+    ptrs = x_rows[:, None] + cols[None, :] * stride_x_d
+    if EVEN_B:
+        x = tl.load(ptrs, eviction_policy=X_EVICT).to(tl.float32)
+    else:
+        x = tl.load(ptrs, mask=rmask[:, None], other=0.0, eviction_policy=X_EVICT).to(tl.float32)
+    xhat = x
+    if NORM != 0:
+        xhat = (x - mean[:, None]) * rstd[:, None]
+    if not EVEN_B:
+        xhat = tl.where(rmask[:, None], xhat, 0.0)
+    a = xhat
+    g = tl.full([x.shape[1]], 1.0, tl.float32)
+    if HAS_LNW:
+        g = tl.load(LNW + f * stride_lnw_f + cols).to(tl.float32)
+        a = a * g[None, :]
+    if HAS_LNB:
+        a = a + tl.load(LNB + f * stride_lnb_f + cols).to(tl.float32)[None, :]
+    t = _activate(a, ACT, FAST_TANH)
+    if not EVEN_B:
+        t = tl.where(rmask[:, None], t, 0.0)
+    return xhat, a, t, g
+
+
+@triton.jit
+def _part_grads(dz, w, a, t, xhat, g, ACT: tl.constexpr, FAST_TANH: tl.constexpr):
+    """One column part of an H = 1 row tile: (dxhat, the weight-gradient, LayerNorm-weight and
+    LayerNorm-bias column sums of the tile)."""
+    da = (dz[:, None] * w[None, :]) * _activate_grad(a, t, ACT, FAST_TANH)
+    dxhat = da * g[None, :]
+    return dxhat, tl.sum(dz[:, None] * t, axis=0), tl.sum(da * xhat, axis=0), tl.sum(da, axis=0)
+
+
+@triton.jit
+def ln_tanh_linear_relu_bwd_rows2(
+    GY, X, W, BIAS, LNW, LNB, DX, PARTIAL, STATS, DZ,
+    B, D, H, rows_per_program, stats_half,
+    stride_x_f, stride_x_b, stride_x_d,
+    stride_gy_f, stride_gy_b, stride_gy_h,
+    stride_dx_f, stride_dx_b, stride_dx_d,
+    stride_w_f, stride_w_h,
+    stride_bias_f, stride_lnw_f, stride_lnb_f,
+    stride_part_prog,
+    eps, inv_d,
+    HAS_BIAS: tl.constexpr, HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
+    NORM: tl.constexpr, ACT: tl.constexpr, OUT_ACT: tl.constexpr,
+    USE_DOT: tl.constexpr, BWD_DOT_PRECISION: tl.constexpr, BWD_DOT_DTYPE: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    SPLIT_Z: tl.constexpr, SPLIT_DT: tl.constexpr, SPLIT_DW: tl.constexpr,
+    FAST_TANH: tl.constexpr,
+    LOAD_STATS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr,
+    LOOP_STAGES: tl.constexpr = None,
+):
+    """`ln_tanh_linear_relu_bwd` for H = 1 (no tl.dot) where D is the sum of two powers of two,
+    D = BLOCK_D + BLOCK_D2 (48 = 32 + 16, 160 = 128 + 32): each row tile is loaded and computed
+    as two unmasked parts instead of one tile padded to the next power of two (160 -> 256 lanes,
+    60% more normalisation, tanh and products). The same arguments (the dot-path constexprs are
+    unused), partial-row layout and numbers up to summation order. The rows' mean and rstd are
+    the forward's (LOAD_STATS; NORM == 0 needs none). Column sums per tile.
+    """
+    pid_p = tl.program_id(0)
+    f = tl.program_id(1).to(tl.int64)
+    n_prog = tl.num_programs(0)
+    cols1 = tl.arange(0, BLOCK_D)
+    cols2 = BLOCK_D + tl.arange(0, BLOCK_D2)
+    w1 = tl.load(W + f * stride_w_f + cols1).to(tl.float32)
+    w2 = tl.load(W + f * stride_w_f + cols2).to(tl.float32)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(BIAS + f * stride_bias_f).to(tl.float32)
+    acc_w1 = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc_w2 = tl.zeros([BLOCK_D2], dtype=tl.float32)
+    acc_lnw1 = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc_lnw2 = tl.zeros([BLOCK_D2], dtype=tl.float32)
+    acc_lnb1 = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc_lnb2 = tl.zeros([BLOCK_D2], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_B], dtype=tl.float32)
+    row_start = pid_p * rows_per_program
+    for r0 in tl.range(row_start, row_start + rows_per_program, BLOCK_B, num_stages=LOOP_STAGES):
+        rows = r0 + tl.arange(0, BLOCK_B)
+        rmask = rows < B
+        rows64 = rows.to(tl.int64)
+        x_rows = X + f * stride_x_f + rows64 * stride_x_b
+        mean = tl.zeros([BLOCK_B], dtype=tl.float32)
+        rstd = tl.full([BLOCK_B], 1.0, tl.float32)
+        if NORM != 0:
+            if EVEN_B:
+                mean = tl.load(STATS + f * B + rows64)
+                rstd = tl.load(STATS + stats_half + f * B + rows64)
+            else:
+                mean = tl.load(STATS + f * B + rows64, mask=rmask, other=0.0)
+                rstd = tl.load(STATS + stats_half + f * B + rows64, mask=rmask, other=0.0)
+        xhat1, a1, t1, g1 = _part_norm_act(X, x_rows, cols1, rmask, f, mean, rstd, LNW, LNB, stride_x_d,
+                                           stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_B,
+                                           X_EVICT, NORM, ACT)
+        xhat2, a2, t2, g2 = _part_norm_act(X, x_rows, cols2, rmask, f, mean, rstd, LNW, LNB, stride_x_d,
+                                           stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_B,
+                                           X_EVICT, NORM, ACT)
+        gy_ptrs = GY + f * stride_gy_f + rows64 * stride_gy_b
+        if EVEN_B:
+            gy = tl.load(gy_ptrs).to(tl.float32)
+        else:
+            gy = tl.load(gy_ptrs, mask=rmask, other=0.0).to(tl.float32)
+        if OUT_ACT == 0:
+            dz = gy
+        else:
+            z = tl.sum(t1 * w1[None, :], axis=1) + tl.sum(t2 * w2[None, :], axis=1) + bias
+            if OUT_ACT == 3:
+                dz = tl.where(z > 0, gy, 0.0)
+            else:
+                dz = gy * _activate_grad(z, _activate(z, OUT_ACT, FAST_TANH), OUT_ACT, FAST_TANH)
+        acc_b += dz
+        dxhat1, sw1, slw1, slb1 = _part_grads(dz, w1, a1, t1, xhat1, g1, ACT, FAST_TANH)
+        dxhat2, sw2, slw2, slb2 = _part_grads(dz, w2, a2, t2, xhat2, g2, ACT, FAST_TANH)
+        acc_w1 += sw1
+        acc_w2 += sw2
+        if HAS_LNW:  # absent: the partial's columns stay zeros
+            acc_lnw1 += slw1
+            acc_lnw2 += slw2
+        if HAS_LNB:
+            acc_lnb1 += slb1
+            acc_lnb2 += slb2
+        if NORM == 0:
+            dx1 = dxhat1
+            dx2 = dxhat2
+        else:
+            c1 = (tl.sum(dxhat1 * xhat1, axis=1) + tl.sum(dxhat2 * xhat2, axis=1)) * inv_d
+            if NORM == 2:
+                dx1 = (dxhat1 - xhat1 * c1[:, None]) * rstd[:, None]
+                dx2 = (dxhat2 - xhat2 * c1[:, None]) * rstd[:, None]
+            else:
+                c2 = (tl.sum(dxhat1, axis=1) + tl.sum(dxhat2, axis=1)) * inv_d
+                dx1 = (dxhat1 - (xhat1 * c1[:, None] + c2[:, None])) * rstd[:, None]
+                dx2 = (dxhat2 - (xhat2 * c1[:, None] + c2[:, None])) * rstd[:, None]
+        dx_rows = DX + f * stride_dx_f + rows64 * stride_dx_b
+        if EVEN_B:
+            tl.store(dx_rows[:, None] + cols1[None, :] * stride_dx_d, dx1.to(DX.dtype.element_ty))
+            tl.store(dx_rows[:, None] + cols2[None, :] * stride_dx_d, dx2.to(DX.dtype.element_ty))
+        else:
+            tl.store(dx_rows[:, None] + cols1[None, :] * stride_dx_d, dx1.to(DX.dtype.element_ty),
+                     mask=rmask[:, None])
+            tl.store(dx_rows[:, None] + cols2[None, :] * stride_dx_d, dx2.to(DX.dtype.element_ty),
+                     mask=rmask[:, None])
+    # PARTIAL row: [D weight | 1 bias | D ln_weight | D ln_bias] (H = 1)
+    part = PARTIAL + (f * n_prog + pid_p) * stride_part_prog
+    tl.store(part + cols1, acc_w1)
+    tl.store(part + cols2, acc_w2)
+    tl.store(part + D, tl.sum(acc_b, axis=0))
+    tl.store(part + D + 1 + cols1, acc_lnw1)
+    tl.store(part + D + 1 + cols2, acc_lnw2)
+    tl.store(part + 2 * D + 1 + cols1, acc_lnb1)
+    tl.store(part + 2 * D + 1 + cols2, acc_lnb2)
+
+
+@triton.jit
 def ln_tanh_linear_relu_bwd_weight(
     X, DZ, STATS, LNW, LNB, PARTIAL,
     B, D, H, rows_per_program, stats_half,

@@ -37,6 +37,7 @@ _launch_fwd_y_strided = CompiledLaunchCache(kernels.ln_tanh_linear_relu_fwd_y_st
 _launch_bwd = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
 _launch_bwd_chunked = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_chunked)
 _launch_bwd_weight = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_weight)
+_launch_bwd_rows2 = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_rows2)
 _launch_partials_to_grads = CompiledLaunchCache(kernels.partials_to_grads)
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
@@ -613,9 +614,17 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
         LNB_PER_F=per_feature[3], ANY_PER_F=any(per_feature), ANY_SHARED=not all(per_feature),
         BLOCK_J=configs.REDUCE_BLOCK_J, BLOCK_K=block_k,
     )
+    launcher = _launch_bwd_chunked if chunked else _launch_bwd
+    parts = configs.row_parts(D)
+    if (cfg.row_parts and parts and H == 1 and not cfg.use_dot and not meta.get("UNROLL_H")
+            and (stats is not None or norm == 0)):
+        # two unmasked power-of-two parts of each row (`kernels.ln_tanh_linear_relu_bwd_rows2`)
+        for name in ("PREFETCH", "UNROLL_H", "COL_SUMS"):
+            meta.pop(name, None)
+        meta.update(BLOCK_D=parts[0], BLOCK_D2=parts[1], EVEN_D=True)
+        launcher = _launch_bwd_rows2
     plan = BackwardPlan(cfg, (P, F), ints, meta, (F * P, K), reduce_grid, (F, P, K, H, D), reduce_meta,
-                        zero_dx=D == 1 and chain.norm == "layer_norm",
-                        launcher=_launch_bwd_chunked if chunked else _launch_bwd)
+                        zero_dx=D == 1 and chain.norm == "layer_norm", launcher=launcher)
     if split:
         _add_weight_kernel(plan, grad_y, x, ln_weight, ln_bias, F, B, D, H, rows_per_program, sxf, sxb)
     return plan

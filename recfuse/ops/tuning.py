@@ -120,6 +120,13 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
                                                      unroll_h=int(H > 1), loop_stages=stages, col_sums=col_sums)
                     if cfg is not None and configs.backward_fits(cfg, D, H) and cfg.block_b == block_b:
                         out.append(cfg)
+            if H == 1 and configs.row_parts(D):
+                # two unmasked power-of-two parts of each row (`BackwardConfig.row_parts`)
+                for block_b, warps, stages, pps in itertools.product((2, 4, 8, 16), (1, 2, 4), (2, 3), (32,)):
+                    if 4 <= block_b * D / (32 * warps) <= 24:
+                        out.append(configs.heuristic_backward(D, H, dtype, use_dot=False, block_b=block_b,
+                                                              num_warps=warps, num_stages=1, programs_per_sm=pps,
+                                                              block_k=0, unroll_h=0, loop_stages=stages, row_parts=1))
             if 2 <= H <= 8:
                 # each output column on its own (`BackwardConfig.unroll_h`): 2D tiles, so longer
                 # row tiles than the broadcast sum's 8 fit; 2-16 elements of a tile per thread
@@ -222,7 +229,7 @@ def kernel_path(cfg) -> tuple:
     if isinstance(cfg, configs.ForwardConfig):
         return ("forward", cfg.use_dot, bool(cfg.block_k), bool(cfg.persistent), bool(cfg.unroll_h))
     return ("backward", cfg.use_dot, bool(cfg.block_k), bool(cfg.unroll_h), bool(cfg.loop_stages),
-            bool(cfg.col_sums), bool(cfg.prefetch), bool(cfg.split_dw))
+            bool(cfg.col_sums), bool(cfg.prefetch), bool(cfg.split_dw), bool(cfg.row_parts))
 
 
 def spread(cands: list, limit: int = 12) -> list:

@@ -1,0 +1,77 @@
+"""The H = 1 backward over two unmasked power-of-two parts of each row (`BackwardConfig.row_parts`,
+`kernels.ln_tanh_linear_relu_bwd_rows2`): D = 48 = 32 + 16, 96 = 64 + 32, 160 = 128 + 32, against
+float64 and the whole-row kernel (whose tile pads D to the next power of two), under the Triton
+interpreter and, where there is one, on the GPU.
+"""
+import pytest
+import torch
+
+import recfuse
+from recfuse.chain import DEFAULT as DEFAULT_CHAIN, chain_of
+from recfuse.ops import configs, launch
+from recfuse.ops.composite import composite_backward
+from op_cases import Case, forced_backward, make_inputs
+
+DEVICES = [
+    pytest.param("cpu", id="interpreter", marks=pytest.mark.interpret),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+]
+
+CASES = [
+    (Case(2, 37, 160, 1, ln="per_feature", bias="per_feature"), torch.float32, None),
+    (Case(2, 40, 48, 1, feature_dim=1, strided_view=True, per_feature_weight=True, ln="shared"), torch.float32, None),
+    (Case(3, 33, 96, 1, ln="none", bias="none", eps=0.0), torch.bfloat16, None),
+    (Case(2, 24, 48, 1, feature_dim=1, ln="per_feature"), torch.float16, None),
+    (Case(2, 24, 160, 1, ln="per_feature"), torch.float32, chain_of("layer_norm", "gelu", "tanh")),
+    (Case(1, 48, 48, 1, ln="none"), torch.float32, chain_of("rms_norm", "silu", None)),
+    (Case(2, 20, 96, 1, ln="none"), torch.bfloat16, chain_of(None, "sigmoid", "relu")),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case, dtype, chain", CASES, ids=str)
+def test_two_part_rows_match_float64_and_the_whole_row_kernel(case, dtype, chain, device):
+    chain = chain or DEFAULT_CHAIN
+    if device == "cuda":
+        case = Case(case.F, 1000 + case.B, case.D, case.H, **{
+            k: getattr(case, k) for k in ("feature_dim", "strided_view", "per_feature_weight", "bias", "ln", "eps")})
+    x, w, b, lw, lb, gy = [None if t is None else t.to(device)
+                           for t in make_inputs(case, generator=torch.Generator().manual_seed(6))]
+    if chain.norm == "rms_norm":
+        lb = None
+    args = [None if t is None else t.to(dtype) for t in (x, w, b, lw, lb)]
+    gy = gy.to(dtype)
+    x64, w64, b64, lw64, lb64 = (None if t is None else t.double() for t in args)
+    z = recfuse.reference.feature_mlp(x64, w64, b64, ln_weight=lw64, ln_bias=lb64, eps=case.eps,
+                                      feature_dim=case.feature_dim, norm=chain.norm, activation=chain.activation,
+                                      out_activation=None)
+    if chain.out_activation == "relu":  # relu ties: rounding decides the mask on any path
+        gy = gy.masked_fill(z.abs() < 1e-3, 0)
+    stats = launch.forward(*args, case.eps, case.feature_dim, save_stats=True, chain=chain)[1]
+    knobs = dict(use_dot=False, block_b=8, num_warps=2, programs_per_sm=1, unroll_h=0)
+    parts, meta = forced_backward(gy, args, case, stats, chain, row_parts=1, loop_stages=2, **knobs)
+    whole, whole_meta = forced_backward(gy, args, case, stats, chain, **knobs)
+    assert (meta["BLOCK_D"], meta["BLOCK_D2"]) == configs.row_parts(case.D) and "BLOCK_D2" not in whole_meta
+    reference = composite_backward(gy.double(), *[None if t is None else t.double() for t in args], case.eps,
+                                   case.feature_dim, chain)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}[dtype]
+    for name, g, gw, r in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), parts, whole, reference):
+        if r is None or not g.numel():
+            continue
+        assert g.shape == r.shape and g.dtype == gw.dtype
+        scale = r.norm().clamp_min(1e-12)
+        err = ((g.double() - r).norm() / scale).item()
+        bound = tol if dtype == torch.float32 else max(tol, 1.5 * ((gw.double() - r).norm() / scale).item())
+        assert err < bound, f"{name}: {err:.2e} >= {bound:.1e}"
+
+
+@pytest.mark.interpret
+def test_row_parts_need_the_forwards_stats_and_two_powers_of_two():
+    case = Case(2, 16, 160, 1, ln="per_feature")
+    x, w, b, lw, lb, gy = make_inputs(case, generator=torch.Generator().manual_seed(7))
+    args = [t.float() for t in (x, w, b, lw, lb)]
+    knobs = dict(use_dot=False, block_b=8, num_warps=2, unroll_h=0, row_parts=1)
+    # without the forward's row stats (and a norm) the whole-row kernel runs
+    _, meta = forced_backward(gy.float(), args, case, None, DEFAULT_CHAIN, **knobs)
+    assert "BLOCK_D2" not in meta
+    assert configs.row_parts(200) is None and configs.row_parts(256) is None
