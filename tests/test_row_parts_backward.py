@@ -51,7 +51,7 @@ def test_two_part_rows_match_float64_and_the_whole_row_kernel(case, dtype, chain
     knobs = dict(use_dot=False, block_b=8, num_warps=2, programs_per_sm=1, unroll_h=0)
     parts, meta = forced_backward(gy, args, case, stats, chain, row_parts=1, loop_stages=2, **knobs)
     whole, whole_meta = forced_backward(gy, args, case, stats, chain, **knobs)
-    assert (meta["BLOCK_D"], meta["BLOCK_D2"]) == configs.row_parts(case.D) and "BLOCK_D2" not in whole_meta
+    assert (meta["BLOCK_D"], meta["BLOCK_D2"]) == configs.row_parts_of(case.D) and "BLOCK_D2" not in whole_meta
     reference = composite_backward(gy.double(), *[None if t is None else t.double() for t in args], case.eps,
                                    case.feature_dim, chain)
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}[dtype]
@@ -74,4 +74,20 @@ def test_row_parts_need_the_forwards_stats_and_two_powers_of_two():
     # without the forward's row stats (and a norm) the whole-row kernel runs
     _, meta = forced_backward(gy.float(), args, case, None, DEFAULT_CHAIN, **knobs)
     assert "BLOCK_D2" not in meta
-    assert configs.row_parts(200) is None and configs.row_parts(256) is None
+    assert configs.row_parts_of(200) is None and configs.row_parts_of(256) is None
+
+
+def test_a_two_part_plan_gives_every_kernel_parameter_a_value():
+    # The direct launch passes every parameter in signature order: the plan's constexprs must
+    # name exactly the two-part kernel's (no PREFETCH / UNROLL_H / COL_SUMS, which it lacks).
+    F, B, D = 3, 64, 160
+    x, w = torch.randn(F, B, D), torch.randn(1, D)
+    gy, stats = torch.randn(F, B, 1), torch.randn(2, F, B)
+    cfg = configs.heuristic_backward(D, 1, torch.float32)
+    assert cfg.row_parts == 1
+    with configs.override(backward=cfg):
+        plan = launch.backward_plan(gy, x, w, None, None, None, 1e-5, 0, stats)
+    assert plan.launcher is launch._launch_bwd_rows2
+    n = 10 + len(plan.ints)  # grad_y, x, the 4 parameters, dx, partials, stats, dz; the integers
+    trailing = plan.launcher.trailing_args(range(n), plan.meta)
+    assert trailing is not None and n + len(trailing) == len(plan.launcher.arg_names)

@@ -376,6 +376,15 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
         else:
             block_b = max(1, min(8, TILE_BUDGET // (4 * block_d * block_h)))
             num_warps = 8 if block_b * block_d >= 2048 else 4
+    row_parts = 0
+    if not knobs and not use_dot and H == 1 and row_parts_of(D):
+        # Two unmasked power-of-two parts of each row (`BackwardConfig.row_parts`), one warp, 3 tiles
+        # in flight. H100 tuner (benchmarks/results/checks/tune_bwd_row_parts_h100.txt): bf16 D=160
+        # 459 -> 370 us, fp32 D=160 359 -> 245, fp32 D=48 287 -> 258 (bf16 D=48 kept its whole-row
+        # entry, 391 us). Only the heuristic's own config: entries without the knob stay whole-row.
+        row_parts, num_warps, loop_stages = 1, 1, 3
+        block_b = triton.next_power_of_2(max(1, 640 // D))
+        programs_per_sm = 32
     split_dw = 0
     # Only the heuristic's own config: knobs without split_dw (a table entry of the fused kernel, a
     # tuner's candidate) keep the fused kernel.
@@ -389,7 +398,7 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
     cfg = BackwardConfig(block_b, block_d, block_h, use_dot, num_warps, x_evict,
                          programs_per_sm=programs_per_sm or max(1, WARPS_PER_SM // num_warps), block_k=block_k,
                          unroll_h=int(small_h and not use_dot), loop_stages=loop_stages, split_dw=split_dw,
-                         dw_num_warps=8 if split_dw else 4)
+                         dw_num_warps=8 if split_dw else 4, row_parts=row_parts)
     knobs = {k: v for k, v in knobs.items() if k != "use_dot"}
     cfg = dataclasses.replace(cfg, **knobs) if knobs else cfg
     if not cfg.use_dot and 2 <= cfg.block_h <= 4 and cfg.block_b > 8 and not cfg.unroll_h:
@@ -408,11 +417,11 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
     return cfg
 
 
-def row_parts(D: int) -> Optional[tuple]:
+def row_parts_of(D: int) -> Optional[tuple]:
     """(D1, D2): D as two powers of two, the larger first, each at least 8, or None.
 
     Example:
-        >>> row_parts(160), row_parts(48), row_parts(256), row_parts(200)
+        >>> row_parts_of(160), row_parts_of(48), row_parts_of(256), row_parts_of(200)
         ((128, 32), (32, 16), None, None)
     """
     low = D & -D

@@ -615,7 +615,7 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
         BLOCK_J=configs.REDUCE_BLOCK_J, BLOCK_K=block_k,
     )
     launcher = _launch_bwd_chunked if chunked else _launch_bwd
-    parts = configs.row_parts(D)
+    parts = configs.row_parts_of(D)
     if (cfg.row_parts and parts and H == 1 and not cfg.use_dot and not meta.get("UNROLL_H")
             and (stats is not None or norm == 0)):
         # two unmasked power-of-two parts of each row (`kernels.ln_tanh_linear_relu_bwd_rows2`)

@@ -120,7 +120,7 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
                                                      unroll_h=int(H > 1), loop_stages=stages, col_sums=col_sums)
                     if cfg is not None and configs.backward_fits(cfg, D, H) and cfg.block_b == block_b:
                         out.append(cfg)
-            if H == 1 and configs.row_parts(D):
+            if H == 1 and configs.row_parts_of(D):
                 # two unmasked power-of-two parts of each row (`BackwardConfig.row_parts`)
                 for block_b, warps, stages, pps in itertools.product((2, 4, 8, 16), (1, 2, 4), (2, 3), (32,)):
                     if 4 <= block_b * D / (32 * warps) <= 24:
