@@ -15,6 +15,10 @@ Three kernels, as in Triton's layer-norm tutorial:
   sums of the weight, bias and LayerNorm-affine gradients in registers.
   `ln_tanh_linear_relu_bwd_chunked` is its tl.dot path a slice of columns at a time, for rows too
   wide for the whole-row tile (H * D > 16384); its partial sums go through global memory.
+  `ln_tanh_linear_relu_bwd_weight`: with DZ_OUT the whole-row kernel writes dz and the row stats
+  instead of the weight gradient, and this GEMM over rows makes it a chunk of columns at a time.
+  `ln_tanh_linear_relu_bwd_rows2`: H = 1 with D the sum of two powers of two, each row walked as
+  those two unmasked parts instead of one padded tile.
 * `partials_to_grads`: the second stage of the weight-gradient reduction, a fixed-order sum over
   the per-program partials that writes every parameter gradient in its final shape and dtype. No
   float atomics anywhere, so the same inputs give the same bits.
