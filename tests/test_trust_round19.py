@@ -45,6 +45,15 @@ Found wrong (each a test below that fails before its fix):
    saver; a loaded state without that record (saved before this), in a parameter whose model
    checkpoint came in another row order, is refused (`fx/optim_state.py`).
 
+4. A walk ``for m in model.modules(): if hasattr(m, "reset_parameters"): m.reset_parameters()``
+   (a recommender's re-initialisation, round 17/18's open item on module walks, for duck typing)
+   met recfuse's holders at the paths of the fused LayerNorms and Linears, which have no
+   reset_parameters, and left them as they were: 4.64 (per-feature Linears) and 0.083 (a shared
+   Linear, towers) off the original reset with the same seed. Now such a holder has the original
+   class's reset_parameters (`_FusedHolder.reset_parameters`, run on a stand-in holding the
+   result's tensors as `apply` does, stacked rows written back); with finding 2 the walk meets
+   the modules in the original's order, so the draws agree.
+
 Probed and found right (probe scripts; the cheap ones pinned below):
 ``torch.func.functional_call`` with the result's names (and with the original's: refused, round
 15); per-sample gradients (``vmap(grad(...))``) and ``jacrev`` of the result; double backward
@@ -67,7 +76,9 @@ Not fixed (reported):
 
 * A walk over ``result.modules()`` with ``isinstance(m, nn.LayerNorm)`` (weight-decay groups by
   module type, keeping norms in float32 after ``.half()``) still does not see the fused modules
-  (README "Parameter names"); ``result.apply(fn)`` does (round 18).
+  (README "Parameter names"); ``result.apply(fn)`` does (round 18), and so does a walk that asks
+  ``hasattr(m, "reset_parameters")`` (finding 4); one that asks ``hasattr(m, "weight")`` sees the
+  held shared Linear but not per-feature rows stacked away (their ``weight`` is None there).
 * The optimizer state mapping runs in a global optimizer step pre-hook: it does not run under
   ``torch.compile`` of the optimizer step (a compiled step is not checked), nor for optimizers
   that are not ``torch.optim.Optimizer`` subclasses; LBFGS keeps flat state vectors across
@@ -241,6 +252,40 @@ def test_apply_with_the_global_rng_initialises_as_the_original():
         torch.manual_seed(1)
         m.apply(init)
     assert _err(g(x), model(x)) < 1e-5
+
+
+class PerFeatureLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lns = nn.ModuleList(nn.LayerNorm(D_) for _ in range(3))
+        self.lins = nn.ModuleList(nn.Linear(D_, H_) for _ in range(3))
+
+    def forward(self, x):
+        ts = [torch.tanh(ln(s)) for ln, s in zip(self.lns, x.split(D_, 1))]
+        return torch.stack([torch.relu(lin(t)) for lin, t in zip(self.lins, ts)], 1)
+
+
+@pytest.mark.parametrize("make", [Towers, PerFeatureLinears])
+@pytest.mark.parametrize("how", ["result", "deepcopy", "reloaded", "no_stack"])
+def test_reset_parameters_walk_over_modules_resets_fused_modules(make, how):
+    """Before: ``for m in model.modules(): if hasattr(m, "reset_parameters"): m.reset_parameters()``
+    found no such method on recfuse's holders at the paths of the fused LayerNorms and Linears and
+    left them as they were: 4.64 (per-feature Linears) and 0.083 (shared Linear and towers) off the
+    original reset with the same seed, silently. Now a holder there has the original class's
+    reset_parameters (run on a stand-in, stacked rows written back, in the original's order)."""
+    torch.manual_seed(0)
+    model = _randomized(make())
+    x = torch.randn(5, 3 * D_)
+    g = recfuse.transform(copy.deepcopy(model), (x,), stack_parameters=how != "no_stack")
+    g = {"deepcopy": copy.deepcopy, "reloaded": _reloaded}.get(how, lambda m: m)(g)
+    for m in (model, g):
+        torch.manual_seed(2)
+        for mod in m.modules():
+            if hasattr(mod, "reset_parameters"):
+                mod.reset_parameters()
+    assert _err(g(x), model(x)) < 1e-5
+    # a container of fused modules (the ModuleList `lns`) has none, as in the original
+    assert not hasattr(g.get_submodule("lns"), "reset_parameters")
 
 
 # -- 3: an optimizer state_dict of one transform resumed into another --------------------------------

@@ -17,6 +17,7 @@ import re
 import sys
 import traceback
 import types
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -469,8 +470,43 @@ class _FusedHolder(_ChecksReplacements, torch.nn.Module):
                 "value. Set it on the original model before recfuse.transform.")
         super().__setattr__(name, value)
 
+    @property
+    def reset_parameters(self):
+        # only where the fused module's class has one (`_fused_reset`): hasattr() is False elsewhere.
+        # (A descriptor, not __getattr__: `read_attr`'s fast path needs nn.Module's __getattr__.)
+        reset = _fused_reset(self)
+        if reset is None:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute 'reset_parameters'")
+        return reset
+
     def extra_repr(self) -> str:
         return "holds what the fused graph reads"
+
+
+# holder at the path of a module whose calls fusion replaced -> a weak reference to the transformed
+# model that holds it (set by `guard_absorbed`; not an attribute, which pickling would have to carry)
+_HOLDER_ROOTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _fused_reset(holder: torch.nn.Module):
+    """``holder.reset_parameters`` for a holder at the path of a fused module whose original class
+    has one: the original class's reset_parameters run on a stand-in holding the result's tensors,
+    stacked rows written back (`apply_to_fused`). A walk ``for m in model.modules(): if hasattr(m,
+    "reset_parameters"): m.reset_parameters()`` otherwise found no such method on recfuse's holders
+    and left every fused LayerNorm and Linear as it was, silently (red-team round 19). None where
+    there is none to stand in for."""
+    path = holder.__dict__.get("_recfuse_path")
+    ref = _HOLDER_ROOTS.get(holder)
+    gm = ref() if ref is not None else None
+    signature = (getattr(gm, "_recfuse_absorbed", None) or {}).get(path) if gm is not None else None
+    cls = _module_class(signature[0]) if signature else None
+    if cls is None or not callable(getattr(cls, "reset_parameters", None)):
+        return None
+
+    def reset_parameters():
+        apply_to_fused(gm, lambda m: m.reset_parameters(), only=path)
+
+    return reset_parameters
 
 
 class _FusedAway(_FusedHolder):
@@ -539,6 +575,7 @@ def guard_absorbed(gm: torch.nn.Module) -> None:
             mod.__class__ = _FusedHolder
         if isinstance(mod, _FusedHolder):
             mod.__dict__["_recfuse_path"] = path
+            _HOLDER_ROOTS[mod] = weakref.ref(gm)
         _refuse_hooks(mod, path)
 
 
@@ -679,18 +716,26 @@ def _without_inplace(signature: tuple) -> tuple:
     return (signature[0], tuple(kv for kv in signature[1] if kv[0] != "inplace"))
 
 
-def apply_to_fused(gm: torch.nn.Module, fn) -> torch.nn.Module:
+def apply_to_fused(gm: torch.nn.Module, fn, only: Optional[str] = None) -> torch.nn.Module:
     """``gm.apply(fn)`` where `fn` meets, at the path of each module whose calls fusion replaced,
     a module of the original's class with its current tensors (stacked rows as copies, written
     back when `fn` changed them) instead of recfuse's holder there. Re-initialisation recipes
     (``model.apply(init_fn)`` with ``isinstance(m, nn.LayerNorm)``) otherwise silently skipped
     every fused LayerNorm and Linear (red-team round 18). What the fused graph could not follow
     is refused: new settings, hooks, parameters added or removed, one row of a stacked parameter
-    frozen while others train."""
+    frozen while others train. With `only` (the path of one such module), `fn` is called on that
+    module's stand-in alone (`_FusedHolder.reset_parameters`)."""
     from ..errors import RecfuseError
 
     absorbed = getattr(gm, "_recfuse_absorbed", None) or {}
     stand_ins, missed = {}, []
+    if only is not None:
+        holder = gm
+        for part in only.split("."):
+            holder = holder._modules[part]
+        m, rows = _stand_in(gm, only, absorbed[only], holder)
+        stand_ins[only] = (m, rows, holder, dict(m._parameters), dict(m._buffers))
+        fn(m)
 
     def walk(mod, path):
         for name, child in mod._modules.items():
@@ -712,8 +757,9 @@ def apply_to_fused(gm: torch.nn.Module, fn) -> torch.nn.Module:
                 walk(child, sub)
         fn(mod)
 
-    walk(gm, "")
-    for path in absorbed:
+    if only is None:
+        walk(gm, "")
+    for path in absorbed if only is None else ():
         if path not in stand_ins and path not in missed:
             # a module without tensors (nn.Tanh, nn.LeakyReLU) that torch.fx dropped from the result:
             # fn still meets it, so that a setting it changes is refused rather than ignored
