@@ -24,7 +24,7 @@ Found wrong (each a test below that fails before its fix):
    that adopts recfuse mid-run) gave each parameter another's moments wherever the shapes agreed:
    two same-shaped towers after per-feature preprocessing, transformed with stack_parameters=False
    (which promises the original's parameters), 0.49 off the original after three Adam steps (max
-   abs; 0.086 relative), silently (a model of two towers and no fusion at all: 552). Now
+   abs; 0.086 relative), silently (two towers and no fusion at all, Adam lr 0.05: 552). Now
    `restore_order` (`fx/graph_module.py`) orders every module's parameters, buffers and
    submodules as the original's (stacked parameters after the root's own, by their first
    original row), also after deepcopy, torch.load and for cuda_graph=True results; the order no
@@ -38,13 +38,12 @@ Found wrong (each a test below that fails before its fix):
    i in the loader, 0.30 / 1.35 (dict order, Adam / SGD) and 0.73 / 1.45 (towers swapped) off the
    original after three steps (max abs; finding 2's order alone makes the towers case right where
    the optimizer lists parameters in the model's order, not where it lists them by name: 0.21 /
-   0.24). Now every optimizer step over a stacked parameter
-   records in its param group the original names of its rows (``recfuse_stacked_rows``, saved
-   with the optimizer's state_dict), and the first step after a load puts each row's state where
-   this transform holds that row, by name, also when another stacked parameter held it in the
-   saver; a loaded state without that record (saved before this), in a parameter whose model
-   checkpoint came in another row order, is refused (`fx/optim_state.py`).
-
+   0.24). Now every optimizer step over a stacked parameter records in its param group the
+   original names of its rows (``recfuse_stacked_rows``, saved with the optimizer's state_dict),
+   and the first step after a load puts each row's state where this transform holds that row, by
+   name, also when another stacked parameter held it in the saver; a state of other features is
+   refused, and so is a loaded state without that record (saved before this) in a parameter whose
+   model checkpoint came in another row order (`fx/optim_state.py`).
 4. A walk ``for m in model.modules(): if hasattr(m, "reset_parameters"): m.reset_parameters()``
    (a recommender's re-initialisation, round 17/18's open item on module walks, for duck typing)
    met recfuse's holders at the paths of the fused LayerNorms and Linears, which have no
@@ -70,7 +69,11 @@ features, a Linear used in the chain and elsewhere, a LayerNorm weight tied acro
 LayerNorms without affine, with ``bias=False``, mixed with affine ones, with an eps of their own;
 batch sizes 1 and 0 and non-contiguous inputs (transformed with another B or layout);
 `FusedFeatureProcessor` with KeyedTensor (keys in another order), dict, [B, F*D], [B, F, D] at B = 5,
-1, 0 against a float64 loop of its own feature_parameters.
+1, 0 against a float64 loop of its own feature_parameters; the result called under
+``torch.autocast("cpu", bfloat16 / float16)`` (same output dtype as the original, no further from
+float64, input gradients alike); ``torch.optim.swa_utils.AveragedModel`` (EMA) of the result; the
+optimizer record through ``torch.load(weights_only=True)``, ``fused=True`` Adam, an LR scheduler,
+and a ``torch.compile``d optimizer step (runs; not checked, below).
 
 Not fixed (reported):
 
@@ -80,9 +83,15 @@ Not fixed (reported):
   ``hasattr(m, "reset_parameters")`` (finding 4); one that asks ``hasattr(m, "weight")`` sees the
   held shared Linear but not per-feature rows stacked away (their ``weight`` is None there).
 * The optimizer state mapping runs in a global optimizer step pre-hook: it does not run under
-  ``torch.compile`` of the optimizer step (a compiled step is not checked), nor for optimizers
-  that are not ``torch.optim.Optimizer`` subclasses; LBFGS keeps flat state vectors across
-  parameters, which are not mapped.
+  ``torch.compile`` of the optimizer step (a compiled step is not checked, and a saver whose steps
+  were compiled saves no record), nor for optimizers that are not ``torch.optim.Optimizer``
+  subclasses; LBFGS keeps flat state vectors across parameters, which are not mapped.
+* An optimizer state of the *original* model resumed into a result that stacks parameters is
+  refused by torch (another number of parameters), loud; there is no helper that stacks it.
+* The new ``_extra_state`` entry is in ``result.state_dict()``: ``torch.func.functional_call(result,
+  result.state_dict(), x, strict=True)`` refuses it as an unexpected key (as for
+  `FusedFeatureProcessor`, and any module with extra state), and a state_dict re-keyed by hand to
+  the original's names must drop it (a strict load into the original names it), both loud.
 """
 import copy
 
