@@ -5,7 +5,7 @@ Two transforms of one model may stack its per-feature parameters in other orders
 whose keys came in another order, groups numbered otherwise). A model checkpoint maps its rows by
 name (`graph_module.unstack_saved_rows`), but an optimizer state_dict has no names and loads by
 position: Adam's moments (SGD's momentum) of row i went to whatever feature is row i in the
-loader, so the resumed training drifted from the original's, silently (0.30-1.45 off after three
+loader, so the resumed training drifted from the original's, silently (0.21-1.45 off after three
 steps, red-team round 19).
 
 So every optimizer step over a stacked parameter (a global step pre-hook, installed with the
@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import weakref
 
-import torch.optim.optimizer as _torch_optimizer
-
 import torch
+import torch.optim.optimizer as _torch_optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["GROUP_KEY", "register", "note_loaded_rows", "check_optimizer"]
