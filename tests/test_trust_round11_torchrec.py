@@ -94,6 +94,8 @@ def assert_close(a, b, what):
 def unstacked(fm, tensors: dict) -> dict:
     """A transformed model's name -> tensor dict keyed by the original's names (stacked rows split)."""
     out = dict(tensors)
+    if fm.stacked_parameters():
+        out.pop("_extra_state", None)  # recfuse's record of the stacked rows' names (red-team round 19)
     for new, olds in fm.stacked_parameters().items():
         t = out.pop(new)
         out.update({old: (None if t is None else t[row]) for row, old in enumerate(olds)})

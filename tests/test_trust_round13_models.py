@@ -121,6 +121,8 @@ def _unstacked(g, named):
     st = g.stacked_parameters()
     out = {}
     for n, v in named:
+        if n == "_extra_state" and st:
+            continue  # recfuse's record of the stacked rows' names (red-team round 19), not the model's
         if n in st:
             for i, o in enumerate(st[n]):
                 out[o] = None if v is None else v[i]

@@ -11,11 +11,13 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import json
 import logging
 import re
 import sys
 import traceback
 import types
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -29,7 +31,8 @@ log = logging.getLogger("recfuse")
 __all__ = ["TransformedGraphModule", "map_original_keys", "carry_state", "mark_stacked_away"]
 
 # Attributes that are recfuse's own and must survive deepcopy and pickling.
-PRESERVED_ATTRS = ("_recfuse_stacked", "_recfuse_absorbed", "_recfuse_settings", "_recfuse_inlined", "recfuse_report")
+PRESERVED_ATTRS = ("_recfuse_stacked", "_recfuse_absorbed", "_recfuse_settings", "_recfuse_inlined", "recfuse_report",
+                   "_recfuse_order")
 # Attributes that are caches of one process (CUDA graphs, tensor readers): dropped by pickling.
 TRANSIENT_ATTRS = ("_cuda_graph_cache", "_module_tensors", "_tracer_extras")
 # The model's forward hooks (carried to the result by capture); GraphModule.__init__ resets them.
@@ -69,6 +72,60 @@ def carry_state(dst: torch.nn.Module, src) -> None:
                 dst.add_module(k, m)
         elif d is not m:
             carry_state(d, m)
+
+
+def original_order(model: torch.nn.Module) -> dict:
+    """{full name: rank} of every submodule, parameter and buffer of `model`, in the order of
+    ``named_modules()`` and each module's own parameters and buffers: what `restore_order` makes a
+    transformed model's order follow."""
+    ranks = {}
+    for path, mod in model.named_modules(remove_duplicate=False):
+        pre = path + "." if path else ""
+        ranks.setdefault(path, len(ranks))
+        for k in list(mod._parameters) + list(mod._buffers):
+            ranks.setdefault(pre + k, len(ranks))
+    return ranks
+
+
+def restore_order(gm: torch.nn.Module) -> None:
+    """Order the submodules, parameters and buffers of `gm` (a transformed model) as the original
+    model's (`gm._recfuse_order`, from `original_order`); the parameters fusion stacked come after
+    the root's own, ordered by their first original row. GraphModule registers what its graph reads
+    in the order the graph reads it (the forward's order), so ``parameters()`` came in another order
+    than the original's wherever the forward used its modules in another order than ``__init__``
+    made them (an item tower run before the user tower, a dict input in another key order), and an
+    optimizer state_dict of the original (which has no names and loads by position) gave each
+    parameter another's moments, silently where the shapes agreed (red-team round 19). The order
+    also does not depend on which example the transform saw, nor on how its groups were numbered."""
+    ranks = gm.__dict__.get("_recfuse_order")
+    if not ranks:
+        return
+    stacked = gm.__dict__.get("_recfuse_stacked") or {}
+    last = len(ranks)
+
+    def rank(full: str) -> int:
+        r = ranks.get(full)
+        if r is None and full in stacked:
+            r = last + min((ranks.get(o, last) for o in stacked[full]), default=last)
+        return 2 * last + 1 if r is None else r
+
+    seen = set()
+    todo = [("", gm)]
+    while todo:
+        path, mod = todo.pop()
+        if id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        pre = path + "." if path else ""
+        for attr in ("_modules", "_parameters", "_buffers"):
+            d = mod.__dict__.get(attr)
+            if not isinstance(d, dict) or len(d) < 2:
+                continue
+            items = sorted(dict.items(d), key=lambda kv: rank(pre + kv[0]))
+            if [k for k, _ in items] != list(dict.keys(d)):
+                dict.clear(d)
+                dict.update(d, items)
+        todo.extend((pre + k, m) for k, m in reversed(list(mod._modules.items())) if m is not None)
 
 
 def map_original_keys(module: torch.nn.Module, state_dict: dict, prefix: str, missing_keys: list,
@@ -129,24 +186,67 @@ def unstack_saved_rows(module: torch.nn.Module, state_dict: dict, prefix: str, s
     """
     if not isinstance(saved, dict):
         return
+    from . import optim_state
+
     mine = getattr(module, "_recfuse_stacked", {})
     for new, olds in saved.items():
         key = prefix + new
         value = state_dict.get(key)
         if (not isinstance(value, torch.Tensor) or not isinstance(olds, (list, tuple)) or value.dim() == 0
-                or value.shape[0] != len(olds) or list(mine.get(new, ())) == list(olds)):
+                or value.shape[0] != len(olds)):
+            continue
+        param = module._parameters.get(new) if new in mine else None
+        reordered = list(mine.get(new, ())) != list(olds)
+        if param is not None:
+            optim_state.note_loaded_rows(param, olds, reordered)
+        if not reordered:
             continue
         del state_dict[key]
         for i, old in enumerate(olds):
             state_dict[prefix + old] = value[i]
         if new in mine:
             # The model's rows are right now; an optimizer's state of this parameter, saved beside
-            # this checkpoint, is not (it has no names and loads by position).
+            # this checkpoint, has no names and loads by position: its first step maps it by the
+            # rows recfuse recorded in its param_groups, or refuses it (`optim_state`).
             log.warning("recfuse: %s%s was saved with its rows stacked in another order (%s) than this "
-                        "transform stacks them (%s); the rows are loaded by name, but an optimizer "
-                        "state_dict saved with that checkpoint would load them by position into other "
-                        "features: do not resume it into this model.", prefix, new, ", ".join(olds),
-                        ", ".join(mine[new]))
+                        "transform stacks them (%s); the rows are loaded by name. An optimizer "
+                        "state_dict saved with that checkpoint loads by position: its first step puts "
+                        "the rows back under their features (by the record recfuse keeps in its "
+                        "param_groups), or refuses a state without that record.", prefix, new,
+                        ", ".join(olds), ", ".join(mine[new]))
+
+
+EXTRA_STATE_KEY = "_extra_state"
+_EXTRA_STATE_TAG = "recfuse_stacked"
+
+
+def encode_stacked(stacked: dict) -> torch.Tensor:
+    """`stacked_parameters()` as UTF-8 JSON in a uint8 tensor (a transformed model's state_dict entry
+    ``_extra_state``): a tensor, so that tensor-only formats (safetensors) and copies that drop the
+    state_dict's ``_metadata`` keep it (as `FusedFeatureProcessor` keeps its feature names).
+
+    Example:
+        >>> decode_stacked(encode_stacked({"p": ["a.weight", "b.weight"]}))
+        {'p': ['a.weight', 'b.weight']}
+    """
+    text = json.dumps({_EXTRA_STATE_TAG: {k: list(v) for k, v in stacked.items()}}, sort_keys=True)
+    return torch.tensor(list(text.encode()), dtype=torch.uint8)
+
+
+def decode_stacked(value) -> Optional[dict]:
+    """The `stacked_parameters()` record `encode_stacked` wrote, or None for anything else (another
+    module's extra state, a tensor of other bytes)."""
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
+        return None
+    try:
+        record = json.loads(bytes(value.tolist()).decode())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    stacked = record.get(_EXTRA_STATE_TAG) if isinstance(record, dict) else None
+    if not isinstance(stacked, dict) or not all(
+            isinstance(v, list) and all(isinstance(o, str) for o in v) for v in stacked.values()):
+        return None
+    return stacked
 
 
 class _StackedAwayNames(dict):
@@ -370,8 +470,43 @@ class _FusedHolder(_ChecksReplacements, torch.nn.Module):
                 "value. Set it on the original model before recfuse.transform.")
         super().__setattr__(name, value)
 
+    @property
+    def reset_parameters(self):
+        # only where the fused module's class has one (`_fused_reset`): hasattr() is False elsewhere.
+        # (A descriptor, not __getattr__: `read_attr`'s fast path needs nn.Module's __getattr__.)
+        reset = _fused_reset(self)
+        if reset is None:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute 'reset_parameters'")
+        return reset
+
     def extra_repr(self) -> str:
         return "holds what the fused graph reads"
+
+
+# holder at the path of a module whose calls fusion replaced -> a weak reference to the transformed
+# model that holds it (set by `guard_absorbed`; not an attribute, which pickling would have to carry)
+_HOLDER_ROOTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _fused_reset(holder: torch.nn.Module):
+    """``holder.reset_parameters`` for a holder at the path of a fused module whose original class
+    has one: the original class's reset_parameters run on a stand-in holding the result's tensors,
+    stacked rows written back (`apply_to_fused`). A walk ``for m in model.modules(): if hasattr(m,
+    "reset_parameters"): m.reset_parameters()`` otherwise found no such method on recfuse's holders
+    and left every fused LayerNorm and Linear as it was, silently (red-team round 19). None where
+    there is none to stand in for."""
+    path = holder.__dict__.get("_recfuse_path")
+    ref = _HOLDER_ROOTS.get(holder)
+    gm = ref() if ref is not None else None
+    signature = (getattr(gm, "_recfuse_absorbed", None) or {}).get(path) if gm is not None else None
+    cls = _module_class(signature[0]) if signature else None
+    if cls is None or not callable(getattr(cls, "reset_parameters", None)):
+        return None
+
+    def reset_parameters():
+        apply_to_fused(gm, lambda m: m.reset_parameters(), only=path)
+
+    return reset_parameters
 
 
 class _FusedAway(_FusedHolder):
@@ -440,6 +575,7 @@ def guard_absorbed(gm: torch.nn.Module) -> None:
             mod.__class__ = _FusedHolder
         if isinstance(mod, _FusedHolder):
             mod.__dict__["_recfuse_path"] = path
+            _HOLDER_ROOTS[mod] = weakref.ref(gm)
         _refuse_hooks(mod, path)
 
 
@@ -456,8 +592,14 @@ def _refuse_hooks(mod: torch.nn.Module, path: str, message: Optional[str] = None
 
 def mark_stacked_away(gm: torch.nn.Module) -> None:
     """Make every original name of a tensor that fusion stacked (``lns.0.weight``) resolve on `gm`
-    to a None that refuses to be set, naming the stacked parameter and row that hold it now."""
+    to a None that refuses to be set, naming the stacked parameter and row that hold it now; and
+    let optimizers over the stacked parameters know which rows they hold (`optim_state`)."""
+    from . import optim_state
+
     for new, olds in getattr(gm, "_recfuse_stacked", {}).items():
+        param = gm._parameters.get(new)
+        if isinstance(param, torch.nn.Parameter):
+            optim_state.register(param, olds)
         for row, old in enumerate(olds):
             owner_path, _, leaf = old.rpartition(".")
             owner = gm
@@ -574,18 +716,26 @@ def _without_inplace(signature: tuple) -> tuple:
     return (signature[0], tuple(kv for kv in signature[1] if kv[0] != "inplace"))
 
 
-def apply_to_fused(gm: torch.nn.Module, fn) -> torch.nn.Module:
+def apply_to_fused(gm: torch.nn.Module, fn, only: Optional[str] = None) -> torch.nn.Module:
     """``gm.apply(fn)`` where `fn` meets, at the path of each module whose calls fusion replaced,
     a module of the original's class with its current tensors (stacked rows as copies, written
     back when `fn` changed them) instead of recfuse's holder there. Re-initialisation recipes
     (``model.apply(init_fn)`` with ``isinstance(m, nn.LayerNorm)``) otherwise silently skipped
     every fused LayerNorm and Linear (red-team round 18). What the fused graph could not follow
     is refused: new settings, hooks, parameters added or removed, one row of a stacked parameter
-    frozen while others train."""
+    frozen while others train. With `only` (the path of one such module), `fn` is called on that
+    module's stand-in alone (`_FusedHolder.reset_parameters`)."""
     from ..errors import RecfuseError
 
     absorbed = getattr(gm, "_recfuse_absorbed", None) or {}
     stand_ins, missed = {}, []
+    if only is not None:
+        holder = gm
+        for part in only.split("."):
+            holder = holder._modules[part]
+        m, rows = _stand_in(gm, only, absorbed[only], holder)
+        stand_ins[only] = (m, rows, holder, dict(m._parameters), dict(m._buffers))
+        fn(m)
 
     def walk(mod, path):
         for name, child in mod._modules.items():
@@ -607,8 +757,9 @@ def apply_to_fused(gm: torch.nn.Module, fn) -> torch.nn.Module:
                 walk(child, sub)
         fn(mod)
 
-    walk(gm, "")
-    for path in absorbed:
+    if only is None:
+        walk(gm, "")
+    for path in absorbed if only is None else ():
         if path not in stand_ins and path not in missed:
             # a module without tensors (nn.Tanh, nn.LeakyReLU) that torch.fx dropped from the result:
             # fn still meets it, so that a setting it changes is refused rather than ignored
@@ -915,6 +1066,7 @@ def _rebuild(cls: type, body: dict, import_block: str) -> "TransformedGraphModul
     if all(k in body for k in ("_parameters", "_buffers", "_modules")):
         _restore_dropped(gm, body)
     mark_stacked_away(gm)
+    restore_order(gm)
     return gm
 
 
@@ -1028,12 +1180,26 @@ class TransformedGraphModule(_ChecksReplacements, GraphModule):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         metadata = getattr(destination, "_metadata", None)
         stacked = getattr(self, "_recfuse_stacked", None)
-        if metadata is not None and prefix[:-1] in metadata and stacked:
-            metadata[prefix[:-1]][self._STACKED_KEY] = self.stacked_parameters()
+        if stacked:
+            if metadata is not None and prefix[:-1] in metadata:
+                metadata[prefix[:-1]][self._STACKED_KEY] = self.stacked_parameters()
+            # The same record as a tensor entry: a state_dict that lost its `_metadata` (``dict(sd)``,
+            # ``{k: v.clone() ...}``, a safetensors round trip) still says which feature each stacked
+            # row is (red-team round 19; before, such a state_dict loaded the rows by position).
+            saved = {k: v for k, v in self.stacked_parameters().items() if prefix + k in destination}
+            if saved:  # (non-persistent stacked buffers are not saved)
+                destination[prefix + EXTRA_STATE_KEY] = encode_stacked(saved)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        unstack_saved_rows(self, state_dict, prefix, (local_metadata or {}).get(self._STACKED_KEY))
+        saved = (local_metadata or {}).get(self._STACKED_KEY)
+        extra = state_dict.get(prefix + EXTRA_STATE_KEY)
+        decoded = decode_stacked(extra)
+        if decoded is not None:
+            del state_dict[prefix + EXTRA_STATE_KEY]  # recfuse's own record, no tensor of the model
+            if saved is None:
+                saved = decoded
+        unstack_saved_rows(self, state_dict, prefix, saved)
         map_original_keys(self, state_dict, prefix, missing_keys, error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
@@ -1048,6 +1214,7 @@ class TransformedGraphModule(_ChecksReplacements, GraphModule):
         _restore_dropped(res, {k: copy.deepcopy(self.__dict__[k], memo)
                                for k in _STATE_ATTRS + HOOK_ATTRS if k in self.__dict__})
         mark_stacked_away(res)
+        restore_order(res)
         return res
 
     def __reduce__(self) -> tuple[Any, ...]:

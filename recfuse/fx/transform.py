@@ -17,7 +17,8 @@ from torch.utils._pytree import tree_flatten
 from ..errors import RecfuseError
 from .capture import PendingModule, _StateSnapshot, capture, unshare
 from .fuse import fuse_graph
-from .graph_module import _restore_dropped, mark_stacked_away, module_signature, plain_settings
+from .graph_module import (_restore_dropped, mark_stacked_away, module_signature, original_order, plain_settings,
+                           restore_order)
 from .plan import attr_tensor
 from .registry import FUSIONS, select_fusions
 from .replay import CudaGraphReplayModule
@@ -254,6 +255,10 @@ def _run(model, example_inputs, fusions, stack_parameters: bool = True) -> tuple
                 if k and type(m).forward is not nn.Module.forward
                 and (not type(m).__module__.startswith("torch.nn") or isinstance(m, nn.Sequential))}
         gm = _finish_module(gm, report, kept, facts.get("shared", ()), absorbed)
+        if isinstance(model, nn.Module):
+            # parameters() in the original's order, not the forward's (`restore_order`)
+            gm.__dict__["_recfuse_order"] = original_order(model)
+            restore_order(gm)
         kept = None  # the per-slice copies fusion pruned are freed now, not walked by the collection that
         # turning the collector back on starts
     report.seconds = time.perf_counter() - t0
@@ -349,9 +354,13 @@ def _replaying(gm: GraphModule) -> GraphModule:
     inlined = getattr(gm, "_recfuse_inlined", None)
     if inlined:
         replay._recfuse_inlined = inlined
+    order = gm.__dict__.get("_recfuse_order")
+    if order:
+        replay.__dict__["_recfuse_order"] = order
     settings = settings or inlined
     if stacked or absorbed or settings:
         mark_stacked_away(replay)
+    restore_order(replay)
     return replay
 
 
