@@ -158,3 +158,48 @@ def forced_backward(gy, args, case, stats, chain, **knobs):
     with configs.override(backward=forced), launch.trace_launches() as seen:
         grads = launch.backward(gy, *args, case.eps, case.feature_dim, stats, chain=chain)
     return grads, [m for kind, _, m, _ in seen if kind == "backward"][0]
+
+
+BACKWARD_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+
+
+def chain_backward_inputs(case: Case, dtype, chain, seed: int, device: str = "cpu"):
+    """(args, grad_y) for a backward-kernel comparison: the case's x and parameters in `dtype` on
+    `device` (no LayerNorm bias for RMSNorm), grad_y zeroed where the float64 z is within 1e-3 of a
+    relu kink (there rounding decides the mask on any path)."""
+    x, w, b, lw, lb, gy = [None if t is None else t.to(device)
+                           for t in make_inputs(case, generator=torch.Generator().manual_seed(seed))]
+    if chain.norm == "rms_norm":
+        lb = None
+    args = [None if t is None else t.to(dtype) for t in (x, w, b, lw, lb)]
+    gy = gy.to(dtype)
+    x64, w64, b64, lw64, lb64 = (None if t is None else t.double() for t in args)
+    if chain.out_activation == "relu":
+        z = recfuse.reference.feature_mlp(x64, w64, b64, ln_weight=lw64, ln_bias=lb64, eps=case.eps,
+                                          feature_dim=case.feature_dim, norm=chain.norm,
+                                          activation=chain.activation, out_activation=None)
+        gy = gy.masked_fill(z.abs() < 1e-3, 0)
+    return args, gy
+
+
+def assert_backward_close(grads, baseline, gy, args, case: Case, chain, dtype, same_bits: bool = False) -> None:
+    """`grads` against float64 (the composite backward): fp32 within `BACKWARD_TOLERANCE`, 16-bit no
+    worse than `baseline` (another kernel path's gradients) by more than a rounding's worth; with
+    `same_bits`, every gradient but the weight's equal to the baseline's."""
+    from recfuse.ops.composite import composite_backward
+
+    reference = composite_backward(gy.double(), *[None if t is None else t.double() for t in args], case.eps,
+                                   case.feature_dim, chain)
+    tol = BACKWARD_TOLERANCE[dtype]
+    for name, g, gb, r in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), grads, baseline, reference):
+        if r is None or not g.numel():
+            continue
+        assert g.shape == r.shape and g.dtype == gb.dtype and g.device == gb.device, name
+        scale = r.norm().clamp_min(1e-12)
+        err = ((g.double() - r).norm() / scale).item()
+        bound = tol if dtype == torch.float32 else max(tol, 1.5 * ((gb.double() - r).norm() / scale).item())
+        assert err < bound, f"{name}: {err:.2e} >= {bound:.1e}"
+        if dtype == torch.float32:
+            assert ((g.double() - gb.double()).norm() / scale).item() < 1e-5, name
+        if same_bits and name != "weight":
+            assert torch.equal(g, gb), name

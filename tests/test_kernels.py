@@ -11,7 +11,8 @@ import triton.language as tl
 
 import recfuse
 from recfuse.ops import configs, launch
-from op_cases import Case, check_against_float64, check_nan_parity, forced_backward, make_inputs, run_op
+from op_cases import (Case, assert_backward_close, chain_backward_inputs, check_against_float64, check_nan_parity,
+                      forced_backward, make_inputs, run_op)
 from recfuse.chain import DEFAULT as DEFAULT_CHAIN, chain_of
 from recfuse.ops.composite import composite_backward
 
@@ -332,17 +333,7 @@ def test_k_chunked_backward_matches_float64_and_the_whole_row_kernel(case, dtype
     # and the whole-row kernel (same numbers up to summation order), with the forward's row
     # statistics and with its own.
     chain = chain or DEFAULT_CHAIN
-    x, w, b, lw, lb, gy = make_inputs(case, generator=torch.Generator().manual_seed(1))
-    if chain.norm == "rms_norm":
-        lb = None
-    args = [None if t is None else t.to(dtype) for t in (x, w, b, lw, lb)]
-    gy = gy.to(dtype)
-    x64, w64, b64, lw64, lb64 = (None if t is None else t.double() for t in args)
-    z = recfuse.reference.feature_mlp(x64, w64, b64, ln_weight=lw64, ln_bias=lb64, eps=case.eps,
-                                      feature_dim=case.feature_dim, norm=chain.norm, activation=chain.activation,
-                                      out_activation=None)
-    if chain.out_activation == "relu":  # relu ties: rounding decides the mask on any path
-        gy = gy.masked_fill(z.abs() < 1e-3, 0)
+    args, gy = chain_backward_inputs(case, dtype, chain, seed=1)
     stats = None
     if saved_stats:
         stats = launch.forward(*args, case.eps, case.feature_dim, save_stats=True, chain=chain)[1]
@@ -355,20 +346,7 @@ def test_k_chunked_backward_matches_float64_and_the_whole_row_kernel(case, dtype
     whole, whole_meta = run(0)
     assert meta["BLOCK_K"] == 16 and "BLOCK_K" not in whole_meta
     assert meta["LOAD_STATS"] == (saved_stats and chain.norm is not None)
-    reference = composite_backward(gy.double(), *[None if t is None else t.double() for t in args], case.eps,
-                                   case.feature_dim, chain)
-    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}[dtype]
-    for name, g, gw, r in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), chunked, whole, reference):
-        if r is None or not g.numel():
-            continue
-        assert g.shape == r.shape and g.dtype == gw.dtype
-        scale = r.norm().clamp_min(1e-12)
-        err = ((g.double() - r).norm() / scale).item()
-        # 16-bit: no worse than the whole-row kernel by more than a rounding's worth
-        bound = tol if dtype == torch.float32 else max(tol, 1.5 * ((gw.double() - r).norm() / scale).item())
-        assert err < bound, f"{name}: {err:.2e} >= {bound:.1e}"
-        if dtype == torch.float32:
-            assert ((g.double() - gw.double()).norm() / scale).item() < 1e-5, name
+    assert_backward_close(chunked, whole, gy, args, case, chain, dtype)
 
 
 @pytest.mark.parametrize("case, dtype, block_k, persistent", [
