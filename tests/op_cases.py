@@ -5,12 +5,15 @@ matrix of cases runs on every path.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 import recfuse
+from recfuse.chain import chain_of
 from recfuse.ops import configs, launch
 
 # ||out - ref|| / ||ref|| bounds from the design notes.
@@ -203,3 +206,27 @@ def assert_backward_close(grads, baseline, gy, args, case: Case, chain, dtype, s
             assert ((g.double() - gb.double()).norm() / scale).item() < 1e-5, name
         if same_bits and name != "weight":
             assert torch.equal(g, gb), name
+
+
+def with_rows(case: Case, rows: int) -> Case:
+    """`case` with `rows` more rows (a GPU run: many row tiles per program, padded last tiles)."""
+    return dataclasses.replace(case, B=case.B + rows)
+
+
+# The device parameter of tests that run a kernel path under the interpreter and on a GPU.
+INTERPRETER_AND_CUDA = [
+    pytest.param("cpu", id="interpreter", marks=pytest.mark.interpret),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+]
+
+BACKWARD_PATH_CASES = [
+    # (case, dtype, chain) for the backward's kernel paths: masked D and rows, several row tiles per
+    # program, fp32 split-bf16 and 16-bit dots, fp16's fp32 operands, other chains.
+    (Case(1, 64, 64, 16, ln="per_feature", bias="per_feature"), torch.float32, None),
+    (Case(2, 37, 48, 8, feature_dim=1, strided_view=True, per_feature_weight=True, ln="shared"), torch.float32, None),
+    (Case(2, 40, 40, 5, ln="none", bias="none", eps=0.0), torch.bfloat16, None),
+    (Case(2, 33, 32, 20, ln="per_feature"), torch.float16, None),
+    (Case(2, 24, 64, 6, feature_dim=1, ln="per_feature"), torch.float32, chain_of("layer_norm", "gelu", "tanh")),
+    (Case(1, 48, 32, 12, ln="none"), torch.float32, chain_of("rms_norm", "silu", None)),
+    (Case(2, 20, 32, 6, ln="none"), torch.bfloat16, chain_of(None, "sigmoid", "relu")),
+]

@@ -11,7 +11,7 @@ import triton.language as tl
 
 import recfuse
 from recfuse.ops import configs, launch
-from op_cases import (Case, assert_backward_close, chain_backward_inputs, check_against_float64, check_nan_parity,
+from op_cases import (BACKWARD_PATH_CASES, Case, assert_backward_close, chain_backward_inputs, check_against_float64, check_nan_parity,
                       forced_backward, make_inputs, run_op)
 from recfuse.chain import DEFAULT as DEFAULT_CHAIN, chain_of
 from recfuse.ops.composite import composite_backward
@@ -312,17 +312,7 @@ def test_fp32_backward_dots_on_split_bf16_operands(case, fp32_dots, tol):
         assert err < tol, f"{name}: {err:.2e}"
 
 
-CHUNKED_BWD_CASES = [
-    # (case, dtype, chain): masked D and rows, several row tiles per program (the partial row is
-    # read back and added), fp32 split-bf16 and 16-bit dots, fp16's fp32 operands, other chains.
-    (Case(1, 64, 64, 16, ln="per_feature", bias="per_feature"), torch.float32, None),
-    (Case(2, 37, 48, 8, feature_dim=1, strided_view=True, per_feature_weight=True, ln="shared"), torch.float32, None),
-    (Case(2, 40, 40, 5, ln="none", bias="none", eps=0.0), torch.bfloat16, None),
-    (Case(2, 33, 32, 20, ln="per_feature"), torch.float16, None),
-    (Case(2, 24, 64, 6, feature_dim=1, ln="per_feature"), torch.float32, chain_of("layer_norm", "gelu", "tanh")),
-    (Case(1, 48, 32, 12, ln="none"), torch.float32, chain_of("rms_norm", "silu", None)),
-    (Case(2, 20, 32, 6, ln="none"), torch.bfloat16, chain_of(None, "sigmoid", "relu")),
-]
+CHUNKED_BWD_CASES = BACKWARD_PATH_CASES
 
 
 @pytest.mark.parametrize("saved_stats", [True, False], ids=["saved-stats", "recomputed-stats"])

@@ -8,12 +8,10 @@ import torch
 
 from recfuse.chain import DEFAULT as DEFAULT_CHAIN, chain_of
 from recfuse.ops import configs, launch
-from op_cases import Case, assert_backward_close, chain_backward_inputs, forced_backward, make_inputs
+from op_cases import (INTERPRETER_AND_CUDA, Case, assert_backward_close, chain_backward_inputs, forced_backward,
+                      make_inputs, with_rows)
 
-DEVICES = [
-    pytest.param("cpu", id="interpreter", marks=pytest.mark.interpret),
-    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
-]
+DEVICES = INTERPRETER_AND_CUDA
 
 CASES = [
     (Case(2, 37, 160, 1, ln="per_feature", bias="per_feature"), torch.float32, None),
@@ -31,8 +29,7 @@ CASES = [
 def test_two_part_rows_match_float64_and_the_whole_row_kernel(case, dtype, chain, device):
     chain = chain or DEFAULT_CHAIN
     if device == "cuda":
-        case = Case(case.F, 1000 + case.B, case.D, case.H, **{
-            k: getattr(case, k) for k in ("feature_dim", "strided_view", "per_feature_weight", "bias", "ln", "eps")})
+        case = with_rows(case, 1000)
     args, gy = chain_backward_inputs(case, dtype, chain, seed=6, device=device)
     stats = launch.forward(*args, case.eps, case.feature_dim, save_stats=True, chain=chain)[1]
     knobs = dict(use_dot=False, block_b=8, num_warps=2, programs_per_sm=1, unroll_h=0)

@@ -12,33 +12,20 @@ import torch
 from recfuse.chain import DEFAULT as DEFAULT_CHAIN, chain_of
 from recfuse.ops import configs, launch
 from recfuse.ops.composite import composite_backward
-from op_cases import Case, assert_backward_close, chain_backward_inputs, forced_backward, make_inputs
+from op_cases import (BACKWARD_PATH_CASES, INTERPRETER_AND_CUDA, Case, assert_backward_close,
+                      chain_backward_inputs, forced_backward, make_inputs, with_rows)
 
-DEVICES = [
-    pytest.param("cpu", id="interpreter", marks=pytest.mark.interpret),
-    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
-]
+DEVICES = INTERPRETER_AND_CUDA
 
-CASES = [
-    # (case, dtype, chain): masked D (40, 48) and rows, per-feature and shared weights, fp32 split
-    # into bf16 parts, 16-bit dots, fp16's fp32 operands, other chains (no norm, RMSNorm, a
-    # non-relu out-activation whose dz is not grad_y's values: an fp32 dz buffer).
-    (Case(1, 64, 64, 16, ln="per_feature", bias="per_feature"), torch.float32, None),
-    (Case(2, 37, 48, 8, feature_dim=1, strided_view=True, per_feature_weight=True, ln="shared"), torch.float32, None),
-    (Case(2, 40, 40, 5, ln="none", bias="none", eps=0.0), torch.bfloat16, None),
-    (Case(2, 33, 32, 20, ln="per_feature"), torch.float16, None),
-    (Case(2, 24, 64, 6, feature_dim=1, ln="per_feature"), torch.float32, chain_of("layer_norm", "gelu", "tanh")),
-    (Case(1, 48, 32, 12, ln="none"), torch.float32, chain_of("rms_norm", "silu", None)),
-    (Case(2, 20, 32, 6, ln="none"), torch.bfloat16, chain_of(None, "sigmoid", "relu")),
+CASES = BACKWARD_PATH_CASES + [
+    # (case, dtype, chain): H = 17 past a 16-wide block; a non-relu out-activation (an fp32 dz buffer)
     (Case(2, 50, 64, 17, feature_dim=1, ln="per_feature", bias="per_feature"), torch.bfloat16, None),
     (Case(1, 64, 40, 16, ln="shared", per_feature_weight=True), torch.float32, chain_of("layer_norm", "tanh", "gelu")),
 ]
 
 
 def _scaled(case: Case, device: str) -> Case:
-    # On the GPU: rows enough for many tiles per program, and padded rows (B not a multiple of 64).
-    return case if device == "cpu" else Case(case.F, 1000 + case.B, case.D, case.H, **{
-        k: getattr(case, k) for k in ("feature_dim", "strided_view", "per_feature_weight", "bias", "ln", "eps")})
+    return case if device == "cpu" else with_rows(case, 1000)
 
 
 def _inputs(case: Case, device: str, seed: int):
