@@ -184,7 +184,10 @@ def main(argv=None) -> int:
     # the forward launches with Triton's default num_stages (3), the backward with its config's
     kernel = compile_offline(plan.launcher.jit_fn, kernel_args, plan.meta, cfg.num_warps,
                              getattr(cfg, "num_stages", 3), args.arch)
-    report = sass_report(kernel, cfg.block_b * cfg.block_d / (32 * cfg.num_warps))
+    # elements of a row tile a thread handles: the real D where the kernel walks no padded columns
+    # (the chunked row forward, the two-part row backward), BLOCK_D's padded lanes elsewhere
+    real_d = plan.meta.get("BLOCK_K", cfg.block_d) < cfg.block_d if args.kind == "forward" else "BLOCK_D2" in plan.meta
+    report = sass_report(kernel, cfg.block_b * (args.D if real_d else cfg.block_d) / (32 * cfg.num_warps))
     # bytes of traffic an element of x: x read (forward), x read and dx written (backward); y and
     # grad_y add H / D of that
     itemsize = dtype.itemsize * (1 if args.kind == "forward" else 2) * (1 + args.H / args.D)
