@@ -475,8 +475,8 @@ class BackwardPlan:
         tensors = (grad_y, x, weight, bias if bias is not None else weight, lnw, lnb, dx, partial, stats, dz)
         reduce_tensors = (partial, gw, gb if bias is not None else gw, glw if ln_weight is not None else gw,
                           glb if ln_bias is not None else gw)
-        weight_tensors = (x, dz, stats, lnw, lnb, partial)
         split = self.weight_meta is not None
+        weight_tensors = (x, dz, stats, lnw, lnb, partial) if split else None
         if self.bound is not None and self.bound_reduce is not None and (self.bound_weight is not None or not split):
             self.bound(*tensors)
             if split:
