@@ -147,3 +147,29 @@ def test_the_environment_variable_takes_a_table_files_path(monkeypatch, fresh_co
                 configs.table_slug(0)
     finally:
         configs.load_table.cache_clear()
+
+
+@pytest.mark.parametrize("kind, D, H, dtype, knobs", [
+    # the split backward's weight-gradient kernel: columns a chunk and rows a tile
+    ("backward", 96, 16, torch.float32, dict(use_dot=True, block_k=0, block_b=16, split_dw=48, dw_block_b=16)),
+    ("backward", 96, 16, torch.float32, dict(use_dot=True, block_k=0, block_b=16, split_dw=32, dw_block_b=24)),
+    ("backward", 160, 1, torch.float32, dict(use_dot=False, row_parts=1, block_b=24)),
+    ("forward", 160, 1, torch.bfloat16, dict(use_dot=False, block_k=32, block_b=24)),
+])
+def test_an_entry_whose_tiles_are_not_powers_of_two_does_not_fit(kind, D, H, dtype, knobs):
+    # They are tl.arange ranges: such a config fitted and its launch failed to build (the split
+    # weight-gradient kernel's split_dw=48 / dw_block_b=24, found by test_kernel_paths_property.py).
+    # A table entry of them is ignored; the nearest powers of two fit.
+    if kind == "forward":
+        cfg = configs.heuristic_forward(D, H, dtype, False, **knobs)
+        fits, pow2 = configs.forward_fits, dict(knobs, block_b=16)
+        ok = configs.heuristic_forward(D, H, dtype, False, **pow2)
+    else:
+        cfg = configs.heuristic_backward(D, H, dtype, **knobs)
+        fits = configs.backward_fits
+        pow2 = {k: (1 << (v.bit_length() - 1) if k in ("block_b", "split_dw", "dw_block_b") else v)
+                for k, v in knobs.items()}
+        ok = configs.heuristic_backward(D, H, dtype, **pow2)
+    assert not fits(cfg, D, H) and fits(ok, D, H)
+    assert configs.config_from_entry(kind, configs.config_to_entry(cfg), D, H, dtype, kind == "backward") is None
+    assert configs.config_from_entry(kind, configs.config_to_entry(ok), D, H, dtype, kind == "backward") == ok

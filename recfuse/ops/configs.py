@@ -703,8 +703,13 @@ def _nearest_entry(table: dict, kind: str, D: int, H: int, dtype_name: str, full
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 def forward_fits(cfg: ForwardConfig, D: int, H: int) -> bool:
-    if cfg.block_b < 1 or cfg.num_warps not in (1, 2, 4, 8, 16):
+    # Row tiles are tl.arange ranges: powers of two (block_d and block_h follow from the shape).
+    if not _power_of_two(cfg.block_b) or cfg.num_warps not in (1, 2, 4, 8, 16):
         return False
     if cfg.use_dot:
         if cfg.block_d < 16 or cfg.block_b < 16:
@@ -718,13 +723,16 @@ def forward_fits(cfg: ForwardConfig, D: int, H: int) -> bool:
 
 
 def backward_fits(cfg: BackwardConfig, D: int, H: int) -> bool:
-    if cfg.block_b < 1 or cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.programs_per_sm < 1:
+    if not _power_of_two(cfg.block_b) or cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.programs_per_sm < 1:
         return False
     if cfg.use_dot:
         if cfg.block_k and (cfg.block_k < 16 or cfg.block_k >= cfg.block_d or cfg.block_d % cfg.block_k):
             return False
+        # The weight-gradient kernel's column chunk and row tile are tl.arange ranges: powers of two
+        # (split_dw=48 and dw_block_b=24 were accepted, and its launch failed to build).
         if cfg.split_dw and (cfg.block_k or cfg.split_dw < 16 or cfg.split_dw > cfg.block_d
-                             or cfg.dw_block_b < 16 or cfg.dw_num_warps not in (1, 2, 4, 8)):
+                             or not _power_of_two(cfg.split_dw) or cfg.dw_block_b < 16
+                             or not _power_of_two(cfg.dw_block_b) or cfg.dw_num_warps not in (1, 2, 4, 8)):
             return False
         return cfg.block_d >= 16 and cfg.block_b >= 16 and (
             cfg.block_k > 0 or cfg.block_h * cfg.block_d <= 2 * BWD_MAX_WEIGHT_TILE)
