@@ -16,10 +16,12 @@ composite backward (16-bit: or no worse than 1.5x the composite backward run in 
 
 Interpreter only (``make test-interpret``). Few derandomized examples a path by default, sizes
 drawn within a budget of row tiles (the interpreter's cost is per program and per tile), plus
-explicit examples of the largest shapes; ``RECFUSE_PATH_PROPERTY_EXAMPLES=N`` draws N a path.
+explicit examples of the largest shapes: 40-70 s for the file on 2 cores.
+``RECFUSE_PATH_PROPERTY_EXAMPLES=N`` draws N a path (200 a path: ~8 minutes).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -30,7 +32,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import recfuse
-from recfuse.chain import DEFAULT as DEFAULT_CHAIN, chain_of
+from recfuse.chain import DEFAULT as DEFAULT_CHAIN, Chain, chain_of
 from recfuse.ops import configs, launch
 from recfuse.ops.composite import composite_backward
 from op_cases import TOLERANCE, Case, assert_backward_close, make_inputs, rel_err, run_op
@@ -63,11 +65,24 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 RELU_TIE = 1e-3
 
 
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """One drawn problem: the case's shapes and parameter forms, the chain, the dtype, the seed of
+    its tensors, and with ``d_outer`` x read through strides with D outermost (a [D, ...] buffer
+    permuted: stride_x_d != 1)."""
+
+    case: Case
+    chain: Chain
+    dtype: torch.dtype
+    seed: int
+    d_outer: bool = False
+
+
 @st.composite
 def cases(draw, D, H):
-    """(Case, chain, dtype, seed): F 1-3, B 1-70 (1 and tile remainders), the given D and H
-    strategies, either layout (feature_dim 1 with or without a [B, F*D] view), per-feature or
-    shared weight, bias and norm affine, or none."""
+    """`Inputs`: F 1-3, B 1-70 (1 and tile remainders), the given D and H strategies, either
+    layout (feature_dim 1 with or without a [B, F*D] view; D innermost or outermost), per-feature
+    or shared weight, bias and norm affine, or none, eps 0 or 1e-5, fp32 / bf16 / fp16, a chain."""
     chain = draw(st.sampled_from(CHAINS))
     feature_dim = draw(st.sampled_from([0, 1]))
     case = Case(
@@ -82,14 +97,19 @@ def cases(draw, D, H):
         eps=draw(st.sampled_from([0.0, 1e-5])),
         strided_view=feature_dim == 1 and draw(st.booleans()),
     )
-    return case, chain, draw(st.sampled_from(DTYPES)), draw(st.integers(0, 2 ** 16))
+    dtype = draw(st.sampled_from(DTYPES))
+    d_outer = not case.strided_view and draw(st.sampled_from([False, False, True]))
+    return Inputs(case, chain, dtype, draw(st.integers(0, 2 ** 16)), d_outer)
 
 
-def path_inputs(case: Case, dtype, chain, seed: int):
+def path_inputs(inp: Inputs):
     """(args in dtype: x, weight, bias, ln_weight, ln_bias; grad_y in dtype). RMSNorm has no
     affine bias; all-closed relus (tiny cases) are opened by negating the linear layer; grad_y is
     zeroed where the float64 z (of the dtype-rounded inputs) is within `RELU_TIE` of the kink."""
-    x, w, b, lw, lb, gy = make_inputs(case, generator=torch.Generator().manual_seed(seed))
+    case, chain, dtype = inp.case, inp.chain, inp.dtype
+    x, w, b, lw, lb, gy = make_inputs(case, generator=torch.Generator().manual_seed(inp.seed))
+    if inp.d_outer:
+        x = x.permute(2, 0, 1).contiguous().permute(1, 2, 0)  # casts and leaves keep these strides
     if chain.norm == "rms_norm":
         lb = None
     args = [None if t is None else t.to(dtype) for t in (x, w, b, lw, lb)]
@@ -111,10 +131,12 @@ def _reference(args, case: Case, chain):
                                          out_activation=chain.out_activation)
 
 
-def check_forced(case: Case, dtype, chain, seed: int, forward=None, backward=None):
+def check_forced(inp: Inputs, forward=None, backward=None):
     """The op's forward and backward with `forward` / `backward` forced, against float64; returns
     the forward's and the backward's launch meta."""
-    args, gy = path_inputs(case, dtype, chain, seed)
+    case, chain, dtype = inp.case, inp.chain, inp.dtype
+    args, gy = path_inputs(inp)
+    assert (args[0].stride(2) != 1) == (inp.d_outer and case.B * case.F > 1)
     tensors = tuple(None if t is None else t.double() for t in args) + (gy.double(),)
     op = functools.partial(recfuse.feature_mlp, norm=chain.norm, activation=chain.activation,
                            out_activation=chain.out_activation)
@@ -134,8 +156,8 @@ def check_forced(case: Case, dtype, chain, seed: int, forward=None, backward=Non
     return metas["forward"], metas["backward"]
 
 
-def _describe(case, chain, dtype, knobs):
-    return f"{case} {dtype} {chain.describe()} {knobs}"
+def _describe(inp: Inputs, knobs):
+    return f"{inp.case}{'-d_outer' if inp.d_outer else ''} {inp.dtype} {inp.chain.describe()} {knobs}"
 
 
 def _pow2_floor(n: int) -> int:
@@ -150,7 +172,8 @@ SPLIT_D = st.sampled_from([16, 24, 32, 40, 48, 64, 80, 96, 128, 160])
 
 @st.composite
 def split_draws(draw):
-    case, chain, dtype, seed = draw(cases(SPLIT_D, st.integers(8, 40)))
+    inp = draw(cases(SPLIT_D, st.integers(8, 40)))
+    case, dtype = inp.case, inp.dtype
     block_d = triton.next_power_of_2(case.D)
     knobs = dict(
         use_dot=True, block_k=0,
@@ -167,7 +190,7 @@ def split_draws(draw):
     )
     if dtype == torch.float32:
         knobs["fp32_dots"] = draw(st.sampled_from(["bf16x6", "bf16x6z3", "ieee"]))
-    return case, chain, dtype, seed, knobs
+    return inp, knobs
 
 
 _SPLIT = dict(use_dot=True, block_k=0, block_b=16, num_warps=4, programs_per_sm=2, prefetch=0, loop_stages=0,
@@ -177,17 +200,19 @@ _SPLIT = dict(use_dot=True, block_k=0, block_b=16, num_warps=4, programs_per_sm=
 @_settings(16)
 @given(draw=split_draws())
 # the largest shapes, several row tiles a program, a masked column chunk (160 = 5 x 32 of 256)
-@example(draw=(Case(3, 70, 160, 40, feature_dim=1, strided_view=True, per_feature_weight=True, bias="per_feature",
-                    ln="per_feature"), DEFAULT_CHAIN, torch.bfloat16, 1, dict(_SPLIT, prefetch=1)))
-@example(draw=(Case(2, 63, 96, 33, ln="shared", eps=0.0), chain_of("layer_norm", "gelu", "tanh"), torch.float16, 2,
-               dict(_SPLIT, split_dw=64, dw_block_b=32, loop_stages=3)))
-@example(draw=(Case(3, 1, 40, 8, feature_dim=1, ln="none", bias="none"), chain_of("rms_norm", "silu", None),
-               torch.float32, 3, dict(_SPLIT, split_dw=16, dw_block_b=64, programs_per_sm=1)))
+@example(draw=(Inputs(Case(3, 70, 160, 40, feature_dim=1, strided_view=True, per_feature_weight=True,
+                           bias="per_feature", ln="per_feature"), DEFAULT_CHAIN, torch.bfloat16, 1),
+               dict(_SPLIT, prefetch=1)))
+@example(draw=(Inputs(Case(2, 63, 96, 33, ln="shared", eps=0.0), chain_of("layer_norm", "gelu", "tanh"), torch.float16,
+                      2, d_outer=True), dict(_SPLIT, split_dw=64, dw_block_b=32, loop_stages=3)))
+@example(draw=(Inputs(Case(3, 1, 40, 8, feature_dim=1, ln="none", bias="none"), chain_of("rms_norm", "silu", None),
+                      torch.float32, 3), dict(_SPLIT, split_dw=16, dw_block_b=64, programs_per_sm=1)))
 # widths that are not powers of two: `configs.backward_fits` accepted them, and the weight-gradient
 # kernel could not be built (tl.arange of 48 columns / 24 rows)
-@example(draw=(Case(2, 37, 96, 16), DEFAULT_CHAIN, torch.float32, 4, dict(_SPLIT, split_dw=48, dw_block_b=24)))
+@example(draw=(Inputs(Case(2, 37, 96, 16), DEFAULT_CHAIN, torch.float32, 4), dict(_SPLIT, split_dw=48, dw_block_b=24)))
 def test_split_weight_gradient_backward(draw):
-    case, chain, dtype, seed, knobs = draw
+    inp, knobs = draw
+    case, dtype = inp.case, inp.dtype
     cfg = configs.heuristic_backward(case.D, case.H, dtype, **knobs)
     if not configs.backward_fits(cfg, case.D, case.H):
         # Only widths and tiles that are not powers of two: refused, and so is a table entry of
@@ -197,8 +222,8 @@ def test_split_weight_gradient_backward(draw):
         knobs = dict(knobs, split_dw=_pow2_floor(cfg.split_dw), dw_block_b=_pow2_floor(cfg.dw_block_b))
         cfg = configs.heuristic_backward(case.D, case.H, dtype, **knobs)
         assert configs.backward_fits(cfg, case.D, case.H), cfg
-    what = _describe(case, chain, dtype, knobs)
-    _, meta = check_forced(case, dtype, chain, seed, backward=cfg)
+    what = _describe(inp, knobs)
+    _, meta = check_forced(inp, backward=cfg)
     assert meta["USE_DOT"] and meta.get("DZ_OUT") and "BLOCK_K" not in meta and "BLOCK_D2" not in meta, what
     assert meta["BLOCK_B"] == cfg.block_b and meta["BLOCK_H"] == configs.dot_block_h(case.H), what
 
@@ -213,7 +238,8 @@ TILE_CHUNK_BUDGET = 240
 
 @st.composite
 def chunked_forward_draws(draw):
-    case, chain, dtype, seed = draw(cases(CHUNKED_D, st.integers(1, 4)))
+    inp = draw(cases(CHUNKED_D, st.integers(1, 4)))
+    case = inp.case
     block_d = triton.next_power_of_2(case.D)
     # power-of-two chunk widths that divide D (a whole number of chunks), narrower than the
     # padded row, at most 20 chunks (the interpreter unrolls them)
@@ -229,7 +255,7 @@ def chunked_forward_draws(draw):
         persistent=persistent,
         tile_stages=draw(st.sampled_from([1, 2, 3])) if persistent else 1,
     )
-    return case, chain, dtype, seed, knobs
+    return inp, knobs
 
 
 _CHUNKED = dict(use_dot=False, unroll_h=0, num_warps=2, persistent=0, tile_stages=1)
@@ -237,20 +263,21 @@ _CHUNKED = dict(use_dot=False, unroll_h=0, num_warps=2, persistent=0, tile_stage
 
 @_settings(16)
 @given(draw=chunked_forward_draws())
-@example(draw=(Case(3, 70, 160, 1, feature_dim=1, strided_view=True, per_feature_weight=True, bias="per_feature",
-                    ln="per_feature"), DEFAULT_CHAIN, torch.bfloat16, 1,
+@example(draw=(Inputs(Case(3, 70, 160, 1, feature_dim=1, strided_view=True, per_feature_weight=True,
+                           bias="per_feature", ln="per_feature"), DEFAULT_CHAIN, torch.bfloat16, 1),
                dict(_CHUNKED, block_h=1, block_k=32, block_b=16, persistent=2, tile_stages=3)))
-@example(draw=(Case(2, 61, 24, 3, ln="shared", eps=0.0), chain_of("rms_norm", "silu", None), torch.float16, 2,
-               dict(_CHUNKED, block_h=4, block_k=8, block_b=8)))
-@example(draw=(Case(2, 1, 48, 2, feature_dim=1, ln="none"), chain_of(None, "sigmoid", "relu"), torch.float32, 3,
-               dict(_CHUNKED, block_h=2, block_k=16, block_b=4, persistent=1, tile_stages=2)))
+@example(draw=(Inputs(Case(2, 61, 24, 3, ln="shared", eps=0.0), chain_of("rms_norm", "silu", None), torch.float16, 2,
+                      d_outer=True), dict(_CHUNKED, block_h=4, block_k=8, block_b=8)))
+@example(draw=(Inputs(Case(2, 1, 48, 2, feature_dim=1, ln="none"), chain_of(None, "sigmoid", "relu"), torch.float32,
+                      3), dict(_CHUNKED, block_h=2, block_k=16, block_b=4, persistent=1, tile_stages=2)))
 def test_chunked_row_forward(draw):
-    case, chain, dtype, seed, knobs = draw
+    inp, knobs = draw
+    case, chain, dtype = inp.case, inp.chain, inp.dtype
     cfg = configs.heuristic_forward(case.D, case.H, dtype, False, **knobs)
     assert configs.forward_fits(cfg, case.D, case.H), cfg
-    what = _describe(case, chain, dtype, knobs)
+    what = _describe(inp, knobs)
     # the backward: the heuristic's own config, on the chunked forward's saved row stats
-    meta, bmeta = check_forced(case, dtype, chain, seed, forward=cfg)
+    meta, bmeta = check_forced(inp, forward=cfg)
     assert not meta["USE_DOT"] and meta["BLOCK_K"] == cfg.block_k and meta["K_CHUNKS"] == case.D // cfg.block_k, what
     assert meta["SAVE_STATS"] == (chain.norm is not None), what
     assert meta["PERSISTENT"] == (cfg.persistent > 0), what
@@ -265,16 +292,17 @@ def test_chunked_row_forward(draw):
 # (powers of two, 56 = 32 + 16 + 8): those take the whole-row kernel
 ROW_PARTS_D = st.sampled_from([24, 40, 48, 72, 80, 96, 136, 160, 192, 16, 56, 64])
 # row tiles x features of one backward
-TILE_BUDGET = 120
+ROW_TILE_BUDGET = 120
 
 
 @st.composite
 def row_parts_draws(draw):
-    case, chain, dtype, seed = draw(cases(ROW_PARTS_D, st.just(1)))
+    inp = draw(cases(ROW_PARTS_D, st.just(1)))
+    case = inp.case
     knobs = dict(
         use_dot=False, unroll_h=0, row_parts=1,
         block_b=draw(st.sampled_from([b for b in (1, 2, 4, 8, 16, 32)
-                                      if triton.cdiv(case.B, b) * case.F <= TILE_BUDGET])),
+                                      if triton.cdiv(case.B, b) * case.F <= ROW_TILE_BUDGET])),
         num_warps=draw(st.sampled_from([1, 2, 4])),
         programs_per_sm=draw(st.sampled_from([1, 2, 4])),
         loop_stages=draw(st.sampled_from([0, 2, 3])),
@@ -284,7 +312,7 @@ def row_parts_draws(draw):
     )
     # the forward whose stats it reads: the heuristic's (chunked rows where D allows) or whole rows
     whole_row_forward = draw(st.booleans())
-    return case, chain, dtype, seed, knobs, whole_row_forward
+    return inp, knobs, whole_row_forward
 
 
 _PARTS = dict(use_dot=False, unroll_h=0, row_parts=1, num_warps=1, programs_per_sm=2, loop_stages=3, prefetch=0,
@@ -293,21 +321,23 @@ _PARTS = dict(use_dot=False, unroll_h=0, row_parts=1, num_warps=1, programs_per_
 
 @_settings(16)
 @given(draw=row_parts_draws())
-@example(draw=(Case(3, 70, 160, 1, feature_dim=1, strided_view=True, per_feature_weight=True, bias="per_feature",
-                    ln="per_feature"), DEFAULT_CHAIN, torch.float32, 1, dict(_PARTS, block_b=4), False))
-@example(draw=(Case(2, 45, 24, 1, ln="shared", eps=0.0), chain_of("rms_norm", "silu", None), torch.bfloat16, 2,
-               dict(_PARTS, block_b=8, prefetch=1, col_sums=1), True))
-@example(draw=(Case(2, 1, 48, 1, feature_dim=1, ln="none", bias="none"), chain_of(None, "sigmoid", "relu"),
-               torch.float16, 3, dict(_PARTS, block_b=16), False))
+@example(draw=(Inputs(Case(3, 70, 160, 1, feature_dim=1, strided_view=True, per_feature_weight=True,
+                           bias="per_feature", ln="per_feature"), DEFAULT_CHAIN, torch.float32, 1),
+               dict(_PARTS, block_b=4), False))
+@example(draw=(Inputs(Case(2, 45, 24, 1, ln="shared", eps=0.0), chain_of("rms_norm", "silu", None), torch.bfloat16, 2,
+                      d_outer=True), dict(_PARTS, block_b=8, prefetch=1, col_sums=1), True))
+@example(draw=(Inputs(Case(2, 1, 48, 1, feature_dim=1, ln="none", bias="none"), chain_of(None, "sigmoid", "relu"),
+                      torch.float16, 3), dict(_PARTS, block_b=16), False))
 def test_two_part_row_backward(draw):
-    case, chain, dtype, seed, knobs, whole_row_forward = draw
+    inp, knobs, whole_row_forward = draw
+    case, chain, dtype = inp.case, inp.chain, inp.dtype
     cfg = configs.heuristic_backward(case.D, 1, dtype, **knobs)
     assert configs.backward_fits(cfg, case.D, 1), cfg
     forward = None
     if whole_row_forward:
         forward = lambda D, H, dt, full_tiles: configs.heuristic_forward(D, H, dt, full_tiles, block_k=0)  # noqa: E731
-    what = _describe(case, chain, dtype, dict(knobs, whole_row_forward=whole_row_forward))
-    fmeta, meta = check_forced(case, dtype, chain, seed, forward=forward, backward=cfg)
+    what = _describe(inp, dict(knobs, whole_row_forward=whole_row_forward))
+    fmeta, meta = check_forced(inp, forward=forward, backward=cfg)
     assert fmeta["SAVE_STATS"] == (chain.norm is not None), what
     assert (fmeta["BLOCK_K"] == fmeta["BLOCK_D"]) == (whole_row_forward or not configs.chunk_width(case.D, 32)
                                                       or case.D == fmeta["BLOCK_D"]), what
