@@ -122,7 +122,7 @@ def forward_call(t: dict, cfg, stats: bool = False):
 def backward_call(t: dict, cfg, stats):
     with configs.override(backward=cfg):
         plan = launch.backward_plan(t["gy"], t["x"], t["w"], t["b"], t["lw"], t["lb"], 1e-5, 1, stats)
-    load = stats if plan.meta["LOAD_STATS"] else None
+    load = stats if plan.reads_stats else None
     return lambda: plan(t["gy"], t["x"], t["w"], t["b"], t["lw"], t["lb"], load)
 
 

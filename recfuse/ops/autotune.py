@@ -232,7 +232,7 @@ def _call(kind: str, t: dict, cfg, stats) -> Callable[[], list]:
         plan = launch.backward_plan(t["gy"], t["x"], t["w"], t["b"], t["lw"], t["lb"], EPS, 1, stats)
     if plan is None:
         raise ValueError("no backward kernel plan for this config")
-    load = stats if plan.meta["LOAD_STATS"] else None
+    load = stats if plan.reads_stats else None
     return lambda: list(plan(t["gy"], t["x"], t["w"], t["b"], t["lw"], t["lb"], load))
 
 

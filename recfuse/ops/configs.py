@@ -100,6 +100,13 @@ class ForwardConfig(TileConfig):
     unroll_h: int = 0
 
 
+# Rows at least this wide save the relu mask for the tl.dot backward (`launch._relu_mask_words`):
+# on the H100 (fp32, H = 16/64, shipped configs, results/checks/ab_relu_mask_h100.json) the
+# backward reading it was 1.05-1.51x faster at D = 64-512, 0.90x at D = 32 (a z dot of K = 32 is
+# cheap beside the mask's dependent load).
+RELU_MASK_MIN_D = 64
+
+
 @dataclass(frozen=True)
 class BackwardConfig(TileConfig):
     """The backward kernel's config: how many programs share an SM, and the software pipelining

@@ -366,12 +366,16 @@ def _bias_act_store(z, bias, y_ptrs, ymask, HAS_BIAS: tl.constexpr, MASKED: tl.c
 
 
 @triton.jit
-def _store_linear_act(t, w, bias, y_ptrs, ymask, USE_DOT: tl.constexpr, BLOCK_H: tl.constexpr,
-                      PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, OUT_ACT: tl.constexpr,
-                      FAST_TANH: tl.constexpr):
-    """y = out_act(t @ w^T + bias) for one [rows, BLOCK_H] block, stored through `y_ptrs`."""
-    _bias_act_store(_row_linear(t, w, USE_DOT, BLOCK_H, PRECISION), bias, y_ptrs, ymask, HAS_BIAS, MASKED, OUT_ACT,
-                    FAST_TANH)
+def _output_store(z, bias, y_ptrs, ymask, STATS, stats_half, f, B, rows, rmask, hs, HAS_BIAS: tl.constexpr,
+                  MASKED: tl.constexpr, OUT_ACT: tl.constexpr, FAST_TANH: tl.constexpr, SAVE_MASK: tl.constexpr,
+                  EVEN_B: tl.constexpr, BLOCK_H: tl.constexpr):
+    """`_bias_act_store` of the forward's z, and with SAVE_MASK (relu) its mask for the backward."""
+    if SAVE_MASK:
+        zb = z
+        if HAS_BIAS:
+            zb = z + bias[None, :]
+        _store_relu_mask(zb, STATS, stats_half, f, B, rows, rmask, hs, EVEN_B, BLOCK_H)
+    _bias_act_store(z, bias, y_ptrs, ymask, HAS_BIAS, MASKED, OUT_ACT, FAST_TANH)
 
 
 @triton.jit
@@ -380,6 +384,31 @@ def _load_rows(ptrs, rmask, EVEN_B: tl.constexpr, EVICT: tl.constexpr):
     if EVEN_B:
         return tl.load(ptrs, eviction_policy=EVICT).to(tl.float32)
     return tl.load(ptrs, mask=rmask[:, None], other=0.0, eviction_policy=EVICT).to(tl.float32)
+
+
+@triton.jit
+def _store_relu_mask(z, STATS, stats_half, f, B, rows, rmask, hs, EVEN_B: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The relu mask of a [rows, BLOCK_H] tile of z (bias added) as bits: bit h % 32 of word h // 32
+    is z[:, h] > 0, word w stored (bitcast to fp32) in row-stats plane 2 + w ([2 + words, F, B]),
+    as the rows' mean and rstd are. The backward reads it instead of recomputing z
+    (`_load_relu_mask`). The bits of a word are distinct, so their int32 sum is their OR."""
+    bits = tl.where(z > 0, 1 << (hs % 32)[None, :], 0)
+    for w in tl.static_range(max(1, BLOCK_H // 32)):
+        word = tl.sum(tl.where((hs // 32 == w)[None, :], bits, 0), axis=1)
+        ptrs = STATS + (2 + w) * stats_half + f * B + rows
+        if EVEN_B:
+            tl.store(ptrs, word.to(tl.float32, bitcast=True))
+        else:
+            tl.store(ptrs, word.to(tl.float32, bitcast=True), mask=rmask)
+
+
+@triton.jit
+def _load_relu_mask(STATS, stats_half, f, B, rows64, rmask, hs, H):
+    """[rows, BLOCK_H] booleans: the forward's z > 0 (`_store_relu_mask`); False for padded rows
+    and columns (the forward's words may be fewer than this tile's BLOCK_H needs)."""
+    ptrs = STATS + (2 + hs // 32)[None, :] * stats_half + (f * B + rows64)[:, None]
+    words = tl.load(ptrs, mask=rmask[:, None] & (hs < H)[None, :], other=0.0).to(tl.int32, bitcast=True)
+    return ((words >> (hs % 32)[None, :]) & 1) != 0
 
 
 @triton.jit
@@ -472,7 +501,7 @@ def _forward_tile(
     FAST_TANH: tl.constexpr, SAVE_STATS: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr, W_LOADED: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_CHUNKS: tl.constexpr,
+    K_CHUNKS: tl.constexpr, SAVE_MASK: tl.constexpr,
 ):
     """One tile of BLOCK_B rows of feature f. W_LOADED: the caller holds the whole weight block
     (w1, bias1: H <= BLOCK_H); otherwise the weight is read block by block after the tanh."""
@@ -510,14 +539,15 @@ def _forward_tile(
         bias = tl.zeros([BLOCK_H], dtype=tl.float32)
         if HAS_BIAS:
             bias = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
-        _bias_act_store(z, bias, y_row[:, None] + hs[None, :], rmask[:, None] & hmask[None, :], HAS_BIAS, True,
-                        OUT_ACT, FAST_TANH)
+        _output_store(z, bias, y_row[:, None] + hs[None, :], rmask[:, None] & hmask[None, :], STATS, stats_half,
+                      f, B, rows, rmask, hs, HAS_BIAS, True, OUT_ACT, FAST_TANH, SAVE_MASK, EVEN_B, BLOCK_H)
     elif W_LOADED:
         hs = tl.arange(0, BLOCK_H)
         if USE_DOT:
             t = t.to(DOT_DTYPE)
-        _store_linear_act(t, w1, bias1, y_row[:, None] + hs[None, :], rmask[:, None] & (hs < H)[None, :],
-                          USE_DOT, BLOCK_H, DOT_PRECISION, HAS_BIAS, not (EVEN_B and BLOCK_H == 1), OUT_ACT, FAST_TANH)
+        _output_store(_row_linear(t, w1, USE_DOT, BLOCK_H, DOT_PRECISION), bias1, y_row[:, None] + hs[None, :],
+                      rmask[:, None] & (hs < H)[None, :], STATS, stats_half, f, B, rows, rmask, hs, HAS_BIAS,
+                      not (EVEN_B and BLOCK_H == 1), OUT_ACT, FAST_TANH, SAVE_MASK, EVEN_B, BLOCK_H)
     else:
         if USE_DOT:
             t = t.to(DOT_DTYPE)
@@ -534,9 +564,10 @@ def _forward_tile(
             bias = tl.zeros([BLOCK_H], dtype=tl.float32)
             if HAS_BIAS:
                 bias = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
-            _store_linear_act(t, w, bias, y_row[:, None] + hs[None, :], rmask[:, None] & hmask[None, :],
-                              USE_DOT, BLOCK_H, DOT_PRECISION, HAS_BIAS, not (EVEN_B and BLOCK_H == 1), OUT_ACT,
-                              FAST_TANH)
+            # SAVE_MASK needs H <= BLOCK_H: one block, h0 = 0.
+            _output_store(_row_linear(t, w, USE_DOT, BLOCK_H, DOT_PRECISION), bias, y_row[:, None] + hs[None, :],
+                          rmask[:, None] & hmask[None, :], STATS, stats_half, f, B, rows, rmask, hs, HAS_BIAS,
+                          not (EVEN_B and BLOCK_H == 1), OUT_ACT, FAST_TANH, SAVE_MASK, EVEN_B, BLOCK_H)
 
 
 @triton.jit
@@ -555,9 +586,11 @@ def ln_tanh_linear_relu_fwd(
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
     PERSISTENT: tl.constexpr, TILE_STAGES: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_CHUNKS: tl.constexpr,
+    K_CHUNKS: tl.constexpr, SAVE_MASK: tl.constexpr = False,
 ):
-    # STATS (SAVE_STATS, for a backward that follows): [2, F, B] fp32, mean then rstd.
+    # STATS (SAVE_STATS, for a backward that follows): [2, F, B] fp32, mean then rstd; with
+    # SAVE_MASK (relu, H <= BLOCK_H <= 64) also z's relu mask as bits in the planes after them
+    # (`_store_relu_mask`), so that the backward need not recompute z.
     # BLOCK_K < BLOCK_D (tl.dot path, D == K_CHUNKS * BLOCK_K, H <= BLOCK_H): the row tile is
     # normalised and multiplied BLOCK_K columns at a time (`_chunked_norm_act_linear`), the weight
     # read per chunk; a D that is not a power of two (160 = 5 x 32) then has no padded columns.
@@ -589,7 +622,7 @@ def ln_tanh_linear_relu_fwd(
                 stride_bias_f, stride_lnw_f, stride_lnb_f, stride_y_f, stride_y_b, eps,
                 HAS_BIAS, HAS_LNW, HAS_LNB, NORM, ACT, OUT_ACT, USE_DOT, DOT_DTYPE, DOT_PRECISION, FAST_TANH,
                 SAVE_STATS, EVEN_D, EVEN_B, X_EVICT, BLOCK_K == BLOCK_D, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K,
-                K_CHUNKS,
+                K_CHUNKS, SAVE_MASK,
             )
     else:
         _forward_tile(
@@ -597,7 +630,7 @@ def ln_tanh_linear_relu_fwd(
             stride_x_f, stride_x_b, stride_x_d, stride_w_f, stride_w_h,
             stride_bias_f, stride_lnw_f, stride_lnb_f, stride_y_f, stride_y_b, eps,
             HAS_BIAS, HAS_LNW, HAS_LNB, NORM, ACT, OUT_ACT, USE_DOT, DOT_DTYPE, DOT_PRECISION, FAST_TANH,
-            SAVE_STATS, EVEN_D, EVEN_B, X_EVICT, False, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K, K_CHUNKS,
+            SAVE_STATS, EVEN_D, EVEN_B, X_EVICT, False, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K, K_CHUNKS, SAVE_MASK,
         )
 
 
@@ -720,7 +753,7 @@ def ln_tanh_linear_relu_bwd(
     LOAD_STATS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PREFETCH: tl.constexpr = False,
     UNROLL_H: tl.constexpr = False, LOOP_STAGES: tl.constexpr = None, COL_SUMS: tl.constexpr = False,
-    DZ_OUT: tl.constexpr = False,
+    DZ_OUT: tl.constexpr = False, LOAD_MASK: tl.constexpr = False,
 ):
     # EVEN_B: every program's rows are all < B (B is a multiple of rows_per_program).
     # LOAD_STATS: STATS holds the forward's per-row mean and rstd ([2, F, B] fp32).
@@ -741,6 +774,8 @@ def ln_tanh_linear_relu_bwd(
     # grad_y's dtype where it is exactly that, else fp32) and, unless LOAD_STATS, the rows' mean
     # and rstd to STATS; `ln_tanh_linear_relu_bwd_weight` makes the weight gradient from them in
     # column chunks. The [H, D] accumulator and its dot leave this kernel's registers.
+    # LOAD_MASK (tl.dot path, relu): the forward's relu mask from STATS's planes after mean and
+    # rstd (`_load_relu_mask`) instead of z recomputed: no z dot, and t needs no parts for it.
     # PARTIAL row of this program: [H*D weight | H bias | D ln_weight | D ln_bias], fp32.
     pid_p = tl.program_id(0)
     f = tl.program_id(1).to(tl.int64)
@@ -761,10 +796,11 @@ def ln_tanh_linear_relu_bwd(
     # grad_y through relu (or no out-activation) is a 16-bit dz already.
     W_PARTS: tl.constexpr = 1 if W.dtype.element_ty == BWD_DOT_DTYPE else max(SPLIT_Z, SPLIT_DT)
     T_DW_PARTS: tl.constexpr = 1 if X.dtype.element_ty == BWD_DOT_DTYPE or DZ_OUT else SPLIT_DW
-    T_PARTS: tl.constexpr = max(SPLIT_Z if OUT_ACT != 0 else 1, T_DW_PARTS)
+    T_PARTS: tl.constexpr = max(SPLIT_Z if OUT_ACT != 0 and not LOAD_MASK else 1, T_DW_PARTS)
     DZ_EXACT: tl.constexpr = (OUT_ACT == 0 or OUT_ACT == 3) and GY.dtype.element_ty == BWD_DOT_DTYPE
     DZ_PARTS: tl.constexpr = 1 if DZ_EXACT else (SPLIT_DT if DZ_OUT else max(SPLIT_DT, SPLIT_DW))
-    STORE_STATS: tl.constexpr = DZ_OUT and NORM != 0 and not LOAD_STATS
+    # With LOAD_MASK STATS is the forward's (read-only here): the weight kernel reads its mean / rstd.
+    STORE_STATS: tl.constexpr = DZ_OUT and NORM != 0 and not LOAD_STATS and not LOAD_MASK
     w = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :],
                 mask=hmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
     if SPLIT16:
@@ -882,10 +918,12 @@ def ln_tanh_linear_relu_bwd(
         else:
             if SPLIT16:
                 t0, t1, t2 = _split16(t, BWD_DOT_DTYPE, T_PARTS)
-            # out_act'(z) from z recomputed in fp32 (one small dot): the relu mask is that of the
-            # exact function even where a bf16 forward rounded z across zero, and y need not be kept.
+            # out_act'(z) from the forward's relu mask (LOAD_MASK), or from z recomputed in fp32 (one
+            # small dot).
             if OUT_ACT == 0:
                 dz = gy
+            elif LOAD_MASK:
+                dz = tl.where(_load_relu_mask(STATS, stats_half, f, B, rows64, rmask, hs, H), gy, 0.0)
             else:
                 if SPLIT16:
                     # t (and an fp32 weight) in 16-bit parts: z to ~fp32 accuracy, so the mask is
@@ -1278,6 +1316,7 @@ def ln_tanh_linear_relu_bwd_chunked(
     FAST_TANH: tl.constexpr,
     LOAD_STATS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    LOAD_MASK: tl.constexpr = False,
 ):
     """`ln_tanh_linear_relu_bwd` (tl.dot path) BLOCK_K columns at a time: the same arguments, the
     same partial-sum layout, the same numbers up to summation order.
@@ -1287,7 +1326,8 @@ def ln_tanh_linear_relu_bwd_chunked(
     row tile is walked three times (from L1/L2 after the first): (1) z = t @ w^T chunk by chunk,
     then dz; (2) dt = dz @ w, the row sums of dx's projection, and the weight and LayerNorm-affine
     gradients of the chunk, added into the program's partial row in global memory (a chunk loop
-    cannot index a register accumulator by chunk); (3) dt again, and dx. Row statistics are the
+    cannot index a register accumulator by chunk); (3) dt again, and dx. With LOAD_MASK (relu)
+    walk (1) is the forward's relu mask instead (`_load_relu_mask`). Row statistics are the
     forward's (LOAD_STATS) or two passes over the chunks (mean, then centred squares).
     The chunk loops stop at D, not BLOCK_D: EVEN_D here means D % BLOCK_K == 0, so a D that is not
     a power of two (160 = 5 x 32) walks no padded columns and needs no column masks.
@@ -1355,7 +1395,7 @@ def ln_tanh_linear_relu_bwd_chunked(
                 rstd = 1.0 / tl.sqrt(var + eps) + (var - var)  # RMSNorm: var is the mean square
         # -- (1) z, then dz
         z = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
-        if OUT_ACT != 0:
+        if OUT_ACT != 0 and not LOAD_MASK:
             for k0 in range(0, D, BLOCK_K):
                 cols = k0 + ks
                 kmask = cols < D
@@ -1375,6 +1415,8 @@ def ln_tanh_linear_relu_bwd_chunked(
                      mask=rmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
         if OUT_ACT == 0:
             dz = gy
+        elif LOAD_MASK:
+            dz = tl.where(_load_relu_mask(STATS, stats_half, f, B, rows64, rmask, hs, H), gy, 0.0)
         elif OUT_ACT == 3:
             dz = tl.where(z > 0, gy, 0.0)
         else:

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ..chain import DEFAULT, codes as chain_codes
+from ..chain import ACTIVATIONS, DEFAULT, codes as chain_codes
 from .._checks import BoundedDict, call_signature as signature, tensor_signature as _tensor_signature
 from . import configs, kernels
 from ._compiled_launch import CompiledLaunchCache
@@ -202,6 +202,32 @@ def _param_stride(p: Optional[torch.Tensor], per_feature_ndim: int) -> int:
     return p.stride(0)
 
 
+def stats_planes(stats: Optional[torch.Tensor]) -> int:
+    """What a forward's saved row stats hold, for the backward plan's key: 0 (none), 2 (mean and
+    rstd) or 2 + the words of the relu mask (`_relu_mask_words`)."""
+    return 0 if stats is None else stats.shape[0]
+
+
+def _relu_mask_words(D: int, H: int, dtype: torch.dtype, device, chain, fwd_block_h: int) -> int:
+    """Words (32 bits) of relu mask a training forward saves per row beside the row stats, 0 for
+    none: where the backward would otherwise recompute z with a dot (its tl.dot paths), reading
+    4-8 bytes a row saves that dot and t's parts for it (`kernels._load_relu_mask`). The mask is
+    the forward's own z > 0, as PyTorch's autograd takes relu's from its output."""
+    if chain.out_activation != "relu" or chain.norm is None or not H <= fwd_block_h <= 64:
+        return 0
+    if D < configs.RELU_MASK_MIN_D:
+        return 0
+    if dtype != torch.float32:
+        # A 16-bit forward's z comes from t rounded to 16 bits: its mask flips z within ~1e-3 of 0,
+        # which moved bf16 gradients from ~3e-3 to ~3e-2 off float64 (PyTorch's own bf16 autograd
+        # does the same); the backward's z from hi + lo parts of t keeps them at ~3e-3.
+        return 0
+    bwd = configs.backward_config(D, H, dtype, _config_device(device))
+    if bwd is None or not bwd.use_dot:
+        return 0
+    return max(1, fwd_block_h // 32)
+
+
 def _sizes(x: torch.Tensor, weight: torch.Tensor, feature_dim: int) -> tuple[int, int, int, int]:
     F = x.shape[feature_dim]
     B = x.shape[1 - feature_dim]
@@ -343,12 +369,15 @@ def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, s
     )
     if cfg.use_dot and _FWD_PRECISION.get(_forward_unfit_key(x, weight, chain, even_d and even_b)) == "ieee":
         meta["DOT_PRECISION"] = "ieee"
+    mask_words = _relu_mask_words(D, H, x.dtype, dev, chain, cfg.block_h) if save_stats else 0
+    if mask_words:
+        meta["SAVE_MASK"] = True
     # With saved stats and contiguous y rows (H=1, [F, B, 1]) Triton's "== 1" specialisation of
     # the y row stride compiled to a slow store layout on the H100; that case takes the copy of
     # the kernel compiled without it (benchmarks/NOTES.md).
     launcher = _launch_fwd_y_strided if save_stats and syb == 1 else _launch_fwd
     return ForwardPlan(cfg, launcher, grid, ints, meta, y_shape,
-                       (2, F, B) if save_stats else None)
+                       (2 + mask_words, F, B) if save_stats else None)
 
 
 def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=False, key=None, chain=DEFAULT):
@@ -356,7 +385,8 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=Fa
 
     With ``save_stats`` returns ``(y, stats)``: stats is [2, F, B] fp32, every row's LayerNorm
     mean and rstd, for `backward` to read instead of recomputing (8 bytes a row: O(F*B)); None
-    for a chain without a norm.
+    for a chain without a norm. Where the backward would recompute z for relu's mask, the
+    mask's bits follow as 1-2 more planes ([2 + words, F, B], `_relu_mask_words`).
     ``key``: the call's `signature`, when the caller has it already.
 
     Example:
@@ -441,6 +471,7 @@ class BackwardPlan:
     dz_shape: tuple = ()
     dz_dtype: Optional[torch.dtype] = None
     stats_shape: Optional[tuple] = None
+    reads_stats: bool = False  # the forward's stats go to the kernels (LOAD_STATS or LOAD_MASK)
     bound: Optional[Callable] = None  # the compiled kernels, bound after the first launch
     bound_reduce: Optional[Callable] = None
     bound_weight: Optional[Callable] = None
@@ -529,7 +560,7 @@ def backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
     if configs.override_active():
         return _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, chain)
     key = (_tensor_signature(grad_y),) + signature(x, weight, bias, ln_weight, ln_bias, eps, feature_dim) + (
-        stats is not None, chain)
+        stats_planes(stats), chain)
     plan = _BACKWARD_PLANS.get(key)
     if plan is None:
         plan = _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, chain)
@@ -546,12 +577,17 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
     if cfg is None or unfit_key in _BWD_UNFIT:
         return None
     chunked = cfg.use_dot and 0 < cfg.block_k < cfg.block_d
+    norm, act, out_act = chain_codes(chain)
+    load_mask = cfg.use_dot and out_act == ACTIVATIONS["relu"] and stats_planes(stats) > 2
     if cfg.use_dot and not chunked:
         # The whole-row tl.dot backward recomputes the row stats: reading them was slower at 5 of
         # 9 shapes measured on the H100 (bf16 D=64 H=64 1193 -> 1455 us, fp32 D=128 H=16 786 -> 1282).
         # The "dx 3e-3 off with saved stats" once seen there was a relu tie, not a bug: both
         # ways flip a z within rounding of 0 now and then (benchmarks/NOTES.md).
-        stats = None
+        stats = None if not load_mask else stats
+        load_stats = False
+    else:
+        load_stats = stats is not None
     split = cfg.use_dot and not chunked and cfg.split_dw > 0
     K = configs.partial_row_size(D, H)
     P = configs.programs_per_feature(cfg, F, B, D, H, x.numel() * x.element_size(), _num_sms(dev)) if B > 0 else 1
@@ -574,7 +610,6 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
         K,
         float(eps), 1.0 / D if D else 0.0,
     )
-    norm, act, out_act = chain_codes(chain)
     # A shape whose dots did not fit this device takes plain fp32 FMA dots ("ieee", `backward`).
     fp32_dots = _BWD_PRECISION.get(unfit_key, cfg.fp32_dots)
     meta = dict(
@@ -583,13 +618,15 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
         USE_DOT=cfg.use_dot, BWD_DOT_DTYPE=_bwd_dot_dtype(x.dtype, weight.dtype, fp32_dots),
         **device_constexprs("backward", x.dtype, dev.type, chain, fp32_dots),
         **_bwd_splits(x.dtype, fp32_dots, chain.out_activation),
-        LOAD_STATS=stats is not None,
+        LOAD_STATS=load_stats,
         # The K-chunked kernel walks chunks up to D: its columns are all real when D is a whole
         # number of chunks.
         EVEN_D=D % cfg.block_k == 0 if chunked else D == cfg.block_d,
         EVEN_B=B > 0 and B % rows_per_program == 0, X_EVICT=cfg.x_evict,
         BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
     )
+    if load_mask:
+        meta["LOAD_MASK"] = True
     if chunked:
         meta["BLOCK_K"] = cfg.block_k
     elif cfg.prefetch and B > 0:
@@ -617,14 +654,15 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
     launcher = _launch_bwd_chunked if chunked else _launch_bwd
     parts = configs.row_parts_of(D)
     if (cfg.row_parts and parts and H == 1 and not cfg.use_dot and not meta.get("UNROLL_H")
-            and (stats is not None or norm == 0)):
+            and (load_stats or norm == 0)):
         # two unmasked power-of-two parts of each row (`kernels.ln_tanh_linear_relu_bwd_rows2`)
         for name in ("PREFETCH", "UNROLL_H", "COL_SUMS"):
             meta.pop(name, None)
         meta.update(BLOCK_D=parts[0], BLOCK_D2=parts[1], EVEN_D=True)
         launcher = _launch_bwd_rows2
     plan = BackwardPlan(cfg, (P, F), ints, meta, (F * P, K), reduce_grid, (F, P, K, H, D), reduce_meta,
-                        zero_dx=D == 1 and chain.norm == "layer_norm", launcher=launcher)
+                        zero_dx=D == 1 and chain.norm == "layer_norm", launcher=launcher,
+                        reads_stats=load_stats or load_mask)
     if split:
         _add_weight_kernel(plan, grad_y, x, ln_weight, ln_bias, F, B, D, H, rows_per_program, sxf, sxb)
     return plan
@@ -640,7 +678,8 @@ def _add_weight_kernel(plan: BackwardPlan, grad_y, x, ln_weight, ln_bias, F, B, 
     exact = meta["OUT_ACT"] in (0, 3) and _TL_DTYPES.get(grad_y.dtype) == meta["BWD_DOT_DTYPE"]
     plan.dz_dtype = grad_y.dtype if exact else torch.float32
     plan.dz_shape = (F, B, H)
-    plan.stats_shape = (2, F, B) if meta["NORM"] != 0 and not meta["LOAD_STATS"] else None
+    # The fused kernel writes the row stats unless the forward's are passed (LOAD_STATS, LOAD_MASK).
+    plan.stats_shape = (2, F, B) if meta["NORM"] != 0 and not plan.reads_stats else None
     block_k = min(cfg.split_dw, cfg.block_d)
     plan.weight_grid = (plan.grid[0], F, triton.cdiv(D, block_k))
     plan.weight_ints = (B, D, H, rows_per_program, F * B, sxf, sxb, x.stride(2),
@@ -669,9 +708,9 @@ def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stat
         >>> gx, gw, gb, glw, glb = backward(gy, x, w, None, None, None, 1e-5, 0)  # doctest: +SKIP
     """
     if key is not None and not configs.override_active():
-        plan = _BACKWARD_PLANS.get((_tensor_signature(grad_y),) + key + (stats is not None, chain))
+        plan = _BACKWARD_PLANS.get((_tensor_signature(grad_y),) + key + (stats_planes(stats), chain))
         if plan is not None:
-            return plan(grad_y, x, weight, bias, ln_weight, ln_bias, stats if plan.meta["LOAD_STATS"] else None)
+            return plan(grad_y, x, weight, bias, ln_weight, ln_bias, stats if plan.reads_stats else None)
     weight = _contiguous_rows(weight)
     bias, ln_weight, ln_bias = _contiguous_rows(bias), _contiguous_rows(ln_weight), _contiguous_rows(ln_bias)
     plan = backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, chain)
@@ -681,7 +720,7 @@ def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stat
         return _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
                                           "the backward kernel does not cover", unfit_key, chain)
     try:
-        return plan(grad_y, x, weight, bias, ln_weight, ln_bias, stats if plan.meta["LOAD_STATS"] else None)
+        return plan(grad_y, x, weight, bias, ln_weight, ln_bias, stats if plan.reads_stats else None)
     except OutOfResources as err:
         # Found at compile time, before anything ran: fp32 H=64 D=256 3xTF32 (320 KB) and bf16x6
         # (244 KB) tiles need more shared memory than an H100 has (weight parts in two layouts).

@@ -295,11 +295,12 @@ def _eager_backward(ctx, stats, grad_y, x, weight, bias, ln_weight, ln_bias):
     if record is None or ctx.chain is not DEFAULT or _override_state() is not None:
         return _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, ctx.eps, ctx.feature_dim, stats,
                               eager_entry=True, key=ctx.key, chain=ctx.chain)
-    seen = ((grad_y.shape, grad_y.stride(), grad_y.dtype, grad_y.device, grad_y.data_ptr() & 15), stats is not None)
+    seen = ((grad_y.shape, grad_y.stride(), grad_y.dtype, grad_y.device, grad_y.data_ptr() & 15),
+            0 if stats is None else stats.shape[0])  # `launch.stats_planes`
     kept = record.bwd  # (what it was kept for, plan): one attribute, so threads never pair another's
     if kept is not None and kept[0] == seen:
         plan = kept[1]
-        return plan(grad_y, x, weight, bias, ln_weight, ln_bias, stats if plan.meta["LOAD_STATS"] else None)
+        return plan(grad_y, x, weight, bias, ln_weight, ln_bias, stats if plan.reads_stats else None)
     grads = _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, ctx.eps, ctx.feature_dim, stats,
                            eager_entry=True, key=ctx.key, chain=DEFAULT)
     if _LAUNCH is not None:
