@@ -1,10 +1,12 @@
 """The forward's relu mask, saved for the backward (`launch._relu_mask_words`): a training forward
-(fp32, relu out-activation, D >= 64, a backward on its tl.dot paths) writes z > 0 as bits after the row
+(relu out-activation, D >= 64, a backward on its tl.dot paths) writes z > 0 as bits after the row
 stats ([2 + words, F, B]); the backward reads them instead of recomputing z with a dot
-(`kernels._load_relu_mask`).
+(`kernels._load_relu_mask`). A 16-bit forward takes the mask from z to ~fp32 accuracy (t's rounding
+error multiplied too, `kernels._lo_part_product`), its y unchanged.
 
-References: the bits against y > 0 of the same forward; the gradients against float64 and against
-the same backward path recomputing z (same bits under the interpreter). Each case runs under the
+References: the bits against float64's z > 0 (and y > 0 of the same fp32 forward); y against a
+forward that saves no mask; the gradients against float64 and against the same backward path
+recomputing z (same bits under the interpreter). Each case runs under the
 Triton interpreter and, where a GPU is present, on it at sizes with many row tiles per program.
 """
 import pytest
@@ -13,6 +15,7 @@ import torch
 import recfuse
 from recfuse.chain import DEFAULT as DEFAULT_CHAIN, chain_of
 from recfuse.ops import configs, launch
+from recfuse.reference import feature_mlp as reference_feature_mlp
 from op_cases import (INTERPRETER_AND_CUDA, Case, assert_backward_close, chain_backward_inputs, forced_backward,
                       with_rows)
 
@@ -57,32 +60,46 @@ def _mask_bits(stats, H):
     return torch.stack([(words[h // 32] >> (h % 32)) & 1 for h in range(H)], dim=-1).bool()  # [F, B, H]
 
 
+DTYPES = [torch.float32, torch.bfloat16]
+
+
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("fwd", sorted(FORWARD_KNOBS))
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_training_forward_saves_z_positive_as_bits_after_the_row_stats(case, fwd, device):
+def test_training_forward_saves_z_positive_as_bits_after_the_row_stats(case, fwd, dtype, device):
     case = _scaled(case, device)
-    args, _ = chain_backward_inputs(case, torch.float32, DEFAULT_CHAIN, seed=1, device=device)
+    args, _ = chain_backward_inputs(case, dtype, DEFAULT_CHAIN, seed=1, device=device)
     y, stats, meta = _training_forward(args, case, **FORWARD_KNOBS[fwd])
     words = 1 if case.H <= 32 else 2
     F, B = (case.F, case.B)
     assert meta.get("SAVE_MASK") and stats.shape == (2 + words, F, B) and stats.dtype == torch.float32
-    y_fbh = y if case.feature_dim == 0 else y.transpose(0, 1)
-    assert torch.equal(_mask_bits(stats, case.H), y_fbh > 0)  # relu: y > 0 exactly where z > 0
-    # The mean / rstd planes are those of a forward that saves no mask (an inference forward's
-    # statistics code): a no-relu chain takes the same statistics path.
-    _, plain, plain_meta = _training_forward(args, case, chain_of("layer_norm", "tanh", None), **FORWARD_KNOBS[fwd])
+    bits = _mask_bits(stats, case.H)
+    to_fbh = (lambda t: t) if case.feature_dim == 0 else (lambda t: t.transpose(0, 1))
+    z64 = to_fbh(reference_feature_mlp(*[None if t is None else t.double() for t in args[:3]],
+                                       ln_weight=None if args[3] is None else args[3].double(),
+                                       ln_bias=None if args[4] is None else args[4].double(), eps=case.eps,
+                                       feature_dim=case.feature_dim, out_activation=None))
+    clear = z64.abs() > 1e-3  # away from the kink: any accurate z has its sign
+    assert torch.equal(bits[clear], (z64 > 0)[clear])
+    if dtype == torch.float32:
+        assert torch.equal(bits, to_fbh(y) > 0)  # relu: y > 0 exactly where this z > 0
+    # y and the mean / rstd planes are those of a forward that saves no mask (as a forward without
+    # grad runs): a no-relu chain takes the same statistics path, and relu of its z is y.
+    z, plain, plain_meta = _training_forward(args, case, chain_of("layer_norm", "tanh", None), **FORWARD_KNOBS[fwd])
     assert not plain_meta.get("SAVE_MASK") and plain.shape == (2, F, B)
     assert torch.equal(stats[:2], plain)
+    assert torch.equal(y, torch.relu(z))
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("path", sorted(BACKWARD_KNOBS))
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_backward_with_the_forward_mask_matches_float64_and_the_recomputed_z(case, path, device):
+def test_backward_with_the_forward_mask_matches_float64_and_the_recomputed_z(case, path, dtype, device):
     case = _scaled(case, device)
     chain = DEFAULT_CHAIN
-    args, gy = chain_backward_inputs(case, torch.float32, chain, seed=2, device=device)
+    args, gy = chain_backward_inputs(case, dtype, chain, seed=2, device=device)
     knobs = BACKWARD_KNOBS[path]
     forced = lambda D, H, dt: configs.heuristic_backward(D, H, dt, **knobs)  # noqa: E731
     with configs.override(backward=forced):  # the forward asks the backward's config (tl.dot?)
@@ -94,7 +111,7 @@ def test_backward_with_the_forward_mask_matches_float64_and_the_recomputed_z(cas
     assert meta.get("DZ_OUT", False) == (path == "split_dw") and ("BLOCK_K" in meta) == (path == "chunked")
     # grad_y is zero where float64 z is within 1e-3 of 0, so both masks agree on every row that
     # counts: under the interpreter the same arithmetic follows, bit for bit.
-    assert_backward_close(masked, recomputed, gy, args, case, chain, torch.float32, same_bits=device == "cpu")
+    assert_backward_close(masked, recomputed, gy, args, case, chain, dtype, same_bits=device == "cpu")
 
 
 @pytest.mark.interpret
@@ -120,8 +137,7 @@ def test_backward_plans_are_kept_apart_by_what_the_stats_hold():
     (64, torch.float32, DEFAULT_CHAIN, True),
     # Narrow rows: a z dot of K < RELU_MASK_MIN_D costs less than the mask's load (H100).
     (32, torch.float32, DEFAULT_CHAIN, False),
-    # A 16-bit forward's z is from t rounded to 16 bits: its mask would flip z within ~1e-3 of 0.
-    (64, torch.bfloat16, DEFAULT_CHAIN, False),
+    (64, torch.bfloat16, DEFAULT_CHAIN, True),
     # No relu (nothing to mask), no norm (no stats buffer).
     (64, torch.float32, chain_of("layer_norm", "tanh", "gelu"), False),
     (64, torch.float32, chain_of(None, "tanh", "relu"), False),

@@ -366,14 +366,17 @@ def _bias_act_store(z, bias, y_ptrs, ymask, HAS_BIAS: tl.constexpr, MASKED: tl.c
 
 
 @triton.jit
-def _output_store(z, bias, y_ptrs, ymask, STATS, stats_half, f, B, rows, rmask, hs, HAS_BIAS: tl.constexpr,
+def _output_store(z, z_lo, bias, y_ptrs, ymask, STATS, stats_half, f, B, rows, rmask, hs, HAS_BIAS: tl.constexpr,
                   MASKED: tl.constexpr, OUT_ACT: tl.constexpr, FAST_TANH: tl.constexpr, SAVE_MASK: tl.constexpr,
-                  EVEN_B: tl.constexpr, BLOCK_H: tl.constexpr):
-    """`_bias_act_store` of the forward's z, and with SAVE_MASK (relu) its mask for the backward."""
+                  LO_PART: tl.constexpr, EVEN_B: tl.constexpr, BLOCK_H: tl.constexpr):
+    """`_bias_act_store` of the forward's z, and with SAVE_MASK (relu) its mask for the backward,
+    of z + z_lo with LO_PART (`_lo_part_product`)."""
     if SAVE_MASK:
         zb = z
+        if LO_PART:
+            zb = z + z_lo
         if HAS_BIAS:
-            zb = z + bias[None, :]
+            zb = zb + bias[None, :]
         _store_relu_mask(zb, STATS, stats_half, f, B, rows, rmask, hs, EVEN_B, BLOCK_H)
     _bias_act_store(z, bias, y_ptrs, ymask, HAS_BIAS, MASKED, OUT_ACT, FAST_TANH)
 
@@ -412,6 +415,16 @@ def _load_relu_mask(STATS, stats_half, f, B, rows64, rmask, hs, H):
 
 
 @triton.jit
+def _lo_part_product(t, t_dot, w, acc, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + (t - t_dot) @ w^T: the part of t that rounding it to the 16-bit t_dot dropped, as a
+    16-bit operand too. z_hi + z_lo is z to ~fp32 accuracy (the backward's `_dot_parts` of hi and
+    lo parts), so the relu mask saved for the backward is the exact function's, as the backward
+    that recomputes z has it; y keeps z_hi, the same bits as a forward that saves no mask."""
+    t_lo = (t - t_dot.to(tl.float32)).to(DOT_DTYPE)
+    return tl.dot(t_lo, tl.trans(w), acc, input_precision=PRECISION, out_dtype=tl.float32)
+
+
+@triton.jit
 def _chunked_norm_act_linear(
     x_rows, rmask, f, D, H, eps,
     W, LNW, LNB, stride_x_d, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f,
@@ -419,8 +432,9 @@ def _chunked_norm_act_linear(
     X_EVICT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     NORM: tl.constexpr, ACT: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr,
+    LO_PART: tl.constexpr = False,
 ):
-    """(z = act(norm(x)) @ w^T, mean, rstd) of a row tile, BLOCK_K columns at a time
+    """(z = act(norm(x)) @ w^T, z_lo, mean, rstd) of a row tile, BLOCK_K columns at a time
     (D == K_CHUNKS * BLOCK_K: no column masks, also where D is not a power of two).
     The product: tl.dot, or (not USE_DOT, H <= 4) a row reduction or [rows, H, BLOCK_K] sum per chunk.
 
@@ -429,6 +443,8 @@ def _chunked_norm_act_linear(
     row statistics come first, chunk by chunk (each chunk's mean and centred sum of squares,
     combined as Chan et al. do, so no E[x^2] - mean^2 cancellation); then each chunk is read
     again (from L1/L2), normalised, put through tanh and multiplied into the accumulator.
+    LO_PART (16-bit dots): z_lo = (t - t rounded to DOT_DTYPE) @ w^T, what t's rounding left out
+    of z (`_lo_part_product`); else zeros.
     """
     ks = tl.arange(0, BLOCK_K)
     hs = tl.arange(0, BLOCK_H)
@@ -461,6 +477,7 @@ def _chunked_norm_act_linear(
     else:
         rstd = tl.full([BLOCK_B], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
+    acc_lo = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
     hmask = hs < H
     for kc in tl.static_range(K_CHUNKS):
         cols = kc * BLOCK_K + ks
@@ -478,11 +495,13 @@ def _chunked_norm_act_linear(
             t = tl.where(rmask[:, None], t, 0.0)  # padded rows: rstd may be inf, t NaN
         wk = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :], mask=hmask[:, None], other=0.0)
         if USE_DOT:
-            acc = tl.dot(t.to(DOT_DTYPE), tl.trans(wk.to(DOT_DTYPE)), acc, input_precision=PRECISION,
-                         out_dtype=tl.float32)
+            t_dot = t.to(DOT_DTYPE)
+            acc = tl.dot(t_dot, tl.trans(wk.to(DOT_DTYPE)), acc, input_precision=PRECISION, out_dtype=tl.float32)
+            if LO_PART:
+                acc_lo = _lo_part_product(t, t_dot, wk.to(DOT_DTYPE), acc_lo, DOT_DTYPE, PRECISION)
         else:
             acc += _row_linear(t, wk.to(tl.float32), False, BLOCK_H, PRECISION)
-    return acc, mean, rstd
+    return acc, acc_lo, mean, rstd
 
 
 @triton.jit
@@ -513,11 +532,13 @@ def _forward_tile(
     x_rows = X + f * stride_x_f + rows.to(tl.int64) * stride_x_b
     x_ptrs = x_rows[:, None] + cols[None, :] * stride_x_d
     stat_ptrs = STATS + f * B + rows
+    # The relu mask for the backward from z to ~fp32 accuracy: 16-bit dots add t's rounding error.
+    LO_PART: tl.constexpr = SAVE_MASK and USE_DOT and DOT_DTYPE != tl.float32
     if BLOCK_K < BLOCK_D:
-        z, mean, rstd = _chunked_norm_act_linear(
+        z, z_lo, mean, rstd = _chunked_norm_act_linear(
             x_rows, rmask, f, D, H, eps, W, LNW, LNB, stride_x_d, stride_w_f, stride_w_h,
             stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_B, X_EVICT, DOT_DTYPE,
-            DOT_PRECISION, NORM, ACT, USE_DOT, BLOCK_B, BLOCK_H, BLOCK_K, K_CHUNKS,
+            DOT_PRECISION, NORM, ACT, USE_DOT, BLOCK_B, BLOCK_H, BLOCK_K, K_CHUNKS, LO_PART,
         )
     else:
         _, _, t, mean, rstd, _ = _normalize_activate(
@@ -539,18 +560,26 @@ def _forward_tile(
         bias = tl.zeros([BLOCK_H], dtype=tl.float32)
         if HAS_BIAS:
             bias = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
-        _output_store(z, bias, y_row[:, None] + hs[None, :], rmask[:, None] & hmask[None, :], STATS, stats_half,
-                      f, B, rows, rmask, hs, HAS_BIAS, True, OUT_ACT, FAST_TANH, SAVE_MASK, EVEN_B, BLOCK_H)
+        _output_store(z, z_lo, bias, y_row[:, None] + hs[None, :], rmask[:, None] & hmask[None, :], STATS,
+                      stats_half, f, B, rows, rmask, hs, HAS_BIAS, True, OUT_ACT, FAST_TANH, SAVE_MASK, LO_PART,
+                      EVEN_B, BLOCK_H)
     elif W_LOADED:
         hs = tl.arange(0, BLOCK_H)
+        t_dot = t
         if USE_DOT:
-            t = t.to(DOT_DTYPE)
-        _output_store(_row_linear(t, w1, USE_DOT, BLOCK_H, DOT_PRECISION), bias1, y_row[:, None] + hs[None, :],
-                      rmask[:, None] & (hs < H)[None, :], STATS, stats_half, f, B, rows, rmask, hs, HAS_BIAS,
-                      not (EVEN_B and BLOCK_H == 1), OUT_ACT, FAST_TANH, SAVE_MASK, EVEN_B, BLOCK_H)
+            t_dot = t.to(DOT_DTYPE)
+        z_lo = 0.0
+        if LO_PART:
+            z_lo = _lo_part_product(t, t_dot, w1, tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32), DOT_DTYPE,
+                                    DOT_PRECISION)
+        _output_store(_row_linear(t_dot, w1, USE_DOT, BLOCK_H, DOT_PRECISION), z_lo, bias1,
+                      y_row[:, None] + hs[None, :], rmask[:, None] & (hs < H)[None, :], STATS, stats_half, f, B,
+                      rows, rmask, hs, HAS_BIAS, not (EVEN_B and BLOCK_H == 1), OUT_ACT, FAST_TANH, SAVE_MASK,
+                      LO_PART, EVEN_B, BLOCK_H)
     else:
+        t_dot = t
         if USE_DOT:
-            t = t.to(DOT_DTYPE)
+            t_dot = t.to(DOT_DTYPE)
         for h0 in range(0, H, BLOCK_H):
             hs = h0 + tl.arange(0, BLOCK_H)
             hmask = hs < H
@@ -564,10 +593,15 @@ def _forward_tile(
             bias = tl.zeros([BLOCK_H], dtype=tl.float32)
             if HAS_BIAS:
                 bias = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
+            z_lo = 0.0
+            if LO_PART:
+                z_lo = _lo_part_product(t, t_dot, w, tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32), DOT_DTYPE,
+                                        DOT_PRECISION)
             # SAVE_MASK needs H <= BLOCK_H: one block, h0 = 0.
-            _output_store(_row_linear(t, w, USE_DOT, BLOCK_H, DOT_PRECISION), bias, y_row[:, None] + hs[None, :],
-                          rmask[:, None] & hmask[None, :], STATS, stats_half, f, B, rows, rmask, hs, HAS_BIAS,
-                          not (EVEN_B and BLOCK_H == 1), OUT_ACT, FAST_TANH, SAVE_MASK, EVEN_B, BLOCK_H)
+            _output_store(_row_linear(t_dot, w, USE_DOT, BLOCK_H, DOT_PRECISION), z_lo, bias,
+                          y_row[:, None] + hs[None, :], rmask[:, None] & hmask[None, :], STATS, stats_half, f, B,
+                          rows, rmask, hs, HAS_BIAS, not (EVEN_B and BLOCK_H == 1), OUT_ACT, FAST_TANH, SAVE_MASK,
+                          LO_PART, EVEN_B, BLOCK_H)
 
 
 @triton.jit

@@ -212,15 +212,13 @@ def _relu_mask_words(D: int, H: int, dtype: torch.dtype, device, chain, fwd_bloc
     """Words (32 bits) of relu mask a training forward saves per row beside the row stats, 0 for
     none: where the backward would otherwise recompute z with a dot (its tl.dot paths), reading
     4-8 bytes a row saves that dot and t's parts for it (`kernels._load_relu_mask`). The mask is
-    the forward's own z > 0, as PyTorch's autograd takes relu's from its output."""
+    that of z to ~fp32 accuracy, as the backward's recomputed z: a 16-bit forward adds the product
+    of t's rounding error (`kernels._lo_part_product`; y keeps its bits). Taken from the forward's
+    16-bit z alone it flipped z within ~1e-3 of 0 and moved bf16 gradients from ~3e-3 to ~3e-2 off
+    float64 (as PyTorch's own bf16 autograd is)."""
     if chain.out_activation != "relu" or chain.norm is None or not H <= fwd_block_h <= 64:
         return 0
     if D < configs.RELU_MASK_MIN_D:
-        return 0
-    if dtype != torch.float32:
-        # A 16-bit forward's z comes from t rounded to 16 bits: its mask flips z within ~1e-3 of 0,
-        # which moved bf16 gradients from ~3e-3 to ~3e-2 off float64 (PyTorch's own bf16 autograd
-        # does the same); the backward's z from hi + lo parts of t keeps them at ~3e-3.
         return 0
     bwd = configs.backward_config(D, H, dtype, _config_device(device))
     if bwd is None or not bwd.use_dot:
