@@ -100,11 +100,19 @@ class ForwardConfig(TileConfig):
     unroll_h: int = 0
 
 
-# Rows at least this wide save the relu mask for the tl.dot backward (`launch._relu_mask_words`):
-# on the H100 (fp32, H = 16/64, shipped configs, results/checks/ab_relu_mask_h100.json) the
-# backward reading it was 1.05-1.51x faster at D = 64-512, 0.90x at D = 32 (a z dot of K = 32 is
-# cheap beside the mask's dependent load).
-RELU_MASK_MIN_D = 64
+def relu_mask_min_d(dtype: torch.dtype) -> int:
+    """Rows at least this wide save the relu mask for the tl.dot backward (`launch._relu_mask_words`).
+
+    H100, H = 16/64, shipped configs, training step = forward + backward kernels:
+    fp32 (results/checks/ab_relu_mask_h100.json): the backward reading the mask 1.04-1.51x faster
+    at D = 64-512, the forward's mask store +0-4% (+29% at D=256 H=16); 0.90x at D = 32 (a z dot
+    of K = 32 is cheap beside the mask's dependent load).
+    bf16 (ab_relu_mask_bf16_h100.json): the forward multiplies t's rounding error too (+20-60%:
+    the 16-bit forward is issue-bound), the backward 1.00-1.34x faster; the step gained at
+    D = 160-512 (H=16: 24 -> 26%, 34 -> 37%, 21 -> 24% of the floor; H=64 D=256 21 -> 24%) and
+    lost at D = 64-128 (47 -> 45%, 43 -> 42%; H=64 46 -> 43%, 34 -> 32%).
+    """
+    return 64 if dtype == torch.float32 else 160
 
 
 @dataclass(frozen=True)
