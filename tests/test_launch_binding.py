@@ -104,17 +104,19 @@ def test_a_left_out_constexpr_with_a_default_is_filled_and_one_without_is_not():
 
     cache = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
     n = len(cache.arg_names)
-    assert cache.arg_names[-5:] == ["PREFETCH", "UNROLL_H", "LOOP_STAGES", "COL_SUMS", "DZ_OUT"]
-    assert cache.trailing_args(range(n - 6), {"BLOCK_H": 16}) == [16, False, False, None, False, False]
-    assert cache.trailing_args(range(n - 6), {"BLOCK_H": 16, "PREFETCH": True}) == [16, True, False, None, False,
-                                                                                   False]
-    assert cache.trailing_args(range(n - 6), {"BLOCK_H": 4, "UNROLL_H": True}) == [4, False, True, None, False,
-                                                                                  False]
-    assert cache.trailing_args(range(n - 6), {"BLOCK_H": 1, "LOOP_STAGES": 3, "COL_SUMS": True}) == [
-        1, False, False, 3, True, False]
-    assert cache.trailing_args(range(n - 6), {"BLOCK_H": 16, "DZ_OUT": True}) == [16, False, False, None, False,
-                                                                                 True]
-    assert cache.trailing_args(range(n - 6), {"PREFETCH": True}) is None
+    assert cache.arg_names[-6:] == ["PREFETCH", "UNROLL_H", "LOOP_STAGES", "COL_SUMS", "DZ_OUT", "LOAD_MASK"]
+    assert cache.trailing_args(range(n - 7), {"BLOCK_H": 16}) == [16, False, False, None, False, False, False]
+    assert cache.trailing_args(range(n - 7), {"BLOCK_H": 16, "PREFETCH": True}) == [16, True, False, None, False,
+                                                                                   False, False]
+    assert cache.trailing_args(range(n - 7), {"BLOCK_H": 4, "UNROLL_H": True}) == [4, False, True, None, False,
+                                                                                  False, False]
+    assert cache.trailing_args(range(n - 7), {"BLOCK_H": 1, "LOOP_STAGES": 3, "COL_SUMS": True}) == [
+        1, False, False, 3, True, False, False]
+    assert cache.trailing_args(range(n - 7), {"BLOCK_H": 16, "DZ_OUT": True}) == [16, False, False, None, False,
+                                                                                 True, False]
+    assert cache.trailing_args(range(n - 7), {"BLOCK_H": 16, "LOAD_MASK": True}) == [16, False, False, None, False,
+                                                                                    False, True]
+    assert cache.trailing_args(range(n - 7), {"PREFETCH": True}) is None
 
 
 def _float64_grads(x, params, gy):

@@ -34,7 +34,7 @@ class CompiledLaunchCache:
         >>> from recfuse.ops import kernels
         >>> launch = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
         >>> launch.defaults
-        {'PREFETCH': False, 'UNROLL_H': False, 'LOOP_STAGES': None, 'COL_SUMS': False, 'DZ_OUT': False}
+        {'PREFETCH': False, 'UNROLL_H': False, 'LOOP_STAGES': None, 'COL_SUMS': False, 'DZ_OUT': False, 'LOAD_MASK': False}
     """
 
     def __init__(self, jit_fn):
@@ -60,10 +60,10 @@ class CompiledLaunchCache:
         Example:
             >>> from recfuse.ops import kernels
             >>> launch = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
-            >>> n = len(launch.arg_names)  # the last six: BLOCK_H, then five with defaults
-            >>> launch.trailing_args(range(n - 6), {"BLOCK_H": 16})
-            [16, False, False, None, False, False]
-            >>> launch.trailing_args(range(n - 6), {}) is None  # BLOCK_H has no default
+            >>> n = len(launch.arg_names)  # the last seven: BLOCK_H, then six with defaults
+            >>> launch.trailing_args(range(n - 7), {"BLOCK_H": 16})
+            [16, False, False, None, False, False, False]
+            >>> launch.trailing_args(range(n - 7), {}) is None  # BLOCK_H has no default
             True
         """
         trailing = []
