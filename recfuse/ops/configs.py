@@ -100,8 +100,9 @@ class ForwardConfig(TileConfig):
     unroll_h: int = 0
 
 
-def relu_mask_min_d(dtype: torch.dtype) -> int:
-    """Rows at least this wide save the relu mask for the tl.dot backward (`launch._relu_mask_words`).
+def relu_mask_min_d(dtype: torch.dtype) -> Optional[int]:
+    """Rows at least this wide save the relu mask for the tl.dot backward (`launch._relu_mask_words`);
+    None for fp16 (not measured: its backward multiplies fp32 operands, its forward fp16 ones).
 
     H100, H = 16/64, shipped configs, training step = forward + backward kernels:
     fp32 (results/checks/ab_relu_mask_h100.json): the backward reading the mask 1.04-1.51x faster
@@ -112,7 +113,7 @@ def relu_mask_min_d(dtype: torch.dtype) -> int:
     D = 160-512 (H=16: 24 -> 26%, 34 -> 37%, 21 -> 24% of the floor; H=64 D=256 21 -> 24%) and
     lost at D = 64-128 (47 -> 45%, 43 -> 42%; H=64 46 -> 43%, 34 -> 32%).
     """
-    return 64 if dtype == torch.float32 else 160
+    return {torch.float32: 64, torch.bfloat16: 160}.get(dtype)
 
 
 @dataclass(frozen=True)

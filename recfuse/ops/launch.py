@@ -218,7 +218,8 @@ def _relu_mask_words(D: int, H: int, dtype: torch.dtype, device, chain, fwd_bloc
     float64 (as PyTorch's own bf16 autograd is)."""
     if chain.out_activation != "relu" or chain.norm is None or not H <= fwd_block_h <= 64:
         return 0
-    if D < configs.relu_mask_min_d(dtype):
+    min_d = configs.relu_mask_min_d(dtype)
+    if min_d is None or D < min_d:
         return 0
     bwd = configs.backward_config(D, H, dtype, _config_device(device))
     if bwd is None or not bwd.use_dot:
