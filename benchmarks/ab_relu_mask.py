@@ -45,9 +45,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import torch  # noqa: E402
 
 import _common as C  # noqa: E402
+from recfuse.chain import chain_of  # noqa: E402
 from recfuse.ops import launch  # noqa: E402
 from recfuse.ops.composite import composite_backward  # noqa: E402
-from recfuse.reference import ln_tanh_linear_relu as reference_forward  # noqa: E402
+from recfuse.reference import batched_feature_mlp  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RELU_TIE = 1e-4
@@ -59,7 +60,7 @@ def measure(D, H, dtype, args, bench, copy_GBps) -> dict:
     inp = C.op_inputs(F, B, D, H, dtype, args.device, ln="per_feature")
     params = (inp.weight, inp.bias, inp.ln_weight, inp.ln_bias)
     f64 = [t.double() for t in (inp.x,) + params]
-    z = torch.tanh(torch.nn.functional.layer_norm(f64[0], (D,)) * f64[3] + f64[4]) @ f64[1].t() + f64[2]
+    z = batched_feature_mlp(*f64, 1e-5, inp.feature_dim, chain_of("layer_norm", "tanh", None))
     gy = inp.grad_y.masked_fill(z.abs() < RELU_TIE, 0)
     del z
     ref = composite_backward(gy.double(), *f64, 1e-5, inp.feature_dim)

@@ -200,6 +200,16 @@ def tensor_signature(t: Optional[torch.Tensor]):
     return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15
 
 
+def stats_planes(stats) -> int:
+    """What a training forward saved for its backward, as the backward plan's key: 0 (nothing), the
+    planes of its row-stats tensor (2: mean and rstd; 2 + words with the relu mask, see
+    `launch._relu_mask_words`), or -1 for the CPU compiled path's saved tensors (no launch plan
+    reads them)."""
+    if stats is None:
+        return 0
+    return stats.shape[0] if isinstance(stats, torch.Tensor) else -1
+
+
 def call_signature(x, weight, bias, ln_weight, ln_bias, eps, feature_dim) -> tuple:
     """The key under which a call's validation and launch plan are cached: two calls with equal
     signatures differ only in their data. Real tensors only (fake tensors have no data pointer).

@@ -50,9 +50,12 @@ def _scaled(case: Case, device: str) -> Case:
     return case if device == "cpu" else with_rows(case, 1000)
 
 
+def _forced_forward(**knobs):
+    return lambda D, H, dt, full: configs.heuristic_forward(D, H, dt, full, **knobs)
+
+
 def _training_forward(args, case, chain=DEFAULT_CHAIN, **knobs):
-    forced = lambda D, H, dt, full: configs.heuristic_forward(D, H, dt, full, **knobs)  # noqa: E731
-    with configs.override(forward=forced), launch.trace_launches() as seen:
+    with configs.override(forward=_forced_forward(**knobs)), launch.trace_launches() as seen:
         y, stats = launch.forward(*args, case.eps, case.feature_dim, save_stats=True, chain=chain)
     return y, stats, [m for kind, _, m, _ in seen if kind == "forward"][0]
 
@@ -87,8 +90,7 @@ def test_training_forward_saves_z_positive_as_bits_after_the_row_stats(case, fwd
     _, plain, plain_meta = _training_forward(args, case, chain_of("layer_norm", "tanh", None), **FORWARD_KNOBS[fwd])
     assert not plain_meta.get("SAVE_MASK") and plain.shape == (2, F, B)
     assert torch.equal(stats[:2], plain)
-    forced = lambda D, H, dt, full: configs.heuristic_forward(D, H, dt, full, **FORWARD_KNOBS[fwd])  # noqa: E731
-    with configs.override(forward=forced):
+    with configs.override(forward=_forced_forward(**FORWARD_KNOBS[fwd])):
         y_no_grad = launch.forward(*args, case.eps, case.feature_dim)
     if device == "cpu":
         assert torch.equal(y, y_no_grad)

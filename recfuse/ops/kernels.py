@@ -371,14 +371,14 @@ def _output_store(z, z_lo, bias, y_ptrs, ymask, STATS, stats_half, f, B, rows, r
                   LO_PART: tl.constexpr, EVEN_B: tl.constexpr, BLOCK_H: tl.constexpr):
     """`_bias_act_store` of the forward's z, and with SAVE_MASK (relu) its mask for the backward,
     of z + z_lo with LO_PART (`_lo_part_product`)."""
+    if HAS_BIAS:
+        z += bias[None, :]
     if SAVE_MASK:
-        zb = z
         if LO_PART:
-            zb = z + z_lo
-        if HAS_BIAS:
-            zb = zb + bias[None, :]
-        _store_relu_mask(zb, STATS, stats_half, f, B, rows, rmask, hs, EVEN_B, BLOCK_H)
-    _bias_act_store(z, bias, y_ptrs, ymask, HAS_BIAS, MASKED, OUT_ACT, FAST_TANH)
+            _store_relu_mask(z + z_lo, STATS, stats_half, f, B, rows, rmask, hs, EVEN_B, BLOCK_H)
+        else:
+            _store_relu_mask(z, STATS, stats_half, f, B, rows, rmask, hs, EVEN_B, BLOCK_H)
+    _bias_act_store(z, bias, y_ptrs, ymask, False, MASKED, OUT_ACT, FAST_TANH)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..chain import ACTIVATIONS, DEFAULT, codes as chain_codes
-from .._checks import BoundedDict, call_signature as signature, tensor_signature as _tensor_signature
+from .._checks import BoundedDict, call_signature as signature, stats_planes, tensor_signature as _tensor_signature
 from . import configs, kernels
 from ._compiled_launch import CompiledLaunchCache
 
@@ -200,12 +200,6 @@ def _param_stride(p: Optional[torch.Tensor], per_feature_ndim: int) -> int:
     if p is None or p.dim() != per_feature_ndim:
         return 0
     return p.stride(0)
-
-
-def stats_planes(stats: Optional[torch.Tensor]) -> int:
-    """What a forward's saved row stats hold, for the backward plan's key: 0 (none), 2 (mean and
-    rstd) or 2 + the words of the relu mask (`_relu_mask_words`)."""
-    return 0 if stats is None else stats.shape[0]
 
 
 def _relu_mask_words(D: int, H: int, dtype: torch.dtype, device, chain, fwd_block_h: int) -> int:

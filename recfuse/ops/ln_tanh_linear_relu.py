@@ -29,7 +29,7 @@ import torch.autograd.forward_ad as _fwAD
 
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .._checks import ValidatedSignatures, call_signature, check_op_args
+from .._checks import ValidatedSignatures, call_signature, check_op_args, stats_planes
 from . import _cpu_compiled, configs
 from ..chain import DEFAULT
 from ..reference import batched_feature_mlp, batched_ln_tanh_linear_relu
@@ -287,14 +287,6 @@ class _EagerLnTanhLinearRelu(torch.autograd.Function):
         return _backward(ctx, grad_y, backward_fn=None, n_nontensor=5, stats=stats)
 
 
-def _stats_planes(stats) -> int:
-    """`launch.stats_planes` of what the forward saved: its row stats (a tensor, on the Triton
-    path), the CPU compiled path's saved tensors (-1: no launch plan reads them) or None."""
-    if stats is None:
-        return 0
-    return stats.shape[0] if isinstance(stats, torch.Tensor) else -1
-
-
 def _eager_backward(ctx, stats, grad_y, x, weight, bias, ln_weight, ln_bias):
     """The five gradients of `_EagerLnTanhLinearRelu` (its saved stats and signature): the
     signature's kept backward plan when a step has run it for this grad_y's signature, else
@@ -304,7 +296,7 @@ def _eager_backward(ctx, stats, grad_y, x, weight, bias, ln_weight, ln_bias):
         return _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, ctx.eps, ctx.feature_dim, stats,
                               eager_entry=True, key=ctx.key, chain=ctx.chain)
     seen = ((grad_y.shape, grad_y.stride(), grad_y.dtype, grad_y.device, grad_y.data_ptr() & 15),
-            _stats_planes(stats))
+            stats_planes(stats))
     kept = record.bwd  # (what it was kept for, plan): one attribute, so threads never pair another's
     if kept is not None and kept[0] == seen:
         plan = kept[1]
