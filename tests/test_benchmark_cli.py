@@ -49,6 +49,11 @@ def smoke_commands(out: Path) -> dict[str, list[str]]:
                          "--json", str(out / "sass_mufu.json")],
         "offline_sass_portable": ["offline_sass.py", "--kind", "forward", "--D", "64", "--H", "1", "--dtype", "fp32",
                                   "--tanh-mode", "0", "--json", str(out / "sass_portable.json")],
+        # What ncu runs per point (here without ncu), and the ncu commands for the committed grid's lowest points.
+        "profile_points_child": ["profile_points.py", "--child", "fp32:BFD:per_feature:16:4", "--features", "3",
+                                 "--x-mb", "0.05", "--device", "cpu"],
+        "profile_points_dry": ["profile_points.py", "--from-grid", str(BENCH / "results" / "grid_h100.json"),
+                               "--worst", "2", "--dry-run"],
         # The committed H100 result, read by its stable name.
         "render_results": ["render_results.py", "--plot", str(out / "render.png"),
                            "--update-readme", str(out / "README.md")],
@@ -259,3 +264,27 @@ def test_offline_sass_compiles_for_the_gpu_and_counts(smoke):
     assert portable["per_element"] - mufu["per_element"] >= 3, (portable["per_element"], mufu["per_element"])
     # the issue-rate ceiling rises as the instructions an element fall
     assert 0 < portable["issue_ceiling_pct"] <= mufu["issue_ceiling_pct"] <= 100
+
+
+def test_profile_points_child_runs_and_picks_the_grids_lowest_points(smoke):
+    _, child = smoke("profile_points_child")
+    line = [ln for ln in child.splitlines() if ln.startswith("PROFILE_POINT_KERNELS ")]
+    assert len(line) == 1
+    got = json.loads(line[0].split(" ", 1)[1])
+    assert got["point"] == "fp32:BFD:per_feature:16:4" and got["B"] == 256
+    _, dry = smoke("profile_points_dry")
+    grid = json.loads((BENCH / "results" / "grid_h100.json").read_text())["points"]
+    scope = [p for p in grid if p["x_MB"] >= 64 and p["H"] <= (16 if p["dtype"] == "fp32" else 64)
+             and p.get("chain", "layer_norm,tanh,relu") == "layer_norm,tanh,relu" and "train_pct_floor" in p]
+    commands = [ln for ln in dry.splitlines() if ln.startswith(("ncu ", "/")) and "--child" in ln]
+    named = [c.split("--child ")[1].split()[0] for c in commands]
+    for dt in ("fp32", "bf16"):
+        lowest = min((p for p in scope if p["dtype"] == dt), key=lambda p: p["train_pct_floor"])
+        assert f"{dt}:{lowest['layout']}:{lowest['affine']}:{lowest['D']}:{lowest['H']}" in named
+    assert all("--clock-control none" in c and "--profile-from-start off" in c for c in commands)
+
+
+def test_profile_points_parsers_doctests():
+    proc = subprocess.run([sys.executable, "-m", "doctest", "profile_points.py"], cwd=BENCH, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
