@@ -42,9 +42,10 @@ _TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16
 
 
 def build_plan(kind: str, D: int, H: int, dtype: torch.dtype, *, table: str = "none", knobs: dict = None,
-               F: int = 8, B: int = 4096):
+               F: int = 8, B: int = 4096, affine: bool = True):
     """(plan, config, its source, kernel arguments) of one call in the torchrec layout with a shared
-    weight, bias and per-feature LayerNorm affine, made on CPU tensors with a CUDA call's constexprs."""
+    weight, bias and (`affine`) per-feature LayerNorm affine, made on CPU tensors with a CUDA call's
+    constexprs. A tl.dot backward reads the relu mask where a CUDA training forward saves one."""
     full = D == triton.next_power_of_2(D)
     if knobs:
         cfg = (configs.heuristic_forward(D, H, dtype, full, **knobs) if kind == "forward"
@@ -58,8 +59,12 @@ def build_plan(kind: str, D: int, H: int, dtype: torch.dtype, *, table: str = "n
         raise SystemExit(f"no {kind} kernel covers D={D} H={H} {dtype}")
     x = torch.randn(B, F * D).to(dtype).view(B, F, D)
     w, b = torch.randn(H, D).to(dtype), torch.randn(H).to(dtype)
-    lw, lb = torch.randn(F, D).to(dtype), torch.randn(F, D).to(dtype)
-    stats = torch.randn(2, F, B)
+    lw, lb = (torch.randn(F, D).to(dtype), torch.randn(F, D).to(dtype)) if affine else (None, None)
+    # the planes a CUDA training forward saves: mean, rstd and (`launch._relu_mask_words`) the mask's words
+    min_d = configs.relu_mask_min_d(dtype)
+    words = (max(1, triton.next_power_of_2(max(H, 16)) // 32)
+             if kind == "backward" and cfg.use_dot and min_d is not None and D >= min_d and H <= 64 else 0)
+    stats = torch.randn(2 + words, F, B)
     if kind == "forward":
         with configs.override(forward=cfg):
             plan = launch.forward_plan(x, w, b, lw, lb, 1e-5, 1, save_stats=True)
@@ -98,6 +103,8 @@ def compile_offline(jit_fn, args: tuple, meta: dict, num_warps: int, num_stages:
         if isinstance(a, torch.Tensor):
             signature[name] = _TYPES[a.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]
+        elif a is None:  # an absent parameter: a None constexpr, as the JIT passes it
+            signature[name], constants[(i,)] = "constexpr", None
         elif isinstance(a, float):
             signature[name] = "fp32"
         elif isinstance(a, bool):
@@ -169,6 +176,7 @@ def main(argv=None) -> int:
     ap.add_argument("--table", default="h100-80gb-hbm3",
                     help='tuned table whose lookup to compile (its nearest entry; "none": the heuristic)')
     ap.add_argument("--knobs", type=json.loads, default=None, help="config knobs (JSON), over the heuristic's")
+    ap.add_argument("--affine", choices=["per_feature", "none"], default="per_feature", help="LayerNorm affine")
     ap.add_argument("--tanh-mode", type=int, choices=[0, 1, 2], help="FAST_TANH instead of a CUDA call's")
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
     ap.add_argument("--top", type=int, default=16, help="opcodes shown")
@@ -178,7 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the report here")
     args = ap.parse_args(argv)
     dtype = DTYPES[args.dtype]
-    plan, cfg, source, kernel_args = build_plan(args.kind, args.D, args.H, dtype, table=args.table, knobs=args.knobs)
+    plan, cfg, source, kernel_args = build_plan(args.kind, args.D, args.H, dtype, table=args.table, knobs=args.knobs,
+                                                   affine=args.affine == "per_feature")
     if args.tanh_mode is not None:
         plan.meta["FAST_TANH"] = args.tanh_mode
     # the forward launches with Triton's default num_stages (3), the backward with its config's
