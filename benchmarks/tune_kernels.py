@@ -291,7 +291,8 @@ def main(argv=None) -> int:
     ap.add_argument("--save", nargs="?", const=configs.TUNED_DIR, help="write <dir>/<gpu>.json (default: the package's table dir)")
     ap.add_argument("--merge", action="store_true", help="keep the saved table's entries for shapes not in this run")
     ap.add_argument("--resume", action="store_true", help="with --merge: skip shapes the saved table has")
-    ap.add_argument("--only", default="all", choices=["all", "unroll_h", "loop_stages", "col_sums", "persistent", "split_dw", "block_k", "row_parts"],
+    ap.add_argument("--only", default="all", choices=["all", "unroll_h", "loop_stages", "col_sums", "persistent", "split_dw", "block_k", "row_parts",
+                             "k_loop"],
                     help="time only the heuristic, the saved entry (with --merge) and the candidates that set "
                          "this knob")
     ap.add_argument("--confirm-scale", type=int, default=4,

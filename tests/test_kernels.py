@@ -127,6 +127,22 @@ def test_k_chunked_forward_matches_float64(case, changes, dtype):
     assert seen == [(16, case.D // 16)], seen
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case, changes", CHUNKED_CASES, ids=str)
+def test_chunk_loop_forward_matches_float64(case, changes, dtype):
+    # The same chunks walked by a runtime loop (`ForwardConfig.k_loop`), 1 or 2 deep: the
+    # statistics' combination weights are computed at run time instead of compile time.
+    k_loop = 2 if case.D in (48, 64) else 1  # each depth runs, with 2, 3, 4 and 5 chunks
+
+    def chunk_loop(D, H, dt, full_tiles=True):
+        return configs.heuristic_forward(D, H, dt, full_tiles, block_k=16, k_loop=k_loop, **changes)
+
+    with configs.override(forward=chunk_loop), launch.trace_launches() as launches:
+        check_against_float64(case, dtype)
+    seen = [(meta["BLOCK_K"], meta["K_CHUNKS"], meta["K_LOOP"]) for kind, _, meta, _ in launches if kind == "forward"]
+    assert seen == [(16, case.D // 16, k_loop)], seen
+
+
 PERSISTENT_ROW_CASES = [  # (case, block_h): the row path (no tl.dot) with persistent programs
     (Case(2, 37, 32, 1, ln="per_feature"), 1),
     (Case(3, 29, 48, 1, feature_dim=1, strided_view=True, ln="shared", bias="per_feature"), 1),

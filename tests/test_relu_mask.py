@@ -43,6 +43,7 @@ BACKWARD_KNOBS = {
 FORWARD_KNOBS = {
     "whole_row": dict(use_dot=True, block_b=16, block_k=0, persistent=0),
     "chunked": dict(use_dot=True, block_b=16, block_k=32, persistent=0),
+    "chunk_loop": dict(use_dot=True, block_b=16, block_k=16, persistent=0, k_loop=2),
 }
 
 

@@ -98,6 +98,10 @@ class ForwardConfig(TileConfig):
     # No tl.dot, H > 1: 1 takes one output column at a time (BLOCK_H = 1: a row reduction per
     # column, 2D tiles) instead of blocks of up to 4 columns as [rows, 4, D] broadcast sums.
     unroll_h: int = 0
+    # block_k only: 0 unrolls the chunk loops (every chunk's loads may be in flight, each holding
+    # registers); n >= 1 walks the chunks in a runtime loop with the next n - 1 chunks' loads in
+    # flight (`kernels._chunked_norm_act_linear`'s K_LOOP).
+    k_loop: int = 0
 
 
 def relu_mask_min_d(dtype: torch.dtype) -> Optional[int]:
@@ -173,7 +177,7 @@ class BackwardConfig(TileConfig):
 KernelConfig = ForwardConfig  # the name launch-level code and older tests use
 
 _FORWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "persistent", "tile_stages", "block_k")
-_OPTIONAL_FORWARD_KNOBS = ("unroll_h",)
+_OPTIONAL_FORWARD_KNOBS = ("unroll_h", "k_loop")
 _BACKWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "programs_per_sm", "num_stages")
 # Knobs an older table's entries may lack: the heuristic's value stands.
 _OPTIONAL_BACKWARD_KNOBS = ("block_k", "prefetch", "unroll_h", "loop_stages", "col_sums", "split_dw", "dw_block_b",
@@ -727,6 +731,8 @@ def forward_fits(cfg: ForwardConfig, D: int, H: int) -> bool:
     # Row tiles are tl.arange ranges: powers of two (block_d and block_h follow from the shape).
     if not _power_of_two(cfg.block_b) or cfg.num_warps not in (1, 2, 4, 8, 16):
         return False
+    if cfg.k_loop and not (cfg.block_k and cfg.block_k < cfg.block_d):
+        return False  # a chunk loop needs chunks
     if cfg.use_dot:
         if cfg.block_d < 16 or cfg.block_b < 16:
             return False

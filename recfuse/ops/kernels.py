@@ -432,11 +432,14 @@ def _chunked_norm_act_linear(
     X_EVICT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     NORM: tl.constexpr, ACT: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr,
-    LO_PART: tl.constexpr = False,
+    LO_PART: tl.constexpr = False, K_LOOP: tl.constexpr = 0,
 ):
     """(z = act(norm(x)) @ w^T, z_lo, mean, rstd) of a row tile, BLOCK_K columns at a time
     (D == K_CHUNKS * BLOCK_K: no column masks, also where D is not a power of two).
     The product: tl.dot, or (not USE_DOT, H <= 4) a row reduction or [rows, H, BLOCK_K] sum per chunk.
+    K_LOOP 0: both chunk loops unrolled (every chunk's loads may be in flight at once, and hold
+    registers: 255 with spills at bf16 D=512 H=16); n >= 1: runtime loops, the next n - 1 chunks'
+    loads in flight (`tl.range(num_stages=n)`).
 
     Only a [rows, BLOCK_K] slice of x and of the weight is live at once, instead of the whole
     [rows, D] tile and [H, D] weight (with 3xTF32 those held 255 registers and spilled). The
@@ -456,18 +459,14 @@ def _chunked_norm_act_linear(
     if NORM == 1 and x_rows.dtype.element_ty == tl.float32:  # 16-bit chunk sums are exact
         pivot = tl.load(x_rows, mask=rmask, other=0.0).to(tl.float32)
     if NORM != 0:
-        for kc in tl.static_range(K_CHUNKS):
-            xk = _load_rows(x_rows[:, None] + (kc * BLOCK_K + ks)[None, :] * stride_x_d, rmask, EVEN_B, X_EVICT)
-            if NORM == 2:
-                m2 = m2 + tl.sum(xk * xk, axis=1)  # mean stays 0
-            else:
-                xk = xk - pivot[:, None]
-                mk = tl.sum(xk, axis=1) / BLOCK_K
-                dk = xk - mk[:, None]
-                delta = mk - mean
-                # n_a rows of statistics so far combine with BLOCK_K new ones (constants at compile time).
-                mean = mean + delta * (BLOCK_K / (kc * BLOCK_K + BLOCK_K))
-                m2 = m2 + tl.sum(dk * dk, axis=1) + delta * delta * (kc * BLOCK_K * BLOCK_K / (kc * BLOCK_K + BLOCK_K))
+        if K_LOOP:
+            for kc in tl.range(0, K_CHUNKS, num_stages=K_LOOP):
+                mean, m2 = _chunk_stats_step(x_rows, kc, ks, rmask, pivot, mean, m2, stride_x_d, EVEN_B, X_EVICT,
+                                             NORM, BLOCK_K)
+        else:
+            for kc in tl.static_range(K_CHUNKS):
+                mean, m2 = _chunk_stats_step(x_rows, kc, ks, rmask, pivot, mean, m2, stride_x_d, EVEN_B, X_EVICT,
+                                             NORM, BLOCK_K)
     var = m2 / D
     mean = pivot + mean
     if NORM == 1:
@@ -479,29 +478,70 @@ def _chunked_norm_act_linear(
     acc = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
     acc_lo = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
     hmask = hs < H
-    for kc in tl.static_range(K_CHUNKS):
-        cols = kc * BLOCK_K + ks
-        xk = _load_rows(x_rows[:, None] + cols[None, :] * stride_x_d, rmask, EVEN_B, "")
-        if NORM == 0:
-            a = xk
-        else:
-            a = (xk - mean[:, None]) * rstd[:, None]
-        if HAS_LNW:
-            a = a * tl.load(LNW + f * stride_lnw_f + cols).to(tl.float32)[None, :]
-        if HAS_LNB:
-            a = a + tl.load(LNB + f * stride_lnb_f + cols).to(tl.float32)[None, :]
-        t = _activate(a, ACT, FAST_TANH)
-        if not EVEN_B:
-            t = tl.where(rmask[:, None], t, 0.0)  # padded rows: rstd may be inf, t NaN
-        wk = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :], mask=hmask[:, None], other=0.0)
-        if USE_DOT:
-            t_dot = t.to(DOT_DTYPE)
-            acc = tl.dot(t_dot, tl.trans(wk.to(DOT_DTYPE)), acc, input_precision=PRECISION, out_dtype=tl.float32)
-            if LO_PART:
-                acc_lo = _lo_part_product(t, t_dot, wk.to(DOT_DTYPE), acc_lo, DOT_DTYPE, PRECISION)
-        else:
-            acc += _row_linear(t, wk.to(tl.float32), False, BLOCK_H, PRECISION)
+    if K_LOOP:
+        for kc in tl.range(0, K_CHUNKS, num_stages=K_LOOP):
+            acc, acc_lo = _chunk_linear_step(x_rows, kc, ks, hs, hmask, rmask, f, mean, rstd, acc, acc_lo, W, LNW, LNB,
+                                             stride_x_d, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f, HAS_LNW,
+                                             HAS_LNB, FAST_TANH, EVEN_B, DOT_DTYPE, PRECISION, NORM, ACT, USE_DOT,
+                                             BLOCK_H, BLOCK_K, LO_PART)
+    else:
+        for kc in tl.static_range(K_CHUNKS):
+            acc, acc_lo = _chunk_linear_step(x_rows, kc, ks, hs, hmask, rmask, f, mean, rstd, acc, acc_lo, W, LNW, LNB,
+                                             stride_x_d, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f, HAS_LNW,
+                                             HAS_LNB, FAST_TANH, EVEN_B, DOT_DTYPE, PRECISION, NORM, ACT, USE_DOT,
+                                             BLOCK_H, BLOCK_K, LO_PART)
     return acc, acc_lo, mean, rstd
+
+
+@triton.jit
+def _chunk_stats_step(x_rows, kc, ks, rmask, pivot, mean, m2, stride_x_d, EVEN_B: tl.constexpr,
+                      X_EVICT: tl.constexpr, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Chunk kc's columns added to the rows' running (mean, m2) of `_chunked_norm_act_linear`:
+    the chunk's own mean and centred sum of squares, combined as Chan et al. do."""
+    xk = _load_rows(x_rows[:, None] + (kc * BLOCK_K + ks)[None, :] * stride_x_d, rmask, EVEN_B, X_EVICT)
+    if NORM == 2:
+        m2 = m2 + tl.sum(xk * xk, axis=1)  # mean stays 0
+    else:
+        xk = xk - pivot[:, None]
+        mk = tl.sum(xk, axis=1) / BLOCK_K
+        dk = xk - mk[:, None]
+        delta = mk - mean
+        # kc * BLOCK_K columns of statistics so far combine with BLOCK_K new ones.
+        seen = kc * BLOCK_K
+        mean = mean + delta * (BLOCK_K / (seen + BLOCK_K))
+        m2 = m2 + tl.sum(dk * dk, axis=1) + delta * delta * (seen * BLOCK_K / (seen + BLOCK_K))
+    return mean, m2
+
+
+@triton.jit
+def _chunk_linear_step(x_rows, kc, ks, hs, hmask, rmask, f, mean, rstd, acc, acc_lo, W, LNW, LNB, stride_x_d,
+                       stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f, HAS_LNW: tl.constexpr,
+                       HAS_LNB: tl.constexpr, FAST_TANH: tl.constexpr, EVEN_B: tl.constexpr,
+                       DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
+                       USE_DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, LO_PART: tl.constexpr):
+    """Chunk kc of `_chunked_norm_act_linear`'s product: normalised, activated, multiplied into acc."""
+    cols = kc * BLOCK_K + ks
+    xk = _load_rows(x_rows[:, None] + cols[None, :] * stride_x_d, rmask, EVEN_B, "")
+    if NORM == 0:
+        a = xk
+    else:
+        a = (xk - mean[:, None]) * rstd[:, None]
+    if HAS_LNW:
+        a = a * tl.load(LNW + f * stride_lnw_f + cols).to(tl.float32)[None, :]
+    if HAS_LNB:
+        a = a + tl.load(LNB + f * stride_lnb_f + cols).to(tl.float32)[None, :]
+    t = _activate(a, ACT, FAST_TANH)
+    if not EVEN_B:
+        t = tl.where(rmask[:, None], t, 0.0)  # padded rows: rstd may be inf, t NaN
+    wk = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :], mask=hmask[:, None], other=0.0)
+    if USE_DOT:
+        t_dot = t.to(DOT_DTYPE)
+        acc = tl.dot(t_dot, tl.trans(wk.to(DOT_DTYPE)), acc, input_precision=PRECISION, out_dtype=tl.float32)
+        if LO_PART:
+            acc_lo = _lo_part_product(t, t_dot, wk.to(DOT_DTYPE), acc_lo, DOT_DTYPE, PRECISION)
+    else:
+        acc += _row_linear(t, wk.to(tl.float32), False, BLOCK_H, PRECISION)
+    return acc, acc_lo
 
 
 @triton.jit
@@ -520,7 +560,7 @@ def _forward_tile(
     FAST_TANH: tl.constexpr, SAVE_STATS: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr, W_LOADED: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_CHUNKS: tl.constexpr, SAVE_MASK: tl.constexpr,
+    K_CHUNKS: tl.constexpr, SAVE_MASK: tl.constexpr, K_LOOP: tl.constexpr,
 ):
     """One tile of BLOCK_B rows of feature f. W_LOADED: the caller holds the whole weight block
     (w1, bias1: H <= BLOCK_H); otherwise the weight is read block by block after the tanh."""
@@ -538,7 +578,7 @@ def _forward_tile(
         z, z_lo, mean, rstd = _chunked_norm_act_linear(
             x_rows, rmask, f, D, H, eps, W, LNW, LNB, stride_x_d, stride_w_f, stride_w_h,
             stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_B, X_EVICT, DOT_DTYPE,
-            DOT_PRECISION, NORM, ACT, USE_DOT, BLOCK_B, BLOCK_H, BLOCK_K, K_CHUNKS, LO_PART,
+            DOT_PRECISION, NORM, ACT, USE_DOT, BLOCK_B, BLOCK_H, BLOCK_K, K_CHUNKS, LO_PART, K_LOOP,
         )
     else:
         _, _, t, mean, rstd, _ = _normalize_activate(
@@ -620,7 +660,7 @@ def ln_tanh_linear_relu_fwd(
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
     PERSISTENT: tl.constexpr, TILE_STAGES: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_CHUNKS: tl.constexpr, SAVE_MASK: tl.constexpr = False,
+    K_CHUNKS: tl.constexpr, SAVE_MASK: tl.constexpr = False, K_LOOP: tl.constexpr = 0,
 ):
     # STATS (SAVE_STATS, for a backward that follows): [2, F, B] fp32, mean then rstd; with
     # SAVE_MASK (relu, H <= BLOCK_H <= 64) also z's relu mask as bits in the planes after them
@@ -656,7 +696,7 @@ def ln_tanh_linear_relu_fwd(
                 stride_bias_f, stride_lnw_f, stride_lnb_f, stride_y_f, stride_y_b, eps,
                 HAS_BIAS, HAS_LNW, HAS_LNB, NORM, ACT, OUT_ACT, USE_DOT, DOT_DTYPE, DOT_PRECISION, FAST_TANH,
                 SAVE_STATS, EVEN_D, EVEN_B, X_EVICT, BLOCK_K == BLOCK_D, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K,
-                K_CHUNKS, SAVE_MASK,
+                K_CHUNKS, SAVE_MASK, K_LOOP,
             )
     else:
         _forward_tile(
@@ -665,6 +705,7 @@ def ln_tanh_linear_relu_fwd(
             stride_bias_f, stride_lnw_f, stride_lnb_f, stride_y_f, stride_y_b, eps,
             HAS_BIAS, HAS_LNW, HAS_LNB, NORM, ACT, OUT_ACT, USE_DOT, DOT_DTYPE, DOT_PRECISION, FAST_TANH,
             SAVE_STATS, EVEN_D, EVEN_B, X_EVICT, False, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K, K_CHUNKS, SAVE_MASK,
+            K_LOOP,
         )
 
 

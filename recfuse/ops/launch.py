@@ -359,6 +359,7 @@ def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, s
         PERSISTENT=persistent, TILE_STAGES=cfg.tile_stages,
         BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
         BLOCK_K=cfg.block_k if chunked else cfg.block_d, K_CHUNKS=D // cfg.block_k if chunked else 1,
+        K_LOOP=cfg.k_loop if chunked else 0,
     )
     if cfg.use_dot and _FWD_PRECISION.get(_forward_unfit_key(x, weight, chain, even_d and even_b)) == "ieee":
         meta["DOT_PRECISION"] = "ieee"

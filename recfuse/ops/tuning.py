@@ -76,6 +76,19 @@ def forward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Forwa
             if block_b * block_d <= 4 * configs.TILE_BUDGET:
                 out.append(configs.ForwardConfig(block_b, block_d, block_h, True, warps, persistent=persistent,
                                                  tile_stages=2 if persistent else 1, block_k=block_k))
+    # Chunked rows in a runtime chunk loop (`ForwardConfig.k_loop`): the unrolled loops of wide rows
+    # held every chunk's loads (offline, sm_90: bf16 D=512 H=16 255 registers with 464 B spilled
+    # and 192 KB of shared memory, 180 / none / 31 KB as a loop; fp32 D=512 H=16 255 -> 94)
+    # As few registers let longer row tiles and more warps fit.
+    if block_d >= 16 and H >= 2 and 16 * block_d <= configs.TILE_BUDGET and H <= configs.dot_block_h(H):
+        block_h = configs.dot_block_h(H)
+        chunk = configs.chunk_width(D, 32 if block_h <= 16 else 64)
+        shapes = ((32, 4, 0), (64, 4, 0), (64, 8, 0), (128, 4, 0), (128, 8, 0), (64, 4, 1), (64, 8, 1))
+        for (block_b, warps, persistent), block_k, k_loop in itertools.product(
+                shapes, dict.fromkeys((chunk, 2 * chunk)), (1, 2)):
+            if block_k and D % block_k == 0 and D // block_k >= 4:
+                out.append(configs.ForwardConfig(block_b, block_d, block_h, True, warps, persistent=persistent,
+                                                 tile_stages=2 if persistent else 1, block_k=block_k, k_loop=k_loop))
     return list(dict.fromkeys(out))
 
 
@@ -224,10 +237,10 @@ def kernel_path(cfg) -> tuple:
 
     Example:
         >>> kernel_path(configs.heuristic_forward(256, 1, torch.float32))
-        ('forward', False, False, False, False)
+        ('forward', False, False, False, False, False)
     """
     if isinstance(cfg, configs.ForwardConfig):
-        return ("forward", cfg.use_dot, bool(cfg.block_k), bool(cfg.persistent), bool(cfg.unroll_h))
+        return ("forward", cfg.use_dot, bool(cfg.block_k), bool(cfg.persistent), bool(cfg.unroll_h), bool(cfg.k_loop))
     return ("backward", cfg.use_dot, bool(cfg.block_k), bool(cfg.unroll_h), bool(cfg.loop_stages),
             bool(cfg.col_sums), bool(cfg.prefetch), bool(cfg.split_dw), bool(cfg.row_parts))
 
