@@ -90,7 +90,7 @@ def weight_kernel_args(plan, kernel_args: tuple) -> tuple:
     """The split backward's weight-gradient kernel arguments (x, dz, stats, ln affine, partial),
     from the fused kernel's."""
     gy, x, w, b, lw, lb, dx, partial, stats, dz = kernel_args[:10]
-    return (x, dz, stats, lw, lb, partial) + tuple(plan.weight_ints)
+    return (x, dz, stats, lw, lb, partial, w) + tuple(plan.weight_ints)
 
 
 def compile_offline(jit_fn, args: tuple, meta: dict, num_warps: int, num_stages: int, arch: int = 90):

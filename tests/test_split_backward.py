@@ -48,6 +48,30 @@ def test_split_weight_gradient_matches_float64_and_the_fused_kernel(case, dtype,
     assert_backward_close(split, fused, gy, args, case, chain, dtype, same_bits=device == "cpu")
 
 
+# Cases with a norm and some LayerNorm affine: the ones whose affine gradients can move.
+LN_CASES = [(case, dtype, chain) for case, dtype, chain in CASES
+            if case.ln != "none" and (chain is None or chain.norm is not None)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case, dtype, chain", LN_CASES, ids=str)
+def test_layer_norm_affine_gradients_in_the_weight_kernel_match_float64_and_the_fused_kernel(case, dtype, chain,
+                                                                                            device):
+    # `BackwardConfig.split_ln`: the weight kernel makes the affine's column sums too (dt again
+    # for its columns), the fused kernel none; dx and the bias gradient stay the fused kernel's.
+    chain = chain or DEFAULT_CHAIN
+    case = _scaled(case, device)
+    args, gy = chain_backward_inputs(case, dtype, chain, seed=5, device=device)
+    knobs = dict(use_dot=True, block_b=16, programs_per_sm=1, block_k=0, prefetch=0)
+    split, meta = forced_backward(gy, args, case, None, chain, split_dw=16, dw_block_b=16, split_ln=1, **knobs)
+    fused, _ = forced_backward(gy, args, case, None, chain, **knobs)
+    assert meta["DZ_OUT"] and meta.get("LN_IN_WEIGHT")
+    assert_backward_close(split, fused, gy, args, case, chain, dtype)
+    for name, g, f in zip(("x", "bias"), (split[0], split[2]), (fused[0], fused[2])):
+        if device == "cpu" and f.numel():  # the same code made them: the same bits
+            assert torch.equal(g, f), name
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_split_weight_gradient_is_bitwise_deterministic_and_launches_three_kernels(device, monkeypatch):
     case = _scaled(Case(2, 48, 64, 20, ln="per_feature"), device)

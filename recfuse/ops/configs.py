@@ -168,6 +168,10 @@ class BackwardConfig(TileConfig):
     dw_block_b: int = 64
     dw_num_warps: int = 4
     dw_num_stages: int = 3
+    # split_dw only: 1 makes the LayerNorm affine's gradients in the weight-gradient kernel too
+    # (its columns' dt = dz @ w again, column sums per row slot, reduced once), so that the fused
+    # kernel's row loop has no cross-warp column sums and no [D] accumulators.
+    split_ln: int = 0
     # H = 1 without tl.dot, D the sum of two powers of two (48, 96, 160, ...): 1 walks each row
     # tile as those two unmasked parts (`kernels.ln_tanh_linear_relu_bwd_rows2`; needs the
     # forward's row stats) instead of one tile padded to the next power of two.
@@ -181,7 +185,7 @@ _OPTIONAL_FORWARD_KNOBS = ("unroll_h", "k_loop")
 _BACKWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "programs_per_sm", "num_stages")
 # Knobs an older table's entries may lack: the heuristic's value stands.
 _OPTIONAL_BACKWARD_KNOBS = ("block_k", "prefetch", "unroll_h", "loop_stages", "col_sums", "split_dw", "dw_block_b",
-                            "dw_num_warps", "dw_num_stages", "row_parts")
+                            "dw_num_warps", "dw_num_stages", "row_parts", "split_ln")
 
 # ---------------------------------------------------------------------------------------------
 # the heuristic
@@ -752,6 +756,8 @@ def backward_fits(cfg: BackwardConfig, D: int, H: int) -> bool:
             return False
         # The weight-gradient kernel's column chunk and row tile are tl.arange ranges: powers of two
         # (split_dw=48 and dw_block_b=24 were accepted, and its launch failed to build).
+        if cfg.split_ln and not cfg.split_dw:
+            return False
         if cfg.split_dw and (cfg.block_k or cfg.split_dw < 16 or cfg.split_dw > cfg.block_d
                              or not _power_of_two(cfg.split_dw) or cfg.dw_block_b < 16
                              or not _power_of_two(cfg.dw_block_b) or cfg.dw_num_warps not in (1, 2, 4, 8)):

@@ -828,7 +828,7 @@ def ln_tanh_linear_relu_bwd(
     LOAD_STATS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PREFETCH: tl.constexpr = False,
     UNROLL_H: tl.constexpr = False, LOOP_STAGES: tl.constexpr = None, COL_SUMS: tl.constexpr = False,
-    DZ_OUT: tl.constexpr = False, LOAD_MASK: tl.constexpr = False,
+    DZ_OUT: tl.constexpr = False, LOAD_MASK: tl.constexpr = False, LN_IN_WEIGHT: tl.constexpr = False,
 ):
     # EVEN_B: every program's rows are all < B (B is a multiple of rows_per_program).
     # LOAD_STATS: STATS holds the forward's per-row mean and rstd ([2, F, B] fp32).
@@ -851,6 +851,8 @@ def ln_tanh_linear_relu_bwd(
     # column chunks. The [H, D] accumulator and its dot leave this kernel's registers.
     # LOAD_MASK (tl.dot path, relu): the forward's relu mask from STATS's planes after mean and
     # rstd (`_load_relu_mask`) instead of z recomputed: no z dot, and t needs no parts for it.
+    # LN_IN_WEIGHT (with DZ_OUT): the LayerNorm affine's gradients are the weight kernel's too
+    # (its LN_GRADS); this kernel neither sums nor writes them.
     # PARTIAL row of this program: [H*D weight | H bias | D ln_weight | D ln_bias], fp32.
     pid_p = tl.program_id(0)
     f = tl.program_id(1).to(tl.int64)
@@ -1054,12 +1056,12 @@ def ln_tanh_linear_relu_bwd(
         da = dt * _activate_grad(a, t, ACT, FAST_TANH)
         if not (EVEN_D and EVEN_B):
             da = tl.where(mask, da, 0.0)
-        if HAS_LNW:
+        if HAS_LNW and not LN_IN_WEIGHT:
             if SUM_PER_TILE:
                 acc_lnw_rows += tl.sum(da * xhat, axis=0, keep_dims=True)
             else:
                 acc_lnw_rows += da * xhat
-        if HAS_LNB:
+        if HAS_LNB and not LN_IN_WEIGHT:
             if SUM_PER_TILE:
                 acc_lnb_rows += tl.sum(da, axis=0, keep_dims=True)
             else:
@@ -1102,8 +1104,9 @@ def ln_tanh_linear_relu_bwd(
         tl.store(part + H * D + hs, tl.sum(acc_b_rows, axis=0), mask=hmask)
     part += H * D + H
     # Absent LayerNorm affine: zeros, so the reduction stays one uniform pass.
-    tl.store(part + cols, tl.sum(acc_lnw_rows, axis=0), mask=cmask)
-    tl.store(part + D + cols, tl.sum(acc_lnb_rows, axis=0), mask=cmask)
+    if not LN_IN_WEIGHT:
+        tl.store(part + cols, tl.sum(acc_lnw_rows, axis=0), mask=cmask)
+        tl.store(part + D + cols, tl.sum(acc_lnb_rows, axis=0), mask=cmask)
 
 
 @triton.jit
@@ -1267,15 +1270,16 @@ def ln_tanh_linear_relu_bwd_rows2(
 
 @triton.jit
 def ln_tanh_linear_relu_bwd_weight(
-    X, DZ, STATS, LNW, LNB, PARTIAL,
+    X, DZ, STATS, LNW, LNB, PARTIAL, W,
     B, D, H, rows_per_program, stats_half,
     stride_x_f, stride_x_b, stride_x_d,
-    stride_lnw_f, stride_lnb_f, stride_part_prog,
+    stride_lnw_f, stride_lnb_f, stride_part_prog, stride_w_f, stride_w_h,
     HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
     FAST_TANH: tl.constexpr, BWD_DOT_PRECISION: tl.constexpr, BWD_DOT_DTYPE: tl.constexpr,
     DOT_UPCAST: tl.constexpr, SPLIT_DW: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    LN_GRADS: tl.constexpr = False, SPLIT_DT: tl.constexpr = 3,
 ):
     """The weight gradient dz^T @ t of `ln_tanh_linear_relu_bwd` with DZ_OUT, as a GEMM over rows.
 
@@ -1285,6 +1289,11 @@ def ln_tanh_linear_relu_bwd_weight(
     from those columns of x and the rows' saved mean and rstd, so the live state is a [BLOCK_H,
     BLOCK_K] accumulator and one [BLOCK_B, BLOCK_K] tile, whatever D. The products are the fused
     kernel's: 16-bit parts of fp32 values (`_dot_parts`, SPLIT_DW) or fp32 operands.
+    LN_GRADS: the LayerNorm affine's gradients of these columns too (the fused kernel then makes
+    none): dt = dz @ w for the columns (the fused kernel's product, SPLIT_DT), the activation's
+    gradient, and the column sums of da * xhat and da kept per row slot ([BLOCK_B, BLOCK_K],
+    elementwise adds) and reduced once after the loop: a program owns its columns, so the
+    fused kernel's cross-warp reduction per row tile and the [D] accumulators leave the row loop.
     EVEN_D: D % BLOCK_K == 0. EVEN_B: every tile's rows are < B.
     """
     pid_p = tl.program_id(0)
@@ -1294,9 +1303,18 @@ def ln_tanh_linear_relu_bwd_weight(
     kmask = cols < D
     hs = tl.arange(0, BLOCK_H)
     hmask = hs < H
-    DZ_PARTS: tl.constexpr = 1 if DZ.dtype.element_ty == BWD_DOT_DTYPE else SPLIT_DW
+    SPLIT16: tl.constexpr = BWD_DOT_DTYPE != tl.float32
+    DZ_PARTS: tl.constexpr = 1 if DZ.dtype.element_ty == BWD_DOT_DTYPE else max(SPLIT_DW, SPLIT_DT if LN_GRADS else 1)
     T_PARTS: tl.constexpr = 1 if X.dtype.element_ty == BWD_DOT_DTYPE else SPLIT_DW
+    W_PARTS: tl.constexpr = 1 if W.dtype.element_ty == BWD_DOT_DTYPE else SPLIT_DT
     acc = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
+    acc_lnw_rows = tl.zeros([BLOCK_B, BLOCK_K], dtype=tl.float32)
+    acc_lnb_rows = tl.zeros([BLOCK_B, BLOCK_K], dtype=tl.float32)
+    if LN_GRADS:
+        wk = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :],
+                     mask=hmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        if SPLIT16:
+            w0, w1, w2 = _split16(wk, BWD_DOT_DTYPE, W_PARTS)
     row_start = pid_p * rows_per_program
     for r0 in tl.range(row_start, row_start + rows_per_program, BLOCK_B):
         rows = r0 + tl.arange(0, BLOCK_B)
@@ -1311,7 +1329,7 @@ def ln_tanh_linear_relu_bwd_weight(
             else:
                 mean = tl.load(STATS + f * B + rows64, mask=rmask, other=0.0)
                 rstd = tl.load(STATS + stats_half + f * B + rows64, mask=rmask, other=0.0)
-        _, _, t, _ = _chunk_norm_act(
+        xhat, a, t, g = _chunk_norm_act(
             X, f * stride_x_f + rows64 * stride_x_b, cols, kmask, rmask, f, mean, rstd, LNW, LNB, stride_x_d,
             stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_D, EVEN_B, X_EVICT, NORM, ACT)
         dz_ptrs = DZ + (f * B + rows64)[:, None] * H + hs[None, :]
@@ -1319,15 +1337,33 @@ def ln_tanh_linear_relu_bwd_weight(
             dz = tl.load(dz_ptrs, mask=hmask[None, :], other=0.0)
         else:
             dz = tl.load(dz_ptrs, mask=rmask[:, None] & hmask[None, :], other=0.0)
-        if BWD_DOT_DTYPE == tl.float32:
-            acc += tl.dot(tl.trans(dz.to(tl.float32)), t, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
+        if not SPLIT16:
+            dz = dz.to(tl.float32)
+            acc += tl.dot(tl.trans(dz), t, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
+            if LN_GRADS:
+                dt = tl.dot(dz, wk, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
         else:
             dz0, dz1, dz2 = _split16(dz.to(tl.float32), BWD_DOT_DTYPE, DZ_PARTS)
             t0, t1, t2 = _split16(t, BWD_DOT_DTYPE, T_PARTS)
             acc = _dot_parts(tl.trans(dz0), tl.trans(dz1), tl.trans(dz2), t0, t1, t2, acc,
-                             DZ_PARTS, T_PARTS, SPLIT_DW, DOT_UPCAST)
+                             min(DZ_PARTS, SPLIT_DW), T_PARTS, SPLIT_DW, DOT_UPCAST)
+            if LN_GRADS:
+                dt = _dot_parts(dz0, dz1, dz2, w0, w1, w2, tl.zeros([BLOCK_B, BLOCK_K], dtype=tl.float32),
+                                min(DZ_PARTS, SPLIT_DT), W_PARTS, SPLIT_DT, DOT_UPCAST)
+        if LN_GRADS:
+            da = dt * _activate_grad(a, t, ACT, FAST_TANH)
+            if not (EVEN_D and EVEN_B):
+                da = tl.where(rmask[:, None] & kmask[None, :], da, 0.0)
+            if HAS_LNW:
+                acc_lnw_rows += da * xhat
+            if HAS_LNB:
+                acc_lnb_rows += da
     part = PARTIAL + (f * n_prog + pid_p) * stride_part_prog
     tl.store(part + hs[:, None] * D + cols[None, :], acc, mask=hmask[:, None] & kmask[None, :])
+    if LN_GRADS:
+        # Absent LayerNorm affine: zeros (the fused kernel's rule), so the reduction stays uniform.
+        tl.store(part + H * D + H + cols, tl.sum(acc_lnw_rows, axis=0), mask=kmask)
+        tl.store(part + H * D + H + D + cols, tl.sum(acc_lnb_rows, axis=0), mask=kmask)
 
 
 @triton.jit

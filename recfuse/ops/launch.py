@@ -501,7 +501,7 @@ class BackwardPlan:
         reduce_tensors = (partial, gw, gb if bias is not None else gw, glw if ln_weight is not None else gw,
                           glb if ln_bias is not None else gw)
         split = self.weight_meta is not None
-        weight_tensors = (x, dz, stats, lnw, lnb, partial) if split else None
+        weight_tensors = (x, dz, stats, lnw, lnb, partial, weight) if split else None
         if self.bound is not None and self.bound_reduce is not None and (self.bound_weight is not None or not split):
             self.bound(*tensors)
             if split:
@@ -677,7 +677,11 @@ def _add_weight_kernel(plan: BackwardPlan, grad_y, x, ln_weight, ln_bias, F, B, 
     block_k = min(cfg.split_dw, cfg.block_d)
     plan.weight_grid = (plan.grid[0], F, triton.cdiv(D, block_k))
     plan.weight_ints = (B, D, H, rows_per_program, F * B, sxf, sxb, x.stride(2),
-                        _param_stride(ln_weight, 2), _param_stride(ln_bias, 2), plan.ints[-3])
+                        _param_stride(ln_weight, 2), _param_stride(ln_bias, 2), plan.ints[-3],
+                        plan.ints[14], plan.ints[15])  # the weight's feature and row strides
+    # The LayerNorm affine's gradients move too (`BackwardConfig.split_ln`): the fused kernel then
+    # has no column sums in its row loop.
+    ln_grads = bool(cfg.split_ln) and meta["NORM"] != 0 and (meta["HAS_LNW"] or meta["HAS_LNB"])
     plan.weight_meta = dict(
         HAS_LNW=meta["HAS_LNW"], HAS_LNB=meta["HAS_LNB"], NORM=meta["NORM"], ACT=meta["ACT"],
         FAST_TANH=meta["FAST_TANH"], BWD_DOT_PRECISION=meta["BWD_DOT_PRECISION"],
@@ -685,6 +689,9 @@ def _add_weight_kernel(plan: BackwardPlan, grad_y, x, ln_weight, ln_bias, F, B, 
         EVEN_D=D % block_k == 0, EVEN_B=B > 0 and B % rows_per_program == 0, X_EVICT=cfg.x_evict,
         BLOCK_B=cfg.dw_block_b, BLOCK_K=block_k, BLOCK_H=cfg.block_h,
     )
+    if ln_grads:
+        plan.weight_meta.update(LN_GRADS=True, SPLIT_DT=meta["SPLIT_DT"])
+        meta["LN_IN_WEIGHT"] = True
     plan.weight_options = dict(num_warps=cfg.dw_num_warps, num_stages=cfg.dw_num_stages)
 
 

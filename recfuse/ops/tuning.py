@@ -188,15 +188,17 @@ def split_weight_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.
         return []
     out = []
     fused_tiles = ((16, 4, 16), (16, 8, 8), (32, 4, 8), (32, 8, 8), (64, 4, 16))
-    weight_tiles = ((64, 64, 4), (128, 64, 8))
+    weight_tiles = ((64, 64, 4), (128, 64, 8), (64, 32, 4))
     for (block_b, warps, pps), (dw_k, dw_b, dw_w) in itertools.product(fused_tiles, weight_tiles):
         if block_b * block_d > 8192:
             continue
-        cfg = configs.heuristic_backward(D, H, dtype, use_dot=True, block_b=block_b, num_warps=warps, num_stages=1,
-                                         programs_per_sm=pps, block_k=0, prefetch=0, loop_stages=0,
-                                         split_dw=min(dw_k, block_d), dw_block_b=dw_b, dw_num_warps=dw_w)
-        if cfg is not None and configs.backward_fits(cfg, D, H):
-            out.append(cfg)
+        for split_ln in (0, 1):
+            cfg = configs.heuristic_backward(D, H, dtype, use_dot=True, block_b=block_b, num_warps=warps,
+                                             num_stages=1, programs_per_sm=pps, block_k=0, prefetch=0, loop_stages=0,
+                                             split_dw=min(dw_k, block_d), dw_block_b=dw_b, dw_num_warps=dw_w,
+                                             split_ln=split_ln)
+            if cfg is not None and configs.backward_fits(cfg, D, H):
+                out.append(cfg)
     return list(dict.fromkeys(out))
 
 
