@@ -47,9 +47,11 @@ from grid import DTYPES, EPS, make_inputs
 
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "SchedulerStats")
 KERNEL_LINE = "PROFILE_POINT_KERNELS "
-# ncu raw-page metric -> this tool's name (units from --print-units base: ns, %, registers, count).
+# ncu raw-page metric -> this tool's name (units from --print-units base: ns, %, registers, count);
+# where ncu versions name a metric apart, each of the names in turn (Hopper, ncu 2025.3: the gpu__ ones).
 METRICS = {
     "gpu__time_duration.sum": "duration_ns",
+    "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct",
     "launch__grid_size": "grid",
     "launch__block_size": "block",
     "launch__registers_per_thread": "registers",
@@ -207,7 +209,8 @@ def parse_raw_csv(text: str) -> list[dict]:
         raw = dict(zip(header, row))
         k = {"kernel": raw.get("Kernel Name", "?")}
         for metric, name in METRICS.items():
-            k[name] = _number(raw.get(metric))
+            if k.get(name) is None:
+                k[name] = _number(raw.get(metric))
         stalls = [(m.group(1), _number(v)) for h, v in raw.items() if (m := STALL.match(h))]
         stalls = [[r, v] for r, v in stalls if v is not None and not r.endswith("not_issued")]
         k["stalls"] = sorted(stalls, key=lambda rv: -rv[1])[:5]

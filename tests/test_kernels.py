@@ -179,6 +179,18 @@ def test_masked_tiles_take_the_chunked_forward_by_default(D, H, dtype):
     assert seen == [(width, D // width, D == triton.next_power_of_2(D), False)], seen
 
 
+@pytest.mark.parametrize("D, H, dtype, k_loop", [(256, 16, torch.bfloat16, 1), (160, 40, torch.bfloat16, 1),
+                                                  (512, 16, torch.float32, 1), (256, 16, torch.float32, 0)])
+def test_wide_chunked_rows_take_the_chunk_loop_by_default(D, H, dtype, k_loop):
+    # No forced config: 16-bit rows of 4+ chunks and fp32 rows of 16+ walk them in a runtime loop
+    # (whole row tiles: B a multiple of the tile).
+    case = Case(1, 64, D, H, ln="per_feature")
+    with launch.trace_launches() as launches:
+        check_against_float64(case, dtype)
+    seen = [meta["K_LOOP"] for kind, _, meta, _ in launches if kind == "forward"]
+    assert seen == [k_loop], seen
+
+
 def test_float16_dot_path():
     check_against_float64(Case(2, 16, 16, 16, per_feature_weight=True), torch.float16)
 

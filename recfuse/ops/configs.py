@@ -262,9 +262,21 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
         else:
             chunkable = full_tiles or (D != block_d and chunk_width(D, 64) >= 32)
         if chunkable and H <= block_h:
+            # Rows of many chunks walk them in a runtime loop (`ForwardConfig.k_loop`): unrolled,
+            # every chunk's loads held registers (bf16 D=512 H=16: 255 with spills and 192 KB of
+            # shared memory). H100 tuner, one program per tile: bf16 D=512 H=16 297 -> 178 us,
+            # H=64 368 -> 202, D=256 H=16 165 -> 142, D=160 H=16 195 -> 155, H=64 284 -> 196;
+            # fp32 D=512 H=16 583 -> 228 (results/checks/tune_fwd_k_loop_h100.txt). fp32 at 8
+            # chunks gained 2% and lost at the grid's no-affine points: unrolled there.
             if dtype == torch.float32:
                 block_k = chunk_width(D, 32 if block_h <= 16 else 64)
+                if block_k and D // block_k >= 16:
+                    return ForwardConfig(32, block_d, block_h, True, 4, block_k=block_k, k_loop=1)
                 return ForwardConfig(64, block_d, block_h, True, 4, block_k=block_k)
+            block_k = chunk_width(D, 64)
+            if block_k and D // block_k >= 4 and (block_h <= 16 or block_h > 32):
+                return ForwardConfig(32 if block_h <= 16 and D >= 256 else 64, block_d, block_h, True, 4,
+                                     block_k=block_k, k_loop=1)
             if block_h <= 16 or block_h > 32:
                 return ForwardConfig(64, block_d, block_h, True, 4, persistent=1,
                                      tile_stages=3 if block_h <= 16 else 2, block_k=chunk_width(D, 64))
