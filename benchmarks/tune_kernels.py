@@ -208,6 +208,30 @@ class _ScaledInputs:
         return self.bench(fn)
 
 
+def best_per_path(rows: list[dict]) -> dict:
+    """Each kernel path's fastest timed candidate (us, rounded), or why it has none: "slower"
+    (every one was over 1.5x the best at one call, so never fully timed) or "rejected". A path
+    that lost keeps its gap on record (not read by recfuse).
+
+    Example:
+        >>> rows = [{"path": ("forward", True, True, False, False, False), "us": 10.04},
+        ...         {"path": ("forward", True, True, False, False, False), "us": 9.0},
+        ...         {"path": ("forward", True, True, False, False, True), "slower": True},
+        ...         {"path": ("forward", False, False, False, False, False), "rejected": "OutOfResources"}]
+        >>> best_per_path(rows)
+        {'dot+chunked': 9.0, 'dot+chunked+k_loop': 'slower', 'plain': 'rejected'}
+    """
+    out: dict = {}
+    for r in rows:
+        name = tuning.path_label(r["path"])
+        if "us" in r:
+            prev = out.get(name)
+            out[name] = round(min(r["us"], prev if isinstance(prev, float) else float("inf")), 1)
+        elif name not in out or out[name] == "rejected":
+            out[name] = "slower" if r.get("slower") else "rejected"
+    return out
+
+
 def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress, only: str = "all",
                saved: Optional[dict] = None, confirm_scale: int = 4, finalists: int = 4) -> list[dict]:
     D, H, dtype = p["D"], p["H"], DTYPES[p["dtype"]]
@@ -227,7 +251,7 @@ def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress, only: s
         rows = []
         best_us = float("inf")
         for cfg in cands:
-            row = {"config": configs.config_to_entry(cfg)}
+            row = {"config": configs.config_to_entry(cfg), "path": tuning.kernel_path(cfg)}
             try:
                 fn = forward_call(t, cfg) if kind == "forward" else backward_call(t, cfg, stats)
                 err = check(kind, fn(), ref, dtype)
@@ -256,6 +280,9 @@ def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress, only: s
         if reasons:
             log.info("tune: %s D=%d H=%d %s: %d of %d candidates rejected: %s", kind, D, H, p["dtype"],
                      sum(1 for r in rows if "rejected" in r), len(rows), "; ".join(reasons[:3]))
+        paths = best_per_path(rows)
+        log.info("tune: %s D=%d H=%d %s, fastest of each kernel path: %s", kind, D, H, p["dtype"],
+                 "; ".join(f"{k}: {v}" for k, v in paths.items()))
         if not timed:
             continue
         best = timed[0]
@@ -270,7 +297,8 @@ def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress, only: s
                                             confirm_us=round(r["confirm_us"], 1))
                                        for r in timed[1:finalists] if "confirm_us" in r],
                             candidates=len(rows),
-                            rejected=sum(1 for r in rows if "rejected" in r)))
+                            rejected=sum(1 for r in rows if "rejected" in r),
+                            paths=paths))
     del t, ref, scaled
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -244,7 +244,23 @@ def kernel_path(cfg) -> tuple:
     if isinstance(cfg, configs.ForwardConfig):
         return ("forward", cfg.use_dot, bool(cfg.block_k), bool(cfg.persistent), bool(cfg.unroll_h), bool(cfg.k_loop))
     return ("backward", cfg.use_dot, bool(cfg.block_k), bool(cfg.unroll_h), bool(cfg.loop_stages),
-            bool(cfg.col_sums), bool(cfg.prefetch), bool(cfg.split_dw), bool(cfg.row_parts))
+            bool(cfg.col_sums), bool(cfg.prefetch), bool(cfg.split_ln), bool(cfg.split_dw), bool(cfg.row_parts))
+
+
+# The knob each flag of a `kernel_path` stands for, after its kind.
+PATH_FLAGS = {"forward": ("dot", "chunked", "persistent", "unroll_h", "k_loop"),
+              "backward": ("dot", "chunked", "unroll_h", "loop_stages", "col_sums", "prefetch", "split_ln",
+                           "split_dw", "row_parts")}
+
+
+def path_label(path: tuple) -> str:
+    """A kernel path as the knobs it sets, e.g. "dot+chunked+k_loop" ("plain": none).
+
+    Example:
+        >>> path_label(kernel_path(configs.heuristic_forward(512, 16, torch.bfloat16)))
+        'dot+chunked+k_loop'
+    """
+    return "+".join(name for name, on in zip(PATH_FLAGS[path[0]], path[1:]) if on) or "plain"
 
 
 def spread(cands: list, limit: int = 12) -> list:
