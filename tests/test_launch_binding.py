@@ -81,8 +81,8 @@ def test_every_backward_plan_gives_every_kernel_parameter_a_value(D, H, dtype):
         _assert_every_parameter_has_a_value(plan.launcher, 10 + len(plan.ints), plan.meta, f"backward {name} {cfg}")
         _assert_every_parameter_has_a_value(launch._launch_partials_to_grads, 5 + len(plan.reduce_ints),
                                             plan.reduce_meta, f"reduction {name}")
-        if plan.weight_meta is not None:  # x, dz, stats, the LayerNorm affine, partials
-            _assert_every_parameter_has_a_value(launch._launch_bwd_weight, 6 + len(plan.weight_ints),
+        if plan.weight_meta is not None:  # x, dz, stats, the LayerNorm affine, partials, the weight
+            _assert_every_parameter_has_a_value(launch._launch_bwd_weight, 7 + len(plan.weight_ints),
                                                 plan.weight_meta, f"weight gradient {name}")
 
 
@@ -104,19 +104,24 @@ def test_a_left_out_constexpr_with_a_default_is_filled_and_one_without_is_not():
 
     cache = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
     n = len(cache.arg_names)
-    assert cache.arg_names[-6:] == ["PREFETCH", "UNROLL_H", "LOOP_STAGES", "COL_SUMS", "DZ_OUT", "LOAD_MASK"]
-    assert cache.trailing_args(range(n - 7), {"BLOCK_H": 16}) == [16, False, False, None, False, False, False]
-    assert cache.trailing_args(range(n - 7), {"BLOCK_H": 16, "PREFETCH": True}) == [16, True, False, None, False,
-                                                                                   False, False]
-    assert cache.trailing_args(range(n - 7), {"BLOCK_H": 4, "UNROLL_H": True}) == [4, False, True, None, False,
-                                                                                  False, False]
-    assert cache.trailing_args(range(n - 7), {"BLOCK_H": 1, "LOOP_STAGES": 3, "COL_SUMS": True}) == [
-        1, False, False, 3, True, False, False]
-    assert cache.trailing_args(range(n - 7), {"BLOCK_H": 16, "DZ_OUT": True}) == [16, False, False, None, False,
-                                                                                 True, False]
-    assert cache.trailing_args(range(n - 7), {"BLOCK_H": 16, "LOAD_MASK": True}) == [16, False, False, None, False,
-                                                                                    False, True]
-    assert cache.trailing_args(range(n - 7), {"PREFETCH": True}) is None
+    assert cache.arg_names[-7:] == ["PREFETCH", "UNROLL_H", "LOOP_STAGES", "COL_SUMS", "DZ_OUT", "LOAD_MASK",
+                                    "LN_IN_WEIGHT"]
+    defaults = [False, False, None, False, False, False, False]
+
+    def expect(block_h, **set_):
+        names = cache.arg_names[-7:]
+        return [block_h] + [set_.get(name, d) for name, d in zip(names, defaults)]
+
+    assert cache.trailing_args(range(n - 8), {"BLOCK_H": 16}) == expect(16)
+    assert cache.trailing_args(range(n - 8), {"BLOCK_H": 16, "PREFETCH": True}) == expect(16, PREFETCH=True)
+    assert cache.trailing_args(range(n - 8), {"BLOCK_H": 4, "UNROLL_H": True}) == expect(4, UNROLL_H=True)
+    assert cache.trailing_args(range(n - 8), {"BLOCK_H": 1, "LOOP_STAGES": 3, "COL_SUMS": True}) == expect(
+        1, LOOP_STAGES=3, COL_SUMS=True)
+    assert cache.trailing_args(range(n - 8), {"BLOCK_H": 16, "DZ_OUT": True}) == expect(16, DZ_OUT=True)
+    assert cache.trailing_args(range(n - 8), {"BLOCK_H": 16, "LOAD_MASK": True}) == expect(16, LOAD_MASK=True)
+    assert cache.trailing_args(range(n - 8), {"BLOCK_H": 16, "DZ_OUT": True, "LN_IN_WEIGHT": True}) == expect(
+        16, DZ_OUT=True, LN_IN_WEIGHT=True)
+    assert cache.trailing_args(range(n - 8), {"PREFETCH": True}) is None
 
 
 def _float64_grads(x, params, gy):
