@@ -62,7 +62,7 @@ def build_plan(kind: str, D: int, H: int, dtype: torch.dtype, *, table: str = "n
     lw, lb = (torch.randn(F, D).to(dtype), torch.randn(F, D).to(dtype)) if affine else (None, None)
     # the planes a CUDA training forward saves: mean, rstd and (`launch._relu_mask_words`) the mask's words
     min_d = configs.relu_mask_min_d(dtype)
-    words = (max(1, triton.next_power_of_2(max(H, 16)) // 32)
+    words = (max(1, configs.dot_block_h(H) // 32)  # as `launch._relu_mask_words` counts them
              if kind == "backward" and cfg.use_dot and min_d is not None and D >= min_d and H <= 64 else 0)
     stats = torch.randn(2 + words, F, B)
     if kind == "forward":
