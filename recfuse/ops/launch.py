@@ -221,6 +221,11 @@ def _relu_mask_words(D: int, H: int, dtype: torch.dtype, device, chain, fwd_bloc
     return max(1, fwd_block_h // 32)
 
 
+def _weight_strides(weight: torch.Tensor) -> tuple[int, int]:
+    """(feature stride, row stride) of a shared [H, D] or per-feature [F, H, D] weight."""
+    return weight.stride(0) if weight.dim() == 3 else 0, weight.stride(-2)
+
+
 def _sizes(x: torch.Tensor, weight: torch.Tensor, feature_dim: int) -> tuple[int, int, int, int]:
     F = x.shape[feature_dim]
     B = x.shape[1 - feature_dim]
@@ -342,7 +347,7 @@ def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, s
     ints = (
         B, D, H, F * B,
         sxf, sxb, x.stride(2),
-        weight.stride(0) if weight.dim() == 3 else 0, weight.stride(-2),
+        *_weight_strides(weight),
         _param_stride(bias, 2), _param_stride(ln_weight, 2), _param_stride(ln_bias, 2),
         syf, syb,
         float(eps),
@@ -594,12 +599,13 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
     # dx = empty_like(x): x's strides when x is dense (non-overlapping and dense), else contiguous.
     dx_strides = torch.empty_like(x, device="meta").stride()
     sdf, sdb = (dx_strides[0], dx_strides[1]) if feature_dim == 0 else (dx_strides[1], dx_strides[0])
+    swf, swh = _weight_strides(weight)
     ints = (
         B, D, H, rows_per_program, F * B,
         sxf, sxb, x.stride(2),
         sgf, sgb, grad_y.stride(2),
         sdf, sdb, dx_strides[2],
-        weight.stride(0) if weight.dim() == 3 else 0, weight.stride(-2),
+        swf, swh,
         _param_stride(bias, 2), _param_stride(ln_weight, 2), _param_stride(ln_bias, 2),
         K,
         float(eps), 1.0 / D if D else 0.0,
@@ -658,11 +664,12 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
                         zero_dx=D == 1 and chain.norm == "layer_norm", launcher=launcher,
                         reads_stats=load_stats or load_mask)
     if split:
-        _add_weight_kernel(plan, grad_y, x, ln_weight, ln_bias, F, B, D, H, rows_per_program, sxf, sxb)
+        _add_weight_kernel(plan, grad_y, x, weight, ln_weight, ln_bias, F, B, D, H, rows_per_program, sxf, sxb)
     return plan
 
 
-def _add_weight_kernel(plan: BackwardPlan, grad_y, x, ln_weight, ln_bias, F, B, D, H, rows_per_program, sxf, sxb):
+def _add_weight_kernel(plan: BackwardPlan, grad_y, x, weight, ln_weight, ln_bias, F, B, D, H, rows_per_program,
+                       sxf, sxb):
     """Make `plan` a split backward: the fused kernel writes dz (and the row stats) instead of the
     weight gradient, which `kernels.ln_tanh_linear_relu_bwd_weight` makes from them."""
     cfg, meta = plan.cfg, plan.meta
@@ -678,7 +685,7 @@ def _add_weight_kernel(plan: BackwardPlan, grad_y, x, ln_weight, ln_bias, F, B, 
     plan.weight_grid = (plan.grid[0], F, triton.cdiv(D, block_k))
     plan.weight_ints = (B, D, H, rows_per_program, F * B, sxf, sxb, x.stride(2),
                         _param_stride(ln_weight, 2), _param_stride(ln_bias, 2), plan.ints[-3],
-                        plan.ints[14], plan.ints[15])  # the weight's feature and row strides
+                        *_weight_strides(weight))
     # The LayerNorm affine's gradients move too (`BackwardConfig.split_ln`): the fused kernel then
     # has no column sums in its row loop.
     ln_grads = bool(cfg.split_ln) and meta["NORM"] != 0 and (meta["HAS_LNW"] or meta["HAS_LNB"])

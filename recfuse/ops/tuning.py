@@ -76,16 +76,14 @@ def forward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Forwa
             if block_b * block_d <= 4 * configs.TILE_BUDGET:
                 out.append(configs.ForwardConfig(block_b, block_d, block_h, True, warps, persistent=persistent,
                                                  tile_stages=2 if persistent else 1, block_k=block_k))
-    # Chunked rows in a runtime chunk loop (`ForwardConfig.k_loop`): the unrolled loops of wide rows
-    # held every chunk's loads (offline, sm_90: bf16 D=512 H=16 255 registers with 464 B spilled
-    # and 192 KB of shared memory, 180 / none / 31 KB as a loop; fp32 D=512 H=16 255 -> 94)
-    # As few registers let longer row tiles and more warps fit.
-    if block_d >= 16 and H >= 2 and 16 * block_d <= configs.TILE_BUDGET and H <= configs.dot_block_h(H):
-        block_h = configs.dot_block_h(H)
-        chunk = configs.chunk_width(D, 32 if block_h <= 16 else 64)
+        # Chunks in a runtime loop (`ForwardConfig.k_loop`): unrolled, a wide row's chunks all held
+        # their loads in registers (offline, sm_90: bf16 D=512 H=16 255 registers, 464 B spilled,
+        # 192 KB of shared memory; 180 / none / 31 KB as a loop; fp32 D=512 H=16 255 -> 94), so
+        # longer row tiles and more warps fit too.
+        loop_chunk = configs.chunk_width(D, 32 if block_h <= 16 else 64) if H <= block_h else 0
         shapes = ((32, 4, 0), (64, 4, 0), (64, 8, 0), (128, 4, 0), (128, 8, 0), (64, 4, 1), (64, 8, 1))
         for (block_b, warps, persistent), block_k, k_loop in itertools.product(
-                shapes, dict.fromkeys((chunk, 2 * chunk)), (1, 2)):
+                shapes, dict.fromkeys((loop_chunk, 2 * loop_chunk)), (1, 2)):
             if block_k and D % block_k == 0 and D // block_k >= 4:
                 out.append(configs.ForwardConfig(block_b, block_d, block_h, True, warps, persistent=persistent,
                                                  tile_stages=2 if persistent else 1, block_k=block_k, k_loop=k_loop))
