@@ -177,6 +177,8 @@ def main(argv=None) -> int:
                     help='tuned table whose lookup to compile (its nearest entry; "none": the heuristic)')
     ap.add_argument("--knobs", type=json.loads, default=None, help="config knobs (JSON), over the heuristic's")
     ap.add_argument("--affine", choices=["per_feature", "none"], default="per_feature", help="LayerNorm affine")
+    ap.add_argument("--meta", type=json.loads, default=None,
+                    help="constexprs (JSON) set over the plan's, e.g. a kernel flag no config knob reaches yet")
     ap.add_argument("--tanh-mode", type=int, choices=[0, 1, 2], help="FAST_TANH instead of a CUDA call's")
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
     ap.add_argument("--top", type=int, default=16, help="opcodes shown")
@@ -190,6 +192,7 @@ def main(argv=None) -> int:
                                                    affine=args.affine == "per_feature")
     if args.tanh_mode is not None:
         plan.meta["FAST_TANH"] = args.tanh_mode
+    plan.meta.update(args.meta or {})
     # the forward launches with Triton's default num_stages (3), the backward with its config's
     kernel = compile_offline(plan.launcher.jit_fn, kernel_args, plan.meta, cfg.num_warps,
                              getattr(cfg, "num_stages", 3), args.arch)
