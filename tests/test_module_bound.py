@@ -280,3 +280,43 @@ def test_keyed_tensor_inputs_are_bound_by_keys_and_lengths():
     with pytest.raises(ValueError):
         fp(kt(["a", "b", "c"], [8, 4, 8], torch.randn(5, 20)))
     assert len(fp._bound) == bound
+
+
+@pytest.mark.interpret
+def test_inference_on_a_buffer_writes_the_flat_output_directly_and_matches_the_reference():
+    # No grad, one view of the buffer from its first element: the kept forward plan reads the
+    # [B, F*D] buffer and writes y as [B, F*H] (no view, no flatten). Calls whose parameters are
+    # made per call (cast, reordered) keep the general path.
+    KeyedTensor = pytest.importorskip("torchrec.sparse.jagged_tensor").KeyedTensor
+    from recfuse.ops import launch
+
+    fp = make()
+    wide = torch.randn(6, F * D + 5)
+    cases = [
+        ("contiguous", torch.randn(6, F * D), True),
+        ("strided columns", wide[:, :F * D], True),
+        ("bf16", torch.randn(6, F * D).bfloat16(), False),  # fp32 parameters cast per call: the general path
+        ("keyed", KeyedTensor(keys=NAMES, length_per_key=[D] * F, values=wide[:, 5:]), True),
+        # another key order: the per-feature LayerNorm rows are reordered per call, the general path
+        ("keyed, reordered", KeyedTensor(keys=NAMES[::-1], length_per_key=[D] * F, values=wide[:, 5:]), False),
+    ]
+    with torch.no_grad():
+        for label, x, flat in cases:
+            ys, before = [], set(fp._bound._calls)
+            with launch.trace_launches() as launches:
+                for _ in range(3):  # the first call plans and keeps the forward plan, later ones take it
+                    ys.append(fp(x))
+            assert [kind for kind, *_ in launches] == ["forward"] * 3, label
+            (bound,) = [b for k, b in fp._bound._calls.items() if k not in before]
+            assert (bound.flat_y is not None) == flat, label
+            ref = fp.forward_reference(x)
+            tol = 2e-2 if label == "bf16" else TOL
+            for y in ys:
+                got, want = (y.values(), ref.values()) if label.startswith("keyed") else (y, ref)
+                assert got.shape == want.shape and got.dtype == want.dtype, label
+                assert rel_err(got, want) < tol, label
+            if flat and not label.startswith("keyed"):
+                assert ys[-1]._base is None and ys[-1].is_contiguous(), label  # written as [B, F*H]
+    xg = cases[0][1].clone().requires_grad_(True)  # autograd calls keep the op's own path
+    got, want = grads(fp, xg, fp), grads(fp, xg, fp.forward_reference)
+    assert all(rel_err(g, w) < TOL for g, w in zip(got, want))

@@ -261,8 +261,12 @@ class ForwardPlan:
     def __post_init__(self):
         self.empty = 0 in self.y_shape
 
-    def __call__(self, x, weight, bias, ln_weight, ln_bias):
-        y = x.new_empty(self.y_shape)
+    def __call__(self, x, weight, bias, ln_weight, ln_bias, y_shape=None):
+        # ``y_shape``: y's memory as another contiguous shape (a [B, F*H] buffer for [B, F, H]);
+        # x may likewise be any tensor whose data pointer, dtype and device are the planned x's
+        # (the [B, F*D] buffer the planned [B, F, D] view is of): the kernel reads pointers and
+        # the plan's strides only.
+        y = x.new_empty(self.y_shape if y_shape is None else y_shape)
         stats = x.new_empty(self.stats_shape, dtype=torch.float32) if self.stats_shape is not None else None
         if self.empty:
             return y, stats
