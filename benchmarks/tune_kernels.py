@@ -66,8 +66,9 @@ def shapes(args) -> list[dict]:
 
 def shape_candidates(kind: str, p: dict, only: str, saved: dict) -> list:
     """The candidates `tune_shape` times for one shape: all of them, or (``only``) the heuristic's
-    config, the saved table's entry for the shape (the incumbent) and the candidates that set that
-    knob: a run that tries one new kernel path against what the table has."""
+    config, the incumbents (the saved table's entry for the shape, and on a GPU the config this GPU
+    runs now: another table's beneath a partial own table, `configs.device_entries`) and the
+    candidates that set that knob: a run that tries one new kernel path against what runs now."""
     D, H, dtype = p["D"], p["H"], DTYPES[p["dtype"]]
     full = D == triton.next_power_of_2(D)
     cands = forward_candidates(D, H, dtype) if kind == "forward" else backward_candidates(D, H, dtype)
@@ -77,6 +78,9 @@ def shape_candidates(kind: str, p: dict, only: str, saved: dict) -> list:
     incumbent = [configs.config_from_entry(kind, e["config"], D, H, dtype, full)
                  for e in saved.get(kind, [])
                  if (e["D"], e["H"], e["dtype"], e["full_tiles"]) == (D, H, dtype_name, full)]
+    if torch.cuda.is_available():
+        incumbent.append(configs.table_forward_config(D, H, dtype, 0, full) if kind == "forward"
+                         else configs.table_backward_config(D, H, dtype, 0))
     picked = [cands[0]] + [c for c in incumbent if c is not None] + [c for c in cands if getattr(c, only, 0)]
     return list(dict.fromkeys(picked))
 

@@ -84,7 +84,7 @@ def test_a_shapes_own_whole_row_winner_stands_where_the_heuristic_chunks(monkeyp
     whole_row = {"block_b": 16, "num_warps": 8, "use_dot": True, "x_evict": "", "programs_per_sm": 4,
                  "num_stages": 1, "block_k": 0}
     table = {("backward", 256, 16, "float32", True): whole_row}
-    monkeypatch.setattr(configs, "device_slug", lambda device: "fake-gpu")
+    _fake_gpu(monkeypatch, "fake-gpu", 1, 0, 1)  # an architecture no shipped table has
     monkeypatch.setattr(configs, "load_table", lambda slug: table)
     cfg = configs.backward_config(256, 16, torch.float32, 0)
     assert (cfg.block_k, cfg.block_b, cfg.num_warps) == (0, 16, 8)
@@ -173,3 +173,35 @@ def test_an_entry_whose_tiles_are_not_powers_of_two_does_not_fit(kind, D, H, dty
     assert not fits(cfg, D, H) and fits(ok, D, H)
     assert configs.config_from_entry(kind, configs.config_to_entry(cfg), D, H, dtype, kind == "backward") is None
     assert configs.config_from_entry(kind, configs.config_to_entry(ok), D, H, dtype, kind == "backward") == ok
+
+
+def test_an_own_table_lies_over_the_same_architecture_table(monkeypatch, fresh_configs, tmp_path):
+    """A GPU whose own table holds a few shapes (an H200 tuned where it differs) takes those
+    entries, and the same-architecture table's (the H100's) for every shape its own lacks: exact
+    entries and nearest ones alike, never the heuristic where the H100 table has an entry."""
+    monkeypatch.delenv(configs.TABLE_ENV, raising=False)
+    _fake_gpu(monkeypatch, "NVIDIA H200", 9, 0, 132)
+    own_slug = configs.gpu_slug("NVIDIA H200")
+    h100 = configs.load_table(H100)
+    mine = {"block_b": 4, "num_warps": 2, "use_dot": False, "x_evict": "", "persistent": 0,
+            "tile_stages": 1, "block_k": 0, "unroll_h": 0}
+    shipped = _h100_entry("forward", 256, 1, "float32")
+    assert (shipped["block_b"], shipped["num_warps"]) != (4, 2)
+    tables = {own_slug: {("forward", 256, 1, "float32", True): mine}, H100: h100}
+    monkeypatch.setattr(configs, "load_table", lambda slug: tables.get(slug, {}))
+    assert configs.table_slug(0) == own_slug
+    cfg = configs.forward_config(256, 1, torch.float32, 0)
+    assert (cfg.block_b, cfg.num_warps, cfg.use_dot) == (4, 2, False)  # the own entry
+    for kind, D, H, dtype in [("forward", 512, 1, torch.float32), ("backward", 64, 16, torch.bfloat16),
+                              ("backward", 512, 4, torch.float32)]:
+        name = configs._DTYPE_NAMES[dtype]
+        entry = h100[(kind, D, H, name, True)]
+        cfg = (configs.forward_config(D, H, dtype, 0) if kind == "forward" else configs.backward_config(D, H, dtype, 0))
+        assert (cfg.block_b, cfg.num_warps) == (entry["block_b"], entry["num_warps"]), (kind, D, H, dtype)
+    # a shape neither table has exactly: the nearest entry over both (the H100's D=512 H=16 for H=32)
+    near = h100[("backward", 512, 16, "bfloat16", True)]
+    cfg = configs.backward_config(512, 32, torch.bfloat16, 0)
+    assert (cfg.block_b, cfg.num_warps) == (near["block_b"], near["num_warps"])
+    # the environment variable still names one table alone
+    monkeypatch.setenv(configs.TABLE_ENV, H100)
+    assert configs.device_entries(0) == h100

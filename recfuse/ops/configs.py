@@ -13,7 +13,8 @@ Where a config comes from, first match wins:
    `recfuse.ops.autotune` on first use (only with ``RECFUSE_AUTOTUNE=1``). A cache file once
    written is read whether tuning is on or not, once per process (again after this process writes it).
 4. A tuned table, `tuned/<gpu>.json` beside this file (`table_slug`: this GPU model's own, else
-   one tuned on a GPU of the same architecture), written by
+   one tuned on a GPU of the same architecture; an own table that lacks a shape lies over the
+   same-architecture table, `device_entries`), written by
    ``benchmarks/tune_kernels.py`` from measurements (and checked against a float64 reference
    before an entry is accepted). An entry holds the knobs that do not follow from the shape (rows
    per tile, warps, programs per SM, pipelining depth, ...); the shape-derived ones (BLOCK_D,
@@ -591,6 +592,26 @@ def table_slug(device: Union[str, int]) -> str:
     return _same_architecture_table(own, (props.major, props.minor), props.multi_processor_count)
 
 
+def device_entries(device: Union[str, int], table: Optional[str] = None) -> dict:
+    """The tuned entries a device's configs come from (`table_entries`' keys): the named ``table``'s,
+    else `table_slug`'s. A GPU's own table need not cover every shape: where a shipped table of the
+    same architecture exists too (an H200 tuned on a few shapes, the H100's table for the rest),
+    the own entries lie over that table's, which stand for the shapes the own table lacks.
+
+    Example:
+        >>> device_entries("cpu")
+        {}
+    """
+    if table is not None:
+        return load_table(table)
+    slug = table_slug(device)
+    if slug == "none" or os.environ.get(TABLE_ENV, "").strip() or slug != device_slug(device):
+        return load_table(slug)
+    props = torch.cuda.get_device_properties(device)
+    beneath = _same_architecture_table(slug, (props.major, props.minor), props.multi_processor_count)
+    return {**load_table(beneath), **load_table(slug)} if beneath != "none" else load_table(slug)
+
+
 @functools.lru_cache(maxsize=16)
 def _forced_table(name: str) -> str:
     """``RECFUSE_TUNED_TABLE``'s table, refused when it names none: a misspelt name or path would
@@ -605,10 +626,10 @@ def _forced_table(name: str) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _same_architecture_table(own: str, capability: tuple, sms: int) -> str:
-    """The first shipped table tuned on a GPU of this compute capability and SM count, else "none"
-    (searched once per device model: every shape's first lookup asks)."""
+    """The first shipped table other than ``own`` tuned on a GPU of this compute capability and SM
+    count, else "none" (searched once per device model: every shape's first lookup asks)."""
     for name in sorted(os.listdir(TUNED_DIR)):
-        if name.endswith(".json") and _table_architecture(name[:-5]) == (capability, sms):
+        if name != own + ".json" and name.endswith(".json") and _table_architecture(name[:-5]) == (capability, sms):
             log.info("recfuse: no tuned table for %s; using %s's (same compute capability %d.%d and %d SMs)",
                      own, name[:-5], capability[0], capability[1], sms)
             return name[:-5]
@@ -916,11 +937,10 @@ def _cached_forward_config(D, H, dtype, device, full_tiles) -> ForwardConfig:
 
 def table_forward_config(D: int, H: int, dtype: torch.dtype, device: Union[str, int],
                          full_tiles: bool = True, table: Optional[str] = None) -> ForwardConfig:
-    """The forward config from the shipped tables (`table_slug`'s nearest entry, or the named
+    """The forward config from the shipped tables (`device_entries`' nearest entry, or the named
     ``table``'s), else the heuristic: the lookup without the tuning cache."""
     heuristic = heuristic_forward(D, H, dtype, full_tiles)
-    entry = _nearest_entry(load_table(table or table_slug(device)), "forward", D, H, _DTYPE_NAMES.get(dtype, ""),
-                           full_tiles)
+    entry = _nearest_entry(device_entries(device, table), "forward", D, H, _DTYPE_NAMES.get(dtype, ""), full_tiles)
     if entry is not None and heuristic.block_k and not full_tiles and not entry.get("block_k"):
         # Masked entries were tuned before masked tiles could be chunked: their whole-row tiles
         # are the padded path (D=160 -> 256 columns) the chunked kernel replaces.
@@ -957,13 +977,13 @@ def _cached_backward_config(D, H, dtype, device) -> Optional[BackwardConfig]:
 
 def table_backward_config(D: int, H: int, dtype: torch.dtype, device: Union[str, int],
                           table: Optional[str] = None) -> Optional[BackwardConfig]:
-    """The backward config from the shipped tables (`table_slug`'s nearest entry, or the named
+    """The backward config from the shipped tables (`device_entries`' nearest entry, or the named
     ``table``'s), else the heuristic (None where the kernel does not cover the shape): the lookup
     without the tuning cache."""
     heuristic = heuristic_backward(D, H, dtype)
     if heuristic is None:
         return None
-    table, dtype_name = load_table(table or table_slug(device)), _DTYPE_NAMES.get(dtype, "")
+    table, dtype_name = device_entries(device, table), _DTYPE_NAMES.get(dtype, "")
     # The tuner files a D that is not a power of two (masked columns) under full_tiles=False, as
     # for the forward; a lookup of full tiles only gave D=160 the D=256 entry and never its own
     # (H100 fp32 D=160 H=64: 3681 us with D=256's tiles, 2073 us tuned; H=16 1621 vs 1204).
