@@ -33,7 +33,7 @@ def _h100_entry(kind, D, H, dtype_name="bfloat16"):
 
 def test_a_gpu_of_the_same_architecture_takes_the_shipped_table(monkeypatch, fresh_configs):
     monkeypatch.delenv(configs.TABLE_ENV, raising=False)
-    _fake_gpu(monkeypatch, "NVIDIA H200", 9, 0, 132)
+    _fake_gpu(monkeypatch, "NVIDIA GH200 480GB", 9, 0, 132)  # no table of its own
     assert configs.table_slug(0) == H100
     cfg = configs.backward_config(64, 16, torch.bfloat16, 0)
     entry = _h100_entry("backward", 64, 16)

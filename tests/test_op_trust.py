@@ -7,6 +7,7 @@ two: its "triton" value is marked `interpret`, so each process runs the value th
 Sizes stay tiny (the interpreter runs numpy per program).
 """
 import os
+import types
 
 import pytest
 import torch
@@ -611,6 +612,9 @@ def test_a_tuned_whole_row_entry_does_not_hold_back_the_chunked_forward(monkeypa
                  "tile_stages": 1, "block_k": 0}
     table = {("forward", 160, 16, "float32", False): whole_row, ("forward", 128, 16, "float32", True): whole_row}
     monkeypatch.setattr(configs, "device_slug", lambda device: "fake-gpu")
+    # an architecture no shipped table has: the fake table alone (`configs.device_entries`)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(major=1, minor=0, multi_processor_count=1))
     monkeypatch.setattr(configs, "load_table", lambda slug: table)
     configs._cached_forward_config.cache_clear()
     try:
@@ -633,6 +637,9 @@ def test_a_masked_width_runs_its_own_tuned_backward_entry(monkeypatch):
             "block_k": 64}
     table = {("backward", 160, 64, "float32", False): own, ("backward", 256, 64, "float32", True): pow2}
     monkeypatch.setattr(configs, "device_slug", lambda device: "fake-gpu")
+    # an architecture no shipped table has: the fake table alone (`configs.device_entries`)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(major=1, minor=0, multi_processor_count=1))
     monkeypatch.setattr(configs, "load_table", lambda slug: table)
     configs._cached_backward_config.cache_clear()
     try:
