@@ -165,6 +165,7 @@ def _config(kind: str, p: dict, entry: dict):
 
 def precompile(work: list, n_workers: int, out_dir: str) -> float:
     t0 = time.perf_counter()
+    os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "tune_plan.json")
     with open(path, "w") as f:
         json.dump(work, f)

@@ -589,7 +589,15 @@ def table_slug(device: Union[str, int]) -> str:
     if load_table(own):
         return own
     props = torch.cuda.get_device_properties(device)
-    return _same_architecture_table(own, (props.major, props.minor), props.multi_processor_count)
+    return _note_borrowed(own, _same_architecture_table(own, (props.major, props.minor), props.multi_processor_count))
+
+
+@functools.lru_cache(maxsize=16)
+def _note_borrowed(own: str, borrowed: str) -> str:
+    """``borrowed``, logged once: the table a GPU without its own takes."""
+    if borrowed != "none":
+        log.info("recfuse: no tuned table for %s; using %s's (same compute capability and SM count)", own, borrowed)
+    return borrowed
 
 
 def device_entries(device: Union[str, int], table: Optional[str] = None) -> dict:
@@ -630,8 +638,6 @@ def _same_architecture_table(own: str, capability: tuple, sms: int) -> str:
     count, else "none" (searched once per device model: every shape's first lookup asks)."""
     for name in sorted(os.listdir(TUNED_DIR)):
         if name != own + ".json" and name.endswith(".json") and _table_architecture(name[:-5]) == (capability, sms):
-            log.info("recfuse: no tuned table for %s; using %s's (same compute capability %d.%d and %d SMs)",
-                     own, name[:-5], capability[0], capability[1], sms)
             return name[:-5]
     return "none"
 
