@@ -208,15 +208,20 @@ class _ScaledInputs:
             heuristic = configs.heuristic_forward(p["D"], p["H"], DTYPES[p["dtype"]], p["D"] == triton.next_power_of_2(p["D"]))
             self.stats = forward_call(self.t, heuristic, True)()[1]
         cfg = _config(kind, self.p, entry)
-        fn = forward_call(self.t, cfg) if kind == "forward" else backward_call(self.t, cfg, self.stats)
+        if kind == "forward":  # both calls a forward config serves, as `tuning.rank_us` ranks them
+            infer, train = forward_call(self.t, cfg), forward_call(self.t, cfg, True)
+            infer(), train()
+            return self.bench(infer) + self.bench(train)
+        fn = backward_call(self.t, cfg, self.stats)
         fn()
         return self.bench(fn)
 
 
 def best_per_path(rows: list[dict]) -> dict:
-    """Each kernel path's fastest timed candidate (us, rounded), or why it has none: "slower"
-    (every one was over 1.5x the best at one call, so never fully timed) or "rejected". A path
-    that lost keeps its gap on record (not read by recfuse).
+    """Each kernel path's fastest timed candidate (`tuning.rank_us`, rounded: a forward's inference
+    and training calls together), or why it has none: "slower" (every one was over 1.5x the best at
+    one call, so never fully timed) or "rejected". A path that lost keeps its gap on record (not
+    read by recfuse).
 
     Example:
         >>> rows = [{"path": ("forward", True, True, False, False, False), "us": 10.04},
@@ -231,7 +236,7 @@ def best_per_path(rows: list[dict]) -> dict:
         name = tuning.path_label(r["path"])
         if "us" in r:
             prev = out.get(name)
-            out[name] = round(min(r["us"], prev if isinstance(prev, float) else float("inf")), 1)
+            out[name] = round(min(tuning.rank_us(r), prev if isinstance(prev, float) else float("inf")), 1)
         elif name not in out or out[name] == "rejected":
             out[name] = "slower" if r.get("slower") else "rejected"
     return out
@@ -259,7 +264,11 @@ def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress, only: s
             row = {"config": configs.config_to_entry(cfg), "path": tuning.kernel_path(cfg)}
             try:
                 fn = forward_call(t, cfg) if kind == "forward" else backward_call(t, cfg, stats)
+                # a forward config serves a training step's forward too (stats and relu mask saved)
+                train_fn = forward_call(t, cfg, True) if kind == "forward" else None
                 err = check(kind, fn(), ref, dtype)
+                if train_fn is not None:
+                    err = max(err, check(kind, train_fn(), ref, dtype))
                 row["err"] = err
                 if not err <= TOLERANCE[dtype]:
                     row["rejected"] = f"relative error {err:.1e}"
@@ -267,12 +276,14 @@ def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress, only: s
                     row["slower"] = True  # one timed call: clearly behind the best, not worth a full timing
                 else:
                     row["us"] = bench(fn)
+                    if train_fn is not None:
+                        row["train_us"] = bench(train_fn)
                     best_us = min(best_us, row["us"])
             except Exception as e:  # noqa: BLE001 - a config that does not compile is a row
                 row["rejected"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
             rows.append(row)
             progress()
-        timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+        timed = sorted((r for r in rows if "us" in r), key=tuning.rank_us)
         if confirm_scale > 1:
             timed = tuning.confirm_at_scale(timed, lambda row: scaled.time(kind, row["config"]), finalists)
         # The winner must also be right with padded rows (B = 1000, not a multiple of its tiles):
@@ -294,6 +305,7 @@ def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress, only: s
         base = rows[0]
         results.append(dict(kind=kind, D=D, H=H, dtype=str(dtype).replace("torch.", ""), full_tiles=full,
                             config=best["config"], us=best["us"], pct_floor=100 * floors[kind] / best["us"],
+                            **({"train_us": best["train_us"]} if "train_us" in best else {}),
                             **({"confirm_us": best["confirm_us"], "confirm_scale": confirm_scale}
                                if "confirm_us" in best else {}),
                             heuristic_us=base.get("us"),

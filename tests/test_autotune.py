@@ -108,8 +108,8 @@ def test_wrong_or_failing_candidates_are_never_written(cache, monkeypatch):
     times = {heuristic: 50.0, wrong: 1.0, wrong_masked: 2.0, broken: 0.5}
     call = autotune._call
 
-    def corrupting_call(kind, t, cfg, stats):
-        fn = call(kind, t, cfg, stats)
+    def corrupting_call(kind, t, cfg, stats, train=False):
+        fn = call(kind, t, cfg, stats, train)
         masked = t["x"].shape[0] == TINY["masked_batch"]
         if (cfg == wrong and not masked) or (cfg == wrong_masked and masked):
             return lambda: [y * 1.01 for y in fn()]
@@ -149,36 +149,65 @@ def test_finalists_are_ranked_at_both_sizes(cache, monkeypatch):
     call = autotune._call
     timed_at = []
 
-    def tagged_call(kind, t, cfg, stats):
+    def tagged_call(kind, t, cfg, stats, train=False):
         batch = t["x"].shape[0]
         if cfg == fails_large and batch == 4 * B:
             raise RuntimeError("out of resources")
-        fn = call(kind, t, cfg, stats)
+        fn = call(kind, t, cfg, stats, train)
         tagged = lambda: fn()  # noqa: E731
-        tagged.key = (cfg, batch)
+        tagged.key = (cfg, batch, train)
         return tagged
 
-    def bench(fn):
+    def bench(fn):  # a training step's forward (train=True) takes as long as the inference call
         key = getattr(fn, "key", None)
         if key is None:
             return 10.0  # the copy
         timed_at.append(key)
-        return times[key]
+        return times[key[:2]]
 
     monkeypatch.setattr(autotune, "_call", tagged_call)
     cands = [heuristic, fast_small, steady, fails_large, slow]
     entry = autotune.tune_shape("forward", 16, 1, F32, "cpu", cands=cands, bench=bench,
                                 **dict(TINY, confirm_scale=4), finalists=4)
     assert configs.config_from_entry("forward", entry["config"], 16, 1, F32) == steady
-    assert entry["us"] == 1.1 and entry["confirm_us"] == 4.0 and entry["confirm_scale"] == 4
-    # the 4 fastest at the tuned batch, and only they, timed at 4x (slow is not a finalist)
+    # us: the inference call; train_us and confirm_us (both calls at 4x): the training forward's share
+    assert entry["us"] == 1.1 and entry["train_us"] == 1.1 and entry["confirm_us"] == 8.0
+    assert entry["confirm_scale"] == 4
+    # the 4 fastest at the tuned batch, and only they, timed at 4x (slow is not a finalist), both calls
     at_4x = [k for k in timed_at if k[1] == 4 * B]
-    assert len(at_4x) == 3 and {c for c, _ in at_4x} == {fast_small, steady, heuristic}, timed_at
+    assert len(at_4x) == 6 and {c for c, _, _ in at_4x} == {fast_small, steady, heuristic}, timed_at
+    assert {train for _, _, train in at_4x} == {False, True}
     # off: the tuned batch alone decides (fails_large, fastest there, is written)
     os.remove(configs.cache_path("cpu"))
     entry = autotune.tune_shape("forward", 16, 1, F32, "cpu", cands=cands[:4], bench=bench, **TINY)
     assert configs.config_from_entry("forward", entry["config"], 16, 1, F32) == fails_large
     assert "confirm_us" not in entry
+
+
+@pytest.mark.interpret
+def test_a_forward_is_ranked_by_its_inference_and_training_calls(cache, monkeypatch):
+    """One forward config serves inference and a training step's forward (stats and relu mask
+    saved): a candidate fastest at inference that a training step's forward makes slow loses to one
+    fast at both (the chunk loop's forwards on the H100 and H200: faster alone, slower in training)."""
+    heuristic = configs.heuristic_forward(16, 1, F32)
+    fast_alone = dataclasses.replace(heuristic, block_b=16)
+    even = dataclasses.replace(heuristic, block_b=8)
+    times = {(heuristic, False): 50.0, (heuristic, True): 50.0, (fast_alone, False): 1.0, (fast_alone, True): 5.0,
+             (even, False): 1.5, (even, True): 1.5}
+    call = autotune._call
+
+    def tagged_call(kind, t, cfg, stats, train=False):
+        fn = call(kind, t, cfg, stats, train)
+        tagged = lambda: fn()  # noqa: E731
+        tagged.key = (cfg, train)
+        return tagged
+
+    monkeypatch.setattr(autotune, "_call", tagged_call)
+    bench = lambda fn: times[fn.key] if hasattr(fn, "key") else 10.0  # noqa: E731 - the copy: 10
+    entry = autotune.tune_shape("forward", 16, 1, F32, "cpu", cands=[heuristic, fast_alone, even], bench=bench,
+                                **TINY)
+    assert configs.config_from_entry("forward", entry["config"], 16, 1, F32) == even
+    assert (entry["us"], entry["train_us"], entry["heuristic_us"]) == (1.5, 1.5, 50.0)
 
 
 @pytest.mark.interpret

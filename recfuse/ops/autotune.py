@@ -219,14 +219,15 @@ def _stats(t: dict, D: int, H: int, dtype: torch.dtype, full_tiles: bool):
     return plan(t["x"], t["w"], t["b"], t["lw"], t["lb"])[1]
 
 
-def _call(kind: str, t: dict, cfg, stats) -> Callable[[], list]:
+def _call(kind: str, t: dict, cfg, stats, train: bool = False) -> Callable[[], list]:
     """A call of one candidate's kernel(s) on ``t``, returning [y] or the gradients; raises when the
-    config does not make a plan (the composite would run the shape)."""
+    config does not make a plan (the composite would run the shape). ``train``: the forward as a
+    training step launches it (saving the row stats, and the relu mask where the backward reads it)."""
     from . import launch
 
     if kind == "forward":
         with configs.override(forward=cfg):
-            plan = launch.forward_plan(t["x"], t["w"], t["b"], t["lw"], t["lb"], EPS, 1)
+            plan = launch.forward_plan(t["x"], t["w"], t["b"], t["lw"], t["lb"], EPS, 1, save_stats=train)
         return lambda: [plan(t["x"], t["w"], t["b"], t["lw"], t["lb"])[0]]
     with configs.override(backward=cfg):
         plan = launch.backward_plan(t["gy"], t["x"], t["w"], t["b"], t["lw"], t["lb"], EPS, 1, stats)
@@ -310,7 +311,7 @@ def tune_shape(kind: str, D: int, H: int, dtype: torch.dtype, device: Union[str,
         stack.enter_context(torch.autocast(dev.type, enabled=False))
         try:
             rows, copy_gbps = _measure(kind, cands, F, B, D, H, dtype, dev, full, bench, seed)
-            ranked = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+            ranked = sorted((r for r in rows if "us" in r), key=tuning.rank_us)
             if confirm_scale > 1 and len(ranked) > 1:
                 ranked = _confirmed_at_scale(kind, ranked, F, B * confirm_scale, D, H, dtype, dev, full, bench,
                                              seed, finalists)
@@ -334,6 +335,7 @@ def tune_shape(kind: str, D: int, H: int, dtype: torch.dtype, device: Union[str,
     heuristic_us = rows[0].get("us")
     entry = dict(D=D, H=H, dtype=key[3], full_tiles=key[4], config=configs.config_to_entry(winner["cfg"]),
                  us=winner["us"], pct_floor=100 * floor_us / winner["us"],
+                 **({"train_us": winner["train_us"]} if "train_us" in winner else {}),
                  **({"confirm_us": winner["confirm_us"], "confirm_scale": confirm_scale}
                     if "confirm_us" in winner else {}),
                  heuristic_us=heuristic_us,
@@ -363,12 +365,18 @@ def _measure(kind, cands, F, B, D, H, dtype, dev, full, bench, seed):
             row = {"cfg": cfg}
             try:
                 fn = _call(kind, t, cfg, stats)
+                # a forward config serves a training step's forward too (`tuning.rank_us`)
+                train_fn = _call(kind, t, cfg, stats, train=True) if kind == "forward" else None
                 err = _rel_err(fn(), ref)
+                if train_fn is not None:
+                    err = max(err, _rel_err(train_fn(), ref))
                 row["err"] = err
                 if not err <= TOLERANCE[dtype]:
                     row["rejected"] = f"relative error {err:.1e}"
                 else:
                     row["us"] = bench(fn)
+                    if train_fn is not None:
+                        row["train_us"] = bench(train_fn)
             except Exception as e:  # noqa: BLE001 - a config that does not compile is dropped
                 row["rejected"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
             log.debug("recfuse autotune: %s %s", configs.config_to_entry(cfg), row.get("us", row.get("rejected")))
@@ -387,7 +395,8 @@ def _confirmed_at_scale(kind, ranked, F, B, D, H, dtype, dev, full, bench, seed,
 
         def time_at_scale(row):
             try:
-                return bench(_call(kind, t, row["cfg"], stats))
+                us = bench(_call(kind, t, row["cfg"], stats))
+                return us + bench(_call(kind, t, row["cfg"], stats, train=True)) if kind == "forward" else us
             except Exception:  # noqa: BLE001 - out of memory or not compiling at this size
                 return float("inf")
 

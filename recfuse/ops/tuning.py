@@ -200,12 +200,26 @@ def split_weight_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.
     return list(dict.fromkeys(out))
 
 
+def rank_us(row: dict) -> float:
+    """What a timed candidate is ranked by: its "us", plus for a forward its "train_us", the same
+    config timed as a training step's forward launches it (saving the row stats and, where the
+    backward reads it, the relu mask). One forward config serves both calls: ranked by the
+    inference call alone, the chunk loop won forwards whose training step it slowed (H100 fp32
+    D=256 H=16: grid step 642 -> 763 us; H200 bf16 D=256 H=64: forward 203 -> 177 us, step +2%).
+
+    Example:
+        >>> rank_us({"us": 10.0, "train_us": 12.0}), rank_us({"us": 10.0})
+        (22.0, 10.0)
+    """
+    return row["us"] + row.get("train_us", 0.0)
+
+
 def confirm_at_scale(timed: list, time_at_scale, finalists: int) -> list:
-    """``timed`` (rows, dicts with "us", sorted by their time at the tuned size) re-ordered by how
+    """``timed`` (rows, dicts with "us", sorted by `rank_us` at the tuned size) re-ordered by how
     its ``finalists`` fastest do at a larger size too: by each finalist's worse ratio to the fastest
-    finalist at either size (``time_at_scale(row)`` gives its time there, kept as "confirm_us";
-    inf for a config that fails there); the other rows follow as they were. The CLI tuner and
-    tuning on first use both rank this way.
+    finalist at either size (``time_at_scale(row)`` gives its time there, ranked as `rank_us` ranks,
+    kept as "confirm_us"; inf for a config that fails there); the other rows follow as they were.
+    The CLI tuner and tuning on first use both rank this way.
 
     A winner at one size need not be one at another: on the H100 the pipelined H = 1 backward with
     16 programs per SM won at x 256 MB (222 us against 241 with 32) and collapsed at 1 GB (1477-1688
@@ -222,11 +236,11 @@ def confirm_at_scale(timed: list, time_at_scale, finalists: int) -> list:
         return timed
     for row in head:
         row["confirm_us"] = time_at_scale(row)
-    fastest = min(r["us"] for r in head)
+    fastest = min(rank_us(r) for r in head)
     fastest_confirm = min(r["confirm_us"] for r in head)
     if not fastest_confirm < float("inf"):
         return timed  # no finalist ran at the larger size: the tuned size alone decides
-    head.sort(key=lambda r: max(r["us"] / fastest, r["confirm_us"] / fastest_confirm))
+    head.sort(key=lambda r: max(rank_us(r) / fastest, r["confirm_us"] / fastest_confirm))
     return head + tail
 
 
