@@ -185,10 +185,12 @@ def test_masked_tiles_take_the_chunked_forward_by_default(D, H, dtype):
 
 
 @pytest.mark.parametrize("D, H, dtype, k_loop, B", [(256, 16, torch.bfloat16, 1, 32), (160, 40, torch.bfloat16, 1, 64),
-                                                     (512, 16, torch.float32, 1, 32), (256, 16, torch.float32, 0, 32)])
+                                                     (512, 16, torch.float32, 1, 32), (256, 16, torch.float32, 0, 32),
+                                                     (256, 4, torch.bfloat16, 1, 32)])
 def test_wide_chunked_rows_take_the_chunk_loop_by_default(D, H, dtype, k_loop, B):
     # No forced config: 16-bit rows of 4+ chunks and fp32 rows of 16+ walk them in a runtime loop
-    # (whole row tiles: B a multiple of the tile, the heuristic's 32 or 64 rows).
+    # (whole row tiles: B a multiple of the tile, the heuristic's 32 or 64 rows); bf16 at H = 4
+    # as a 16-wide tl.dot too (the row path before).
     case = Case(1, B, D, H, ln="per_feature")
     with launch.trace_launches() as launches:
         check_against_float64(case, dtype)

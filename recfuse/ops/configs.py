@@ -235,15 +235,22 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
     # bf16 D=32-160 H=4 2.2-4.3x, fp32 D=32-64 1.2-1.7x; recfuse/ops/tuned/h100-80gb-hbm3.txt).
     # fp32 D not a power of two as well, in whole chunks: the row path pads D=160 to 256 columns
     # (366 us at H=4 against 179 for the chunked dot at H=16, H100 grid).
+    # bf16 wide rows (D >= 256 in 64-column chunks) too: H200 tuner, H=4, the row path 198-223 us
+    # against 132-141 for the chunk loop below (results/checks/tune_fwd_k_loop_h200.txt).
     small_h_dot = 2 <= H < DOT_MIN_H and (
         (dtype == torch.float32 and (D <= 64 or (D != block_d and chunk_width(D, 32) >= 16)))
-        or (dtype == torch.bfloat16 and D <= 160))
+        or (dtype == torch.bfloat16 and (D <= 160 or (full_tiles and chunk_width(D, 64) == 64))))
     use_dot = (H >= DOT_MIN_H or small_h_dot) and 16 <= block_d and 16 * block_d <= TILE_BUDGET
     if use_dot and small_h_dot:
         if dtype == torch.float32 or full_tiles:
-            block_k = chunk_width(D, 32)
+            block_k = chunk_width(D, 32 if dtype == torch.float32 or D < 256 else 64)
         else:  # 16-bit chunks narrower than 32 columns were slower than padded whole rows
             block_k = chunk_width(D, 64) if D != block_d and chunk_width(D, 64) >= 32 else 0
+        if dtype == torch.bfloat16 and block_k and D // block_k >= 4:
+            # 16-bit rows of 4+ chunks walk them in a runtime loop, as at H >= 16 below: the H200's
+            # tuned H=4 forwards all took it (bf16 D=512 217 -> 141 us, D=256 149 -> 132, D=160
+            # 143 -> 134, D=128 139 -> 135), 32-row tiles from D = 256.
+            return ForwardConfig(32 if D >= 256 else 64, block_d, dot_block_h(H), True, 4, block_k=block_k, k_loop=1)
         return ForwardConfig(64, block_d, dot_block_h(H), True, 4, block_k=block_k)
     if use_dot:
         block_h = dot_block_h(H)
