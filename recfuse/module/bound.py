@@ -131,10 +131,10 @@ class BoundCall:
         # y_shape), without the view and the flatten (two ATen calls, ~1 us each). Fixed per key:
         # the view's offset, the dtype and y's shape follow from the shapes and strides keyed.
         self.flat_y = None
-        if (self.record is not None and not needs_grad and self.output == "flatten" and run.view is not None
-                and run.view(values).data_ptr() == values.data_ptr()):
+        if self.record is not None and not needs_grad and self.output == "flatten" and run.view is not None:
             x3 = run.view(values)
-            self.flat_y = (x3.shape[0], x3.shape[1] * params[run.group][0].shape[-2])
+            if x3.data_ptr() == values.data_ptr():
+                self.flat_y = (x3.shape[0], x3.shape[1] * params[run.group][0].shape[-2])
 
     def call_flat(self, values: torch.Tensor, flat: Sequence[Optional[torch.Tensor]]):
         """The call, with the module's parameters as one flat list (each group's four in turn)."""
