@@ -177,6 +177,13 @@ class BackwardConfig(TileConfig):
     # tile as those two unmasked parts (`kernels.ln_tanh_linear_relu_bwd_rows2`; needs the
     # forward's row stats) instead of one tile padded to the next power of two.
     row_parts: int = 0
+    # tl.dot path with the forward's row stats (and relu mask): n > 0 runs the backward as two
+    # column-tiled kernels over chunks of n columns (`kernels.ln_tanh_linear_relu_bwd_rowsums`,
+    # then `ln_tanh_linear_relu_bwd_cols`) instead of one holding whole rows: each program holds
+    # an [H, n] slice of the weight and one [rows, n] tile, so registers do not grow with D or H.
+    # It costs a second read of x. The first kernel takes block_b, num_warps, loop_stages and
+    # programs_per_sm, the second dw_block_b, dw_num_warps and dw_num_stages.
+    two_pass: int = 0
 
 
 KernelConfig = ForwardConfig  # the name launch-level code and older tests use
@@ -186,7 +193,7 @@ _OPTIONAL_FORWARD_KNOBS = ("unroll_h", "k_loop")
 _BACKWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "programs_per_sm", "num_stages")
 # Knobs an older table's entries may lack: the heuristic's value stands.
 _OPTIONAL_BACKWARD_KNOBS = ("block_k", "prefetch", "unroll_h", "loop_stages", "col_sums", "split_dw", "dw_block_b",
-                            "dw_num_warps", "dw_num_stages", "row_parts", "split_ln")
+                            "dw_num_warps", "dw_num_stages", "row_parts", "split_ln", "two_pass")
 
 # ---------------------------------------------------------------------------------------------
 # the heuristic
@@ -447,7 +454,7 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
     cfg = dataclasses.replace(cfg, **knobs) if knobs else cfg
     if not cfg.use_dot and 2 <= cfg.block_h <= 4 and cfg.block_b > 8 and not cfg.unroll_h:
         cfg = dataclasses.replace(cfg, block_b=8)
-    if "prefetch" not in knobs and cfg.use_dot and not cfg.block_k and not cfg.split_dw and dtype == torch.bfloat16 and (
+    if "prefetch" not in knobs and cfg.use_dot and not cfg.block_k and not cfg.split_dw and not cfg.two_pass and dtype == torch.bfloat16 and (
             cfg.block_b * cfg.block_d <= 4096 and cfg.block_h * cfg.block_d <= 4096):
         # bf16 tiles (and weights) of up to 4096 elements on the tl.dot path: loading the next
         # tile while this one is computed was 1.08-1.39x faster on the H100 at 8 of 9 such shapes
@@ -455,7 +462,7 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
         # 771 -> 791); longer tiles (D=256 H=16, 32 rows: 718 -> 803) and fp32 (0.45-1.01x) were
         # slower; fp16 (fp32 operands) not measured (benchmarks/results/checks/ab_prefetch_h100.json).
         cfg = dataclasses.replace(cfg, prefetch=1)
-    if cfg.use_dot and not cfg.block_k and cfg.block_d >= 512 and "fp32_dots" not in knobs:
+    if cfg.use_dot and not cfg.block_k and not cfg.two_pass and cfg.block_d >= 512 and "fp32_dots" not in knobs:
         # whole 512-wide rows: bf16x6 3831 us, fp32 FMA dots 2138 us (H100, D=512 H=16)
         cfg = dataclasses.replace(cfg, fp32_dots="ieee")
     return cfg
@@ -480,10 +487,13 @@ def partial_row_size(D: int, H: int) -> int:
     return H * D + H + 2 * D
 
 
-def programs_per_feature(cfg: BackwardConfig, F: int, B: int, D: int, H: int, x_bytes: int, sms: int) -> int:
+def programs_per_feature(cfg: BackwardConfig, F: int, B: int, D: int, H: int, x_bytes: int, sms: int,
+                         column_chunks: int = 1) -> int:
     """Backward programs per feature: ``cfg.programs_per_sm`` over the SMs, no more than the row
     tiles, and fewer where the partial sums (``F * P`` rows of `partial_row_size` floats, written
     once and read once) would exceed a quarter of x's bytes (or 16 MB on small inputs).
+    ``column_chunks``: programs a row range has besides (the two-pass backward's column chunks),
+    which count towards the programs per SM.
 
     Example:
         >>> cfg = heuristic_backward(256, 1, torch.float32)
@@ -491,7 +501,7 @@ def programs_per_feature(cfg: BackwardConfig, F: int, B: int, D: int, H: int, x_
         66
     """
     n_tiles = triton.cdiv(max(B, 1), cfg.block_b)
-    P = max(1, min(n_tiles, triton.cdiv(cfg.programs_per_sm * sms, max(F, 1))))
+    P = max(1, min(n_tiles, triton.cdiv(cfg.programs_per_sm * sms, max(F * column_chunks, 1))))
     budget = max(16 << 20, x_bytes // 4)
     row_bytes = 4 * partial_row_size(D, H)
     while P > 1 and F * P * row_bytes > budget:
@@ -804,12 +814,17 @@ def backward_fits(cfg: BackwardConfig, D: int, H: int) -> bool:
         # (split_dw=48 and dw_block_b=24 were accepted, and its launch failed to build).
         if cfg.split_ln and not cfg.split_dw:
             return False
+        if cfg.two_pass and (cfg.block_k or cfg.split_dw or cfg.prefetch or cfg.two_pass < 16
+                             or cfg.two_pass > cfg.block_d or not _power_of_two(cfg.two_pass)
+                             or cfg.dw_block_b < 16 or not _power_of_two(cfg.dw_block_b)
+                             or cfg.dw_num_warps not in (1, 2, 4, 8)):
+            return False
         if cfg.split_dw and (cfg.block_k or cfg.split_dw < 16 or cfg.split_dw > cfg.block_d
                              or not _power_of_two(cfg.split_dw) or cfg.dw_block_b < 16
                              or not _power_of_two(cfg.dw_block_b) or cfg.dw_num_warps not in (1, 2, 4, 8)):
             return False
         return cfg.block_d >= 16 and cfg.block_b >= 16 and (
-            cfg.block_k > 0 or cfg.block_h * cfg.block_d <= 2 * BWD_MAX_WEIGHT_TILE)
+            cfg.block_k > 0 or cfg.two_pass > 0 or cfg.block_h * cfg.block_d <= 2 * BWD_MAX_WEIGHT_TILE)
     return cfg.block_b * cfg.block_d * cfg.block_h <= 4 * TILE_BUDGET
 
 

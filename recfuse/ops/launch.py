@@ -37,6 +37,8 @@ _launch_fwd_y_strided = CompiledLaunchCache(kernels.ln_tanh_linear_relu_fwd_y_st
 _launch_bwd = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
 _launch_bwd_chunked = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_chunked)
 _launch_bwd_weight = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_weight)
+_launch_bwd_rowsums = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_rowsums)
+_launch_bwd_cols = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_cols)
 _launch_bwd_rows2 = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_rows2)
 _launch_partials_to_grads = CompiledLaunchCache(kernels.partials_to_grads)
 
@@ -213,10 +215,13 @@ def _relu_mask_words(D: int, H: int, dtype: torch.dtype, device, chain, fwd_bloc
     if chain.out_activation != "relu" or chain.norm is None or not H <= fwd_block_h <= 64:
         return 0
     min_d = configs.relu_mask_min_d(dtype)
-    if min_d is None or D < min_d:
+    if min_d is None:
         return 0
     bwd = configs.backward_config(D, H, dtype, _config_device(device))
     if bwd is None or not bwd.use_dot:
+        return 0
+    # The two-pass backward has no whole row to recompute z from: it needs the mask at any D.
+    if D < min_d and not bwd.two_pass:
         return 0
     return max(1, fwd_block_h // 32)
 
@@ -475,6 +480,11 @@ class BackwardPlan:
     dz_dtype: Optional[torch.dtype] = None
     stats_shape: Optional[tuple] = None
     reads_stats: bool = False  # the forward's stats go to the kernels (LOAD_STATS or LOAD_MASK)
+    # The two-pass backward (`BackwardConfig.two_pass`): the first kernel writes the row sums
+    # into the dz buffer ([n_chunks, 2, F, B] fp32), the second ("weight" slot) takes the first's
+    # arguments and writes dx and the partials.
+    two_pass: bool = False
+    weight_launcher: CompiledLaunchCache = _launch_bwd_weight
     bound: Optional[Callable] = None  # the compiled kernels, bound after the first launch
     bound_reduce: Optional[Callable] = None
     bound_weight: Optional[Callable] = None
@@ -510,7 +520,9 @@ class BackwardPlan:
         reduce_tensors = (partial, gw, gb if bias is not None else gw, glw if ln_weight is not None else gw,
                           glb if ln_bias is not None else gw)
         split = self.weight_meta is not None
-        weight_tensors = (x, dz, stats, lnw, lnb, partial, weight) if split else None
+        weight_tensors = None
+        if split:
+            weight_tensors = tensors if self.two_pass else (x, dz, stats, lnw, lnb, partial, weight)
         if self.bound is not None and self.bound_reduce is not None and (self.bound_weight is not None or not split):
             self.bound(*tensors)
             if split:
@@ -520,14 +532,14 @@ class BackwardPlan:
             options = dict(num_warps=self.cfg.num_warps, num_stages=self.cfg.num_stages)
             self.launcher(self.grid, tensors + self.ints, self.meta, **options)
             if split:
-                _launch_bwd_weight(self.weight_grid, weight_tensors + self.weight_ints, self.weight_meta,
-                                   **self.weight_options)
+                self.weight_launcher(self.weight_grid, weight_tensors + self.weight_ints, self.weight_meta,
+                                     **self.weight_options)
             _launch_partials_to_grads(self.reduce_grid, reduce_tensors + self.reduce_ints, self.reduce_meta)
             self.bound = self.launcher.bind(self.grid, tensors + self.ints, self.meta, len(tensors), **options)
             if split:
-                self.bound_weight = _launch_bwd_weight.bind(self.weight_grid, weight_tensors + self.weight_ints,
-                                                            self.weight_meta, len(weight_tensors),
-                                                            **self.weight_options)
+                self.bound_weight = self.weight_launcher.bind(self.weight_grid, weight_tensors + self.weight_ints,
+                                                              self.weight_meta, len(weight_tensors),
+                                                              **self.weight_options)
             self.bound_reduce = _launch_partials_to_grads.bind(
                 self.reduce_grid, reduce_tensors + self.reduce_ints, self.reduce_meta, len(reduce_tensors))
         if self.zero_dx:
@@ -582,7 +594,12 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
     chunked = cfg.use_dot and 0 < cfg.block_k < cfg.block_d
     norm, act, out_act = chain_codes(chain)
     load_mask = cfg.use_dot and out_act == ACTIVATIONS["relu"] and stats_planes(stats) > 2
-    if cfg.use_dot and not chunked:
+    # Two passes over column chunks need the forward's row stats and dz without z (its relu mask).
+    two_pass = (cfg.use_dot and cfg.two_pass > 0 and not chunked and B > 0 and (load_mask or out_act == 0)
+                and (norm == 0 or stats is not None))
+    if two_pass:
+        load_stats = norm != 0
+    elif cfg.use_dot and not chunked:
         # The whole-row tl.dot backward recomputes the row stats: reading them was slower at 5 of
         # 9 shapes measured on the H100 (bf16 D=64 H=64 1193 -> 1455 us, fp32 D=128 H=16 786 -> 1282).
         # The "dx 3e-3 off with saved stats" once seen there was a relu tie, not a bug: both
@@ -591,11 +608,13 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
         load_stats = False
     else:
         load_stats = stats is not None
-    split = cfg.use_dot and not chunked and cfg.split_dw > 0
+    split = cfg.use_dot and not chunked and cfg.split_dw > 0 and not two_pass
     K = configs.partial_row_size(D, H)
-    P = configs.programs_per_feature(cfg, F, B, D, H, x.numel() * x.element_size(), _num_sms(dev)) if B > 0 else 1
+    n_chunks = triton.cdiv(D, cfg.two_pass) if two_pass else 1
+    P = configs.programs_per_feature(cfg, F, B, D, H, x.numel() * x.element_size(), _num_sms(dev),
+                                     column_chunks=n_chunks) if B > 0 else 1
     # Both kernels of a split backward walk the same rows per program: a whole number of either's tiles.
-    row_tile = max(cfg.block_b, cfg.dw_block_b) if split else cfg.block_b
+    row_tile = max(cfg.block_b, cfg.dw_block_b) if split or two_pass else cfg.block_b
     rows_per_program = triton.cdiv(triton.cdiv(max(B, 1), P), row_tile) * row_tile
     P = triton.cdiv(max(B, 1), rows_per_program)
     sxf, sxb = _feature_major(x, feature_dim)
@@ -669,7 +688,34 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
                         reads_stats=load_stats or load_mask)
     if split:
         _add_weight_kernel(plan, grad_y, x, weight, ln_weight, ln_bias, F, B, D, H, rows_per_program, sxf, sxb)
+    if two_pass:
+        _make_two_pass(plan, F, B, D, P)
     return plan
+
+
+def _make_two_pass(plan: BackwardPlan, F: int, B: int, D: int, P: int):
+    """Make `plan` the two-pass backward (`BackwardConfig.two_pass`): the row-sums kernel in the
+    fused kernel's slot, the dx-and-partials kernel in the weight kernel's, both on a grid of
+    (column chunks, row programs, features) and the fused kernel's arguments."""
+    cfg, meta = plan.cfg, plan.meta
+    n_chunks = triton.cdiv(D, cfg.two_pass)
+    common = {k: meta[k] for k in ("HAS_BIAS", "HAS_LNW", "HAS_LNB", "NORM", "ACT", "OUT_ACT", "BWD_DOT_PRECISION",
+                                   "BWD_DOT_DTYPE", "DOT_UPCAST", "SPLIT_DT", "SPLIT_DW", "FAST_TANH", "EVEN_B",
+                                   "X_EVICT", "BLOCK_H")}
+    common.update(EVEN_D=D % cfg.two_pass == 0, BLOCK_K=cfg.two_pass)
+    plan.meta = dict(common, BLOCK_B=cfg.block_b, LOOP_STAGES=cfg.loop_stages or None)
+    plan.launcher = _launch_bwd_rowsums
+    plan.grid = (n_chunks, P, F)
+    plan.two_pass = True
+    plan.reads_stats = True
+    plan.weight_launcher = _launch_bwd_cols
+    plan.weight_grid = plan.grid
+    plan.weight_ints = plan.ints
+    plan.weight_meta = dict(common, BLOCK_B=cfg.dw_block_b)
+    plan.weight_options = dict(num_warps=cfg.dw_num_warps, num_stages=cfg.dw_num_stages)
+    plan.dz_shape = (n_chunks, 2, F, B)  # the row sums
+    plan.dz_dtype = torch.float32
+    plan.stats_shape = None
 
 
 def _add_weight_kernel(plan: BackwardPlan, grad_y, x, weight, ln_weight, ln_bias, F, B, D, H, rows_per_program,
