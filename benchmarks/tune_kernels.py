@@ -124,6 +124,10 @@ def forward_call(t: dict, cfg, stats: bool = False):
 
 
 def backward_call(t: dict, cfg, stats):
+    if cfg.two_pass:  # it reads the relu mask, which the forward saves for such a backward at any D
+        D, H, dtype = t["w"].shape[-1], t["w"].shape[-2], t["x"].dtype
+        with configs.override(backward=cfg):
+            stats = forward_call(t, configs.heuristic_forward(D, H, dtype, D == triton.next_power_of_2(D)), True)()[1]
     with configs.override(backward=cfg):
         plan = launch.backward_plan(t["gy"], t["x"], t["w"], t["b"], t["lw"], t["lb"], 1e-5, 1, stats)
     load = stats if plan.reads_stats else None
@@ -341,7 +345,7 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", action="store_true", help="keep the saved table's entries for shapes not in this run")
     ap.add_argument("--resume", action="store_true", help="with --merge: skip shapes the saved table has")
     ap.add_argument("--only", default="all", choices=["all", "unroll_h", "loop_stages", "col_sums", "persistent", "split_dw", "block_k", "row_parts",
-                             "k_loop", "split_ln"],
+                             "k_loop", "split_ln", "two_pass"],
                     help="time only the heuristic, the saved entry (with --merge) and the candidates that set "
                          "this knob")
     ap.add_argument("--confirm-scale", type=int, default=4,

@@ -107,7 +107,7 @@ def test_split_weight_candidates_fit_and_name_their_kernel_path():
     for D, H, dtype in [(256, 16, torch.bfloat16), (64, 64, torch.float32), (160, 16, torch.bfloat16)]:
         cands = tuning.split_weight_candidates(D, H, dtype)
         assert cands and all(configs.backward_fits(c, D, H) for c in cands)
-        assert all(tuning.kernel_path(c)[-2] for c in cands)  # (..., split_dw, row_parts)
+        assert all(tuning.kernel_path(c)[1 + tuning.PATH_FLAGS["backward"].index("split_dw")] for c in cands)
         entry = configs.config_to_entry(cands[0])
         assert configs.config_from_entry("backward", entry, D, H, dtype) == cands[0]
     # the chunked kernel has no split: a config asking for both does not fit

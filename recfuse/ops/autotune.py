@@ -209,12 +209,13 @@ def _rel_err(out: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> float:
     return max(errs) if errs else float("inf")
 
 
-def _stats(t: dict, D: int, H: int, dtype: torch.dtype, full_tiles: bool):
-    """The forward's saved row stats (heuristic config), which the backward reads."""
+def _stats(t: dict, D: int, H: int, dtype: torch.dtype, full_tiles: bool, backward=None):
+    """The forward's saved row stats (heuristic config), which the backward reads; with the relu
+    mask where ``backward`` (else the backward config in use) reads it (`launch._relu_mask_words`)."""
     from . import launch  # imported on first use, as the op does: `import recfuse` stays light
 
     cfg = configs.heuristic_forward(D, H, dtype, full_tiles)
-    with configs.override(forward=cfg):
+    with configs.override(forward=cfg, backward=backward):
         plan = launch.forward_plan(t["x"], t["w"], t["b"], t["lw"], t["lb"], EPS, 1, save_stats=True)
     return plan(t["x"], t["w"], t["b"], t["lw"], t["lb"])[1]
 
@@ -229,6 +230,9 @@ def _call(kind: str, t: dict, cfg, stats, train: bool = False) -> Callable[[], l
         with configs.override(forward=cfg):
             plan = launch.forward_plan(t["x"], t["w"], t["b"], t["lw"], t["lb"], EPS, 1, save_stats=train)
         return lambda: [plan(t["x"], t["w"], t["b"], t["lw"], t["lb"])[0]]
+    if cfg.two_pass:  # it reads the relu mask, which the forward saves for such a backward at any D
+        D, H = t["w"].shape[-1], t["w"].shape[-2]
+        stats = _stats(t, D, H, t["x"].dtype, D == triton.next_power_of_2(D), backward=cfg)
     with configs.override(backward=cfg):
         plan = launch.backward_plan(t["gy"], t["x"], t["w"], t["b"], t["lw"], t["lb"], EPS, 1, stats)
     if plan is None:

@@ -154,6 +154,7 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
         out += [dataclasses.replace(c, prefetch=0, loop_stages=stages) for c in list(out)
                 if c.use_dot and not c.block_k and not c.loop_stages for stages in (2, 3)]
         out += split_weight_candidates(D, H, dtype)
+        out += two_pass_candidates(D, H, dtype)
         # K-chunked tiles (`kernels.ln_tanh_linear_relu_bwd_chunked`): columns at a time, so
         # longer row tiles fit the registers
         for block_k, block_b, warps, pps in itertools.product((32, 64), (16, 32, 64), (4, 8), (2, 4, 8, 16)):
@@ -197,6 +198,35 @@ def split_weight_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.
                                              split_ln=split_ln)
             if cfg is not None and configs.backward_fits(cfg, D, H):
                 out.append(cfg)
+    return list(dict.fromkeys(out))
+
+
+def two_pass_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.BackwardConfig]:
+    """Two-pass backwards (`BackwardConfig.two_pass`): chunks of 32 or 64 columns (128 too for rows
+    of 512+), both kernels on one row tile shape, 8 or 16 programs per SM, the second kernel's
+    loads pipelined 3 deep. H >= 8, the tl.dot path's shapes: below, the whole-row kernels'
+    weight and accumulator are small.
+
+    Example:
+        >>> cands = two_pass_candidates(512, 64, torch.bfloat16)
+        >>> sorted({c.two_pass for c in cands}), all(c.use_dot and not c.block_k for c in cands)
+        ([32, 64, 128], True)
+        >>> two_pass_candidates(256, 4, torch.float32)
+        []
+    """
+    block_d = triton.next_power_of_2(D)
+    if H < 8 or block_d < 32:
+        return []
+    out = []
+    chunks = [k for k in (32, 64, 128) if k <= block_d and (k < 128 or block_d >= 512)]
+    tiles = ((32, 4), (64, 4), (64, 8))
+    for chunk, (rows, warps), pps, stages in itertools.product(chunks, tiles, (8, 16), (3,)):
+        cfg = configs.heuristic_backward(D, H, dtype, use_dot=True, block_b=rows, num_warps=warps, num_stages=1,
+                                         programs_per_sm=pps, block_k=0, prefetch=0, loop_stages=0, split_dw=0,
+                                         two_pass=chunk, dw_block_b=rows, dw_num_warps=warps,
+                                         dw_num_stages=stages)
+        if cfg is not None and configs.backward_fits(cfg, D, H):
+            out.append(cfg)
     return list(dict.fromkeys(out))
 
 
@@ -256,13 +286,14 @@ def kernel_path(cfg) -> tuple:
     if isinstance(cfg, configs.ForwardConfig):
         return ("forward", cfg.use_dot, bool(cfg.block_k), bool(cfg.persistent), bool(cfg.unroll_h), bool(cfg.k_loop))
     return ("backward", cfg.use_dot, bool(cfg.block_k), bool(cfg.unroll_h), bool(cfg.loop_stages),
-            bool(cfg.col_sums), bool(cfg.prefetch), bool(cfg.split_ln), bool(cfg.split_dw), bool(cfg.row_parts))
+            bool(cfg.col_sums), bool(cfg.prefetch), bool(cfg.split_ln), bool(cfg.split_dw), bool(cfg.row_parts),
+            bool(cfg.two_pass))
 
 
 # The knob each flag of a `kernel_path` stands for, after its kind.
 PATH_FLAGS = {"forward": ("dot", "chunked", "persistent", "unroll_h", "k_loop"),
               "backward": ("dot", "chunked", "unroll_h", "loop_stages", "col_sums", "prefetch", "split_ln",
-                           "split_dw", "row_parts")}
+                           "split_dw", "row_parts", "two_pass")}
 
 
 def path_label(path: tuple) -> str:
