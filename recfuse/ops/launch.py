@@ -484,7 +484,7 @@ class BackwardPlan:
     # into the dz buffer ([n_chunks, 2, F, B] fp32), the second ("weight" slot) takes the first's
     # arguments and writes dx and the partials.
     two_pass: bool = False
-    weight_launcher: CompiledLaunchCache = _launch_bwd_weight
+    weight_launcher: Optional[CompiledLaunchCache] = None  # None: `_launch_bwd_weight`, looked up per call
     bound: Optional[Callable] = None  # the compiled kernels, bound after the first launch
     bound_reduce: Optional[Callable] = None
     bound_weight: Optional[Callable] = None
@@ -532,14 +532,15 @@ class BackwardPlan:
             options = dict(num_warps=self.cfg.num_warps, num_stages=self.cfg.num_stages)
             self.launcher(self.grid, tensors + self.ints, self.meta, **options)
             if split:
-                self.weight_launcher(self.weight_grid, weight_tensors + self.weight_ints, self.weight_meta,
-                                     **self.weight_options)
+                weight_launcher = self.weight_launcher or _launch_bwd_weight
+                weight_launcher(self.weight_grid, weight_tensors + self.weight_ints, self.weight_meta,
+                                **self.weight_options)
             _launch_partials_to_grads(self.reduce_grid, reduce_tensors + self.reduce_ints, self.reduce_meta)
             self.bound = self.launcher.bind(self.grid, tensors + self.ints, self.meta, len(tensors), **options)
             if split:
-                self.bound_weight = self.weight_launcher.bind(self.weight_grid, weight_tensors + self.weight_ints,
-                                                              self.weight_meta, len(weight_tensors),
-                                                              **self.weight_options)
+                self.bound_weight = weight_launcher.bind(self.weight_grid, weight_tensors + self.weight_ints,
+                                                         self.weight_meta, len(weight_tensors),
+                                                         **self.weight_options)
             self.bound_reduce = _launch_partials_to_grads.bind(
                 self.reduce_grid, reduce_tensors + self.reduce_ints, self.reduce_meta, len(reduce_tensors))
         if self.zero_dx:
