@@ -415,6 +415,20 @@ def _load_relu_mask(STATS, stats_half, f, B, rows64, rmask, hs, H):
 
 
 @triton.jit
+def _load_relu_mask_rows(STATS, stats_half, f, B, rows64, rmask, hs, H, BLOCK_H: tl.constexpr):
+    """`_load_relu_mask` from one load per row and word (at most two: BLOCK_H <= 64) instead of one
+    per element: the bits are shifted out of the rows' words in registers. A tile wider than 32
+    columns holds H > 32 (`configs.dot_block_h`), so the forward saved both words."""
+    plane = STATS + f * B + rows64
+    word = tl.load(plane + 2 * stats_half, mask=rmask, other=0.0).to(tl.int32, bitcast=True)
+    bits = word[:, None] >> (hs % 32)[None, :]
+    if BLOCK_H > 32:
+        word_hi = tl.load(plane + 3 * stats_half, mask=rmask, other=0.0).to(tl.int32, bitcast=True)
+        bits = tl.where((hs < 32)[None, :], bits, word_hi[:, None] >> (hs % 32)[None, :])
+    return ((bits & 1) != 0) & (hs < H)[None, :]
+
+
+@triton.jit
 def _lo_part_product(t, t_dot, w, acc, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """acc + (t - t_dot) @ w^T: the part of t that rounding it to the 16-bit t_dot dropped, as a
     16-bit operand too. z_hi + z_lo is z to ~fp32 accuracy (the backward's `_dot_parts` of hi and
@@ -1399,7 +1413,7 @@ def _column_tile_grads(
     if OUT_ACT == 0:
         dz = gy
     else:  # relu: the forward's mask
-        dz = tl.where(_load_relu_mask(STATS, stats_half, f, B, rows64, rmask, hs, H), gy, 0.0)
+        dz = tl.where(_load_relu_mask_rows(STATS, stats_half, f, B, rows64, rmask, hs, H, hs.shape[0]), gy, 0.0)
     if BWD_DOT_DTYPE != tl.float32:
         dz0, dz1, dz2 = _split16(dz, BWD_DOT_DTYPE, DZ_PARTS)
         dt = _dot_parts(dz0, dz1, dz2, w0, w1, w2, tl.zeros([rows64.shape[0], BLOCK_K], dtype=tl.float32),
@@ -1524,9 +1538,11 @@ def ln_tanh_linear_relu_bwd_cols(
                  mask=hmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
     w0, w1, w2 = _split16(wk, BWD_DOT_DTYPE, W_PARTS)
     acc_w = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
-    acc_b_rows = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
-    acc_lnw_rows = tl.zeros([BLOCK_B, BLOCK_K], dtype=tl.float32)
-    acc_lnb_rows = tl.zeros([BLOCK_B, BLOCK_K], dtype=tl.float32)
+    # Column sums per tile (one cross-warp reduction a tile), not [BLOCK_B, ...] row slots, whose
+    # registers (as many as the x tile's, each) capped the programs per SM.
+    acc_b = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc_lnw = tl.zeros([BLOCK_K], dtype=tl.float32)
+    acc_lnb = tl.zeros([BLOCK_K], dtype=tl.float32)
     row_start = pid_p * rows_per_program
     for r0 in tl.range(row_start, row_start + rows_per_program, BLOCK_B, num_stages=LOOP_STAGES):
         rows = r0 + tl.arange(0, BLOCK_B)
@@ -1568,18 +1584,19 @@ def ln_tanh_linear_relu_bwd_cols(
                                min(DZ_PARTS, SPLIT_DW), T_PARTS, SPLIT_DW, DOT_UPCAST)
         else:
             acc_w += tl.dot(tl.trans(dz0), t, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
-        acc_b_rows += dz
+        if pid_k == 0:  # the bias gradient is the first column chunk's
+            acc_b += tl.sum(dz, axis=0)
         if HAS_LNW:
-            acc_lnw_rows += da * xhat
+            acc_lnw += tl.sum(da * xhat, axis=0)
         if HAS_LNB:
-            acc_lnb_rows += da
+            acc_lnb += tl.sum(da, axis=0)
     part = PARTIAL + (f * n_prog + pid_p) * stride_part_prog
     tl.store(part + hs[:, None] * D + cols[None, :], acc_w, mask=hmask[:, None] & kmask[None, :])
     # Absent LayerNorm affine: zeros (the fused kernel's rule), so the reduction stays uniform.
-    tl.store(part + H * D + H + cols, tl.sum(acc_lnw_rows, axis=0), mask=kmask)
-    tl.store(part + H * D + H + D + cols, tl.sum(acc_lnb_rows, axis=0), mask=kmask)
+    tl.store(part + H * D + H + cols, acc_lnw, mask=kmask)
+    tl.store(part + H * D + H + D + cols, acc_lnb, mask=kmask)
     if pid_k == 0:
-        tl.store(part + H * D + hs, tl.sum(acc_b_rows, axis=0), mask=hmask)
+        tl.store(part + H * D + hs, acc_b, mask=hmask)
 
 
 @triton.jit
@@ -1830,7 +1847,7 @@ def _store_segment(OUT, vals, ks, kmask, start, size, f, PER_FEATURE: tl.constex
 
 @triton.jit
 def partials_to_grads(
-    PARTIAL, GW, GB, GLW, GLB, F, n_per_feature, K, H, D,
+    PARTIAL, GW, GB, GLW, GLB, F, n_per_feature, K, H, D, first_pf_block,
     HAS_BIAS: tl.constexpr, HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
     W_PER_F: tl.constexpr, B_PER_F: tl.constexpr, LNW_PER_F: tl.constexpr, LNB_PER_F: tl.constexpr,
     ANY_PER_F: tl.constexpr, ANY_SHARED: tl.constexpr,
@@ -1844,9 +1861,16 @@ def partials_to_grads(
     parameter's shape and dtype: nothing is left for torch to reshape, sum or cast.
     BLOCK_J rows are added per step into BLOCK_J separate accumulators summed at the end, so the
     rounding chains are n / BLOCK_J long.
+    The grid is one axis: feature 0's programs for every k block, then for each other feature
+    those from `first_pf_block` (the first block with a per-feature column) on. A shared [H, D]
+    weight beside per-feature LayerNorm affine has all its columns first: features 1.. then skip
+    them (bf16 D=512 H=64, F=64: 135K programs, most of them empty, took 135 us on the H200).
     """
-    f = tl.program_id(1)
-    ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_blocks = tl.cdiv(K, BLOCK_K)
+    pid = tl.program_id(0)
+    f = tl.where(pid < n_blocks, 0, 1 + (pid - n_blocks) // tl.maximum(n_blocks - first_pf_block, 1))
+    kb = tl.where(pid < n_blocks, pid, first_pf_block + (pid - n_blocks) % tl.maximum(n_blocks - first_pf_block, 1))
+    ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     js = tl.arange(0, BLOCK_J)
     kmask = ks < K
     HD = H * D

@@ -668,7 +668,13 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
                    ln_bias is not None and ln_bias.dim() == 2)
     block_k = configs.REDUCE_BLOCK_K
     # Shared parameters only: their sums are all made by the feature-0 programs.
-    reduce_grid = (triton.cdiv(K, block_k), F if any(per_feature) else 1)
+    # One axis (`kernels.partials_to_grads`): feature 0's blocks, then each other feature's from
+    # the first block holding a per-feature column.
+    segments = ((per_feature[0], 0), (per_feature[1], H * D), (per_feature[2], H * D + H),
+                (per_feature[3], H * D + H + D))
+    first_pf_block = min((start // block_k for on, start in segments if on), default=0)
+    n_blocks = triton.cdiv(K, block_k)
+    reduce_grid = (n_blocks + (max(F, 1) - 1) * (n_blocks - first_pf_block) if any(per_feature) else n_blocks,)
     reduce_meta = dict(
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
         W_PER_F=per_feature[0], B_PER_F=per_feature[1], LNW_PER_F=per_feature[2],
@@ -684,7 +690,7 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
             meta.pop(name, None)
         meta.update(BLOCK_D=parts[0], BLOCK_D2=parts[1], EVEN_D=True)
         launcher = _launch_bwd_rows2
-    plan = BackwardPlan(cfg, (P, F), ints, meta, (F * P, K), reduce_grid, (F, P, K, H, D), reduce_meta,
+    plan = BackwardPlan(cfg, (P, F), ints, meta, (F * P, K), reduce_grid, (F, P, K, H, D, first_pf_block), reduce_meta,
                         zero_dx=D == 1 and chain.norm == "layer_norm", launcher=launcher,
                         reads_stats=load_stats or load_mask)
     if split:

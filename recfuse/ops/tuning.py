@@ -203,7 +203,8 @@ def split_weight_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.
 
 def two_pass_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.BackwardConfig]:
     """Two-pass backwards (`BackwardConfig.two_pass`): chunks of 32 or 64 columns (128 too for rows
-    of 512+), both kernels on one row tile shape, 8 or 16 programs per SM, the second kernel's
+    of 512+), both kernels on one row tile shape (32 or 64 rows, 4 or 8 warps), 8 or 16 programs
+    per SM, the second kernel's
     loads pipelined 3 deep. H >= 8, the tl.dot path's shapes: below, the whole-row kernels'
     weight and accumulator are small.
 
@@ -219,7 +220,7 @@ def two_pass_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
         return []
     out = []
     chunks = [k for k in (32, 64, 128) if k <= block_d and (k < 128 or block_d >= 512)]
-    tiles = ((32, 4), (64, 4), (64, 8))
+    tiles = ((32, 4), (32, 8), (64, 4), (64, 8))
     for chunk, (rows, warps), pps, stages in itertools.product(chunks, tiles, (8, 16), (3,)):
         cfg = configs.heuristic_backward(D, H, dtype, use_dot=True, block_b=rows, num_warps=warps, num_stages=1,
                                          programs_per_sm=pps, block_k=0, prefetch=0, loop_stages=0, split_dw=0,
