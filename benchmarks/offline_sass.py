@@ -63,7 +63,8 @@ def build_plan(kind: str, D: int, H: int, dtype: torch.dtype, *, table: str = "n
     # the planes a CUDA training forward saves: mean, rstd and (`launch._relu_mask_words`) the mask's words
     min_d = configs.relu_mask_min_d(dtype)
     words = (max(1, configs.dot_block_h(H) // 32)  # as `launch._relu_mask_words` counts them
-             if kind == "backward" and cfg.use_dot and min_d is not None and D >= min_d and H <= 64 else 0)
+             if kind == "backward" and cfg.use_dot and min_d is not None and (D >= min_d or cfg.two_pass) and H <= 64
+             else 0)
     stats = torch.randn(2 + words, F, B)
     if kind == "forward":
         with configs.override(forward=cfg):
@@ -199,7 +200,9 @@ def main(argv=None) -> int:
     # elements of a row tile a thread handles: the real D where the kernel walks no padded columns
     # (the chunked row forward, the two-part row backward), BLOCK_D's padded lanes elsewhere
     real_d = plan.meta.get("BLOCK_K", cfg.block_d) < cfg.block_d if args.kind == "forward" else "BLOCK_D2" in plan.meta
-    report = sass_report(kernel, cfg.block_b * (args.D if real_d else cfg.block_d) / (32 * cfg.num_warps))
+    # the two-pass backward's kernels hold [rows, BLOCK_K] tiles
+    tile_d = plan.meta["BLOCK_K"] if getattr(plan, "two_pass", False) else (args.D if real_d else cfg.block_d)
+    report = sass_report(kernel, cfg.block_b * tile_d / (32 * cfg.num_warps))
     # bytes of traffic an element of x: x read (forward), x read and dx written (backward); y and
     # grad_y add H / D of that
     itemsize = dtype.itemsize * (1 if args.kind == "forward" else 2) * (1 + args.H / args.D)
@@ -215,12 +218,17 @@ def main(argv=None) -> int:
           f"if issue-bound, at most {report['issue_ceiling_pct']}% of the copy floor")
     print("  " + ", ".join(f"{op} {n}" for op, n in list(report["opcodes"].items())[:args.top]))
     if args.kind == "backward" and plan.weight_meta is not None:
-        wk = compile_offline(launch._launch_bwd_weight.jit_fn, weight_kernel_args(plan, kernel_args),
-                             plan.weight_meta, cfg.dw_num_warps, cfg.dw_num_stages, args.arch)
+        # the split backward's weight-gradient kernel, or the two-pass backward's second kernel
+        # (dx and the partials, on the first kernel's arguments)
+        second, second_args = ((launch._launch_bwd_cols, kernel_args) if plan.two_pass
+                               else (launch._launch_bwd_weight, weight_kernel_args(plan, kernel_args)))
+        wk = compile_offline(second.jit_fn, second_args, plan.weight_meta, cfg.dw_num_warps, cfg.dw_num_stages,
+                             args.arch)
         wr = sass_report(wk, cfg.dw_block_b * plan.weight_meta["BLOCK_K"] / (32 * cfg.dw_num_warps))
         report["weight_kernel"] = wr
-        print(f"weight-gradient kernel: registers {wr['registers']}, stack {wr['stack_bytes']} B, shared "
-              f"{wr['shared_bytes']} B; {wr['per_element']} SASS instructions an element of its tile")
+        print(f"{'dx-and-partials' if plan.two_pass else 'weight-gradient'} kernel: registers {wr['registers']}, "
+              f"stack {wr['stack_bytes']} B, shared {wr['shared_bytes']} B; {wr['per_element']} SASS instructions "
+              f"an element of its tile")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

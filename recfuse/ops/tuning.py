@@ -203,10 +203,12 @@ def split_weight_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.
 
 def two_pass_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.BackwardConfig]:
     """Two-pass backwards (`BackwardConfig.two_pass`): chunks of 32 or 64 columns (128 too for rows
-    of 512+), both kernels on one row tile shape (32 or 64 rows, 4 or 8 warps), 8 or 16 programs
-    per SM, the second kernel's
-    loads pipelined 3 deep. H >= 8, the tl.dot path's shapes: below, the whole-row kernels'
-    weight and accumulator are small.
+    of 512+); the row-sums kernel's tile (rows, warps) and the dx-and-partials kernel's chosen apart,
+    since the second holds the [H, chunk] weight-gradient accumulator besides its tile (H200, bf16
+    D=512 H=64, both on 32 rows and 4 warps: 255 registers and spills in the second, 212 in the
+    first); 16 programs per SM, or 8 with both on one tile. The second kernel's loads pipelined 3
+    deep. H >= 8, the tl.dot path's shapes: below, the whole-row kernels' weight and accumulator
+    are small.
 
     Example:
         >>> cands = two_pass_candidates(512, 64, torch.bfloat16)
@@ -220,12 +222,14 @@ def two_pass_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
         return []
     out = []
     chunks = [k for k in (32, 64, 128) if k <= block_d and (k < 128 or block_d >= 512)]
-    tiles = ((32, 4), (32, 8), (64, 4), (64, 8))
-    for chunk, (rows, warps), pps, stages in itertools.product(chunks, tiles, (8, 16), (3,)):
+    tiles = ((32, 4), (64, 4), (64, 8))
+    second_tiles = ((32, 4), (32, 8), (64, 8))
+    for chunk, (rows, warps), (dw_rows, dw_warps), pps in itertools.product(chunks, tiles, second_tiles, (8, 16)):
+        if pps == 8 and (rows, warps) != (dw_rows, dw_warps):
+            continue
         cfg = configs.heuristic_backward(D, H, dtype, use_dot=True, block_b=rows, num_warps=warps, num_stages=1,
                                          programs_per_sm=pps, block_k=0, prefetch=0, loop_stages=0, split_dw=0,
-                                         two_pass=chunk, dw_block_b=rows, dw_num_warps=warps,
-                                         dw_num_stages=stages)
+                                         two_pass=chunk, dw_block_b=dw_rows, dw_num_warps=dw_warps, dw_num_stages=3)
         if cfg is not None and configs.backward_fits(cfg, D, H):
             out.append(cfg)
     return list(dict.fromkeys(out))
