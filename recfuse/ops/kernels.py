@@ -19,6 +19,9 @@ Three kernels, as in Triton's layer-norm tutorial:
   instead of the weight gradient, and this GEMM over rows makes it a chunk of columns at a time.
   `ln_tanh_linear_relu_bwd_rows2`: H = 1 with D the sum of two powers of two, each row walked as
   those two unmasked parts instead of one padded tile.
+  `ln_tanh_linear_relu_bwd_rowsums` then `ln_tanh_linear_relu_bwd_cols`: the two-pass tl.dot
+  backward, column chunks of every row tile, from the forward's row stats and relu mask: the first
+  writes each chunk's share of dx's two row sums, the second dx and the partial sums.
 * `partials_to_grads`: the second stage of the weight-gradient reduction, a fixed-order sum over
   the per-program partials that writes every parameter gradient in its final shape and dtype. No
   float atomics anywhere, so the same inputs give the same bits.
