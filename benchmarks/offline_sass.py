@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     if args.kind == "backward" and plan.weight_meta is not None:
         # the split backward's weight-gradient kernel, or the two-pass backward's second kernel
         # (dx and the partials, on the first kernel's arguments)
-        second, second_args = ((launch._launch_bwd_cols, kernel_args) if plan.two_pass
+        second, second_args = ((launch._launch_bwd_two_pass, kernel_args) if plan.two_pass
                                else (launch._launch_bwd_weight, weight_kernel_args(plan, kernel_args)))
         wk = compile_offline(second.jit_fn, second_args, plan.weight_meta, cfg.dw_num_warps, cfg.dw_num_stages,
                              args.arch)

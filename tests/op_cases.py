@@ -163,6 +163,28 @@ def forced_backward(gy, args, case, stats, chain, **knobs):
     return grads, [m for kind, _, m, _ in seen if kind == "backward"][0]
 
 
+def count_launches(monkeypatch, names) -> list:
+    """Patch each `launch` launcher in `names` to record its name on every launch; the list of
+    names, in launch order, fills as the plans launch. Binding is refused (`bind` returns None),
+    so a kept plan's later calls launch through the recording wrapper too."""
+    calls = []
+
+    class Counted:
+        def __init__(self, name):
+            self.name, self.real = name, getattr(launch, name)
+
+        def __call__(self, *a, **k):
+            calls.append(self.name)
+            return self.real(*a, **k)
+
+        def bind(self, *a, **k):
+            return None
+
+    for name in names:
+        monkeypatch.setattr(launch, name, Counted(name))
+    return calls
+
+
 BACKWARD_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 
 

@@ -13,7 +13,7 @@ from recfuse.chain import DEFAULT as DEFAULT_CHAIN, chain_of
 from recfuse.ops import configs, launch
 from recfuse.ops.composite import composite_backward
 from op_cases import (BACKWARD_PATH_CASES, INTERPRETER_AND_CUDA, Case, assert_backward_close,
-                      chain_backward_inputs, forced_backward, make_inputs, with_rows)
+                      chain_backward_inputs, count_launches, forced_backward, make_inputs, with_rows)
 
 DEVICES = INTERPRETER_AND_CUDA
 
@@ -79,21 +79,7 @@ def test_split_weight_gradient_is_bitwise_deterministic_and_launches_three_kerne
     args = [t.float() for t in (gy, x, w, b, lw, lb)]
     forced = lambda D, H, dt: configs.heuristic_backward(D, H, dt, use_dot=True, block_b=16, block_k=0,  # noqa: E731
                                                          programs_per_sm=1, split_dw=32, dw_block_b=16)
-    calls = []
-
-    class Counted:
-        def __init__(self, name):
-            self.name, self.real = name, getattr(launch, name)
-
-        def __call__(self, *a, **k):
-            calls.append(self.name)
-            return self.real(*a, **k)
-
-        def bind(self, *a, **k):
-            return None  # every launch through __call__, counted
-
-    for name in ("_launch_bwd", "_launch_bwd_weight", "_launch_partials_to_grads"):
-        monkeypatch.setattr(launch, name, Counted(name))
+    calls = count_launches(monkeypatch, ("_launch_bwd", "_launch_bwd_weight", "_launch_partials_to_grads"))
     with configs.override(backward=forced):
         first = launch.backward(*args, case.eps, case.feature_dim)
         second = launch.backward(*args, case.eps, case.feature_dim)

@@ -1,7 +1,7 @@
-"""The two-pass backward (`BackwardConfig.two_pass`): `kernels.ln_tanh_linear_relu_bwd_rowsums`
-writes each column chunk's share of dx's two row sums, then `kernels.ln_tanh_linear_relu_bwd_cols`
-adds them in chunk order and writes dx and every parameter's partial gradient, both on a grid of
-(column chunks, row programs, features), from the forward's row stats and relu mask.
+"""The two-pass backward (`BackwardConfig.two_pass`): `kernels.ln_tanh_linear_relu_bwd_two_pass`
+launched twice, first writing each column chunk's share of dx's two row sums, then adding them in
+chunk order and writing dx and every parameter's partial gradient, both on a grid of (column
+chunks, row programs, features), from the forward's row stats and relu mask.
 
 Each case runs under the Triton interpreter (``make test-interpret``) and, where a GPU is present,
 on it at sizes with many row tiles per program. References: float64 (the composite backward) and
@@ -13,8 +13,8 @@ import torch
 import recfuse
 from recfuse.chain import DEFAULT as DEFAULT_CHAIN, chain_of
 from recfuse.ops import configs, launch, tuning
-from op_cases import (INTERPRETER_AND_CUDA, Case, assert_backward_close, chain_backward_inputs, forced_backward,
-                      with_rows)
+from op_cases import (INTERPRETER_AND_CUDA, Case, assert_backward_close, chain_backward_inputs, count_launches,
+                      forced_backward, with_rows)
 
 DEVICES = INTERPRETER_AND_CUDA
 
@@ -75,27 +75,13 @@ def test_two_pass_is_bitwise_deterministic_and_launches_three_kernels(device, mo
     args, gy = chain_backward_inputs(case, torch.float32, DEFAULT_CHAIN, seed=4, device=device)
     knobs = dict(KNOBS, two_pass=32, dw_block_b=16)
     stats = _training_stats(args, case, DEFAULT_CHAIN, knobs)
-    calls = []
-
-    class Counted:
-        def __init__(self, name):
-            self.name, self.real = name, getattr(launch, name)
-
-        def __call__(self, *a, **k):
-            calls.append(self.name)
-            return self.real(*a, **k)
-
-        def bind(self, *a, **k):
-            return None  # every launch through __call__, counted
-
-    names = ("_launch_bwd_rowsums", "_launch_bwd_cols", "_launch_partials_to_grads")
-    for name in names:
-        monkeypatch.setattr(launch, name, Counted(name))
-    with configs.override(backward=_forced(**knobs)):
+    calls = count_launches(monkeypatch, ("_launch_bwd_two_pass", "_launch_partials_to_grads"))
+    with configs.override(backward=_forced(**knobs)), launch.trace_launches() as seen:
         first = launch.backward(gy, *args, case.eps, case.feature_dim, stats)
         second = launch.backward(gy, *args, case.eps, case.feature_dim, stats)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
-    assert calls == list(names) * 2
+    assert calls == ["_launch_bwd_two_pass", "_launch_bwd_two_pass", "_launch_partials_to_grads"] * 2
+    assert [m["DX_PASS"] for kind, _, m, _ in seen if kind == "backward"] == [False, False]
     assert_backward_close(first, first, gy, args, case, DEFAULT_CHAIN, torch.float32)
 
 

@@ -178,10 +178,10 @@ class BackwardConfig(TileConfig):
     # forward's row stats) instead of one tile padded to the next power of two.
     row_parts: int = 0
     # tl.dot path with the forward's row stats (and relu mask): n > 0 runs the backward as two
-    # column-tiled kernels over chunks of n columns (`kernels.ln_tanh_linear_relu_bwd_rowsums`,
-    # then `ln_tanh_linear_relu_bwd_cols`) instead of one holding whole rows: each program holds
+    # column-tiled passes over chunks of n columns (`kernels.ln_tanh_linear_relu_bwd_two_pass`:
+    # dx's row sums, then dx and the partial sums) instead of one holding whole rows: each program holds
     # an [H, n] slice of the weight and one [rows, n] tile, so registers do not grow with D or H.
-    # It costs a second read of x. The first kernel takes block_b, num_warps, loop_stages and
+    # It costs a second read of x. The first pass takes block_b, num_warps, loop_stages and
     # programs_per_sm, the second dw_block_b, dw_num_warps and dw_num_stages.
     two_pass: int = 0
 

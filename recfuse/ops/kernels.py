@@ -19,9 +19,9 @@ Three kernels, as in Triton's layer-norm tutorial:
   instead of the weight gradient, and this GEMM over rows makes it a chunk of columns at a time.
   `ln_tanh_linear_relu_bwd_rows2`: H = 1 with D the sum of two powers of two, each row walked as
   those two unmasked parts instead of one padded tile.
-  `ln_tanh_linear_relu_bwd_rowsums` then `ln_tanh_linear_relu_bwd_cols`: the two-pass tl.dot
-  backward, column chunks of every row tile, from the forward's row stats and relu mask: the first
-  writes each chunk's share of dx's two row sums, the second dx and the partial sums.
+  `ln_tanh_linear_relu_bwd_two_pass`, launched twice: the two-pass tl.dot backward, column
+  chunks of every row tile, from the forward's row stats and relu mask: the first launch writes
+  each chunk's share of dx's two row sums, the second dx and the partial sums.
 * `partials_to_grads`: the second stage of the weight-gradient reduction, a fixed-order sum over
   the per-program partials that writes every parameter gradient in its final shape and dtype. No
   float atomics anywhere, so the same inputs give the same bits.
@@ -1393,8 +1393,7 @@ def _column_tile_grads(
     DOT_UPCAST: tl.constexpr, SPLIT_DT: tl.constexpr, DZ_PARTS: tl.constexpr, W_PARTS: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One [rows, BLOCK_K] tile of the two-pass backward (`ln_tanh_linear_relu_bwd_rowsums`,
-    `ln_tanh_linear_relu_bwd_cols`): the rows' saved mean / rstd, the tile's xhat and t, dz from
+    """One [rows, BLOCK_K] tile of the two-pass backward (`ln_tanh_linear_relu_bwd_two_pass`): the rows' saved mean / rstd, the tile's xhat and t, dz from
     grad_y and the forward's relu mask (no z: the whole row is not here), dt = dz @ w for these
     columns, and da, dxhat. dz comes back in fp32 and in the 16-bit parts the dots took (fp32 dz
     again when the dots take fp32 operands). Padded rows and columns come out as exact zeros."""
@@ -1432,7 +1431,7 @@ def _column_tile_grads(
 
 
 @triton.jit
-def ln_tanh_linear_relu_bwd_rowsums(
+def ln_tanh_linear_relu_bwd_two_pass(
     GY, X, W, BIAS, LNW, LNB, DX, PARTIAL, STATS, ROWSUMS,
     B, D, H, rows_per_program, stats_half,
     stride_x_f, stride_x_b, stride_x_d,
@@ -1447,80 +1446,28 @@ def ln_tanh_linear_relu_bwd_rowsums(
     BWD_DOT_PRECISION: tl.constexpr, BWD_DOT_DTYPE: tl.constexpr, DOT_UPCAST: tl.constexpr,
     SPLIT_DT: tl.constexpr, SPLIT_DW: tl.constexpr, FAST_TANH: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, LOOP_STAGES: tl.constexpr = None,
+    BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, DX_PASS: tl.constexpr,
+    LOOP_STAGES: tl.constexpr = None,
 ):
-    """Pass one of the two-pass backward: each row's share of dx's two row sums from BLOCK_K columns.
+    """The two-pass backward, BLOCK_K columns at a time; launched twice, DX_PASS False then True.
 
     LayerNorm's dx = (dxhat - xhat * mean(dxhat * xhat) - mean(dxhat)) * rstd needs sums over the
     whole row, so the whole-row kernels hold every column of a row tile at once (255 registers,
     12% occupancy at H >= 16). Here program (k, p, f) owns columns [k * BLOCK_K, (k + 1) * BLOCK_K)
-    of feature f over the rows of program p, holds only that slice of the weight and one [BLOCK_B,
-    BLOCK_K] tile, and writes the slice's sums of dxhat * xhat and dxhat per row into ROWSUMS
-    ([n_chunks, 2, F, B] fp32). `ln_tanh_linear_relu_bwd_cols` adds them up in a fixed order. Needs
-    the forward's row stats and, with relu, its relu mask (dz without z). The other arguments are
-    `ln_tanh_linear_relu_bwd`'s (DX, PARTIAL, BIAS unused here).
-    """
-    pid_k = tl.program_id(0)
-    pid_p = tl.program_id(1)
-    f = tl.program_id(2).to(tl.int64)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    kmask = cols < D
-    hs = tl.arange(0, BLOCK_H)
-    hmask = hs < H
-    DZ_EXACT: tl.constexpr = (OUT_ACT == 0 or OUT_ACT == 3) and GY.dtype.element_ty == BWD_DOT_DTYPE
-    DZ_PARTS: tl.constexpr = 1 if DZ_EXACT else SPLIT_DT
-    W_PARTS: tl.constexpr = 1 if W.dtype.element_ty == BWD_DOT_DTYPE else SPLIT_DT
-    wk = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :],
-                 mask=hmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-    w0, w1, w2 = _split16(wk, BWD_DOT_DTYPE, W_PARTS)
-    plane = ROWSUMS + pid_k * 2 * stats_half + f * B
-    row_start = pid_p * rows_per_program
-    for r0 in tl.range(row_start, row_start + rows_per_program, BLOCK_B, num_stages=LOOP_STAGES):
-        rows = r0 + tl.arange(0, BLOCK_B)
-        rmask = rows < B
-        rows64 = rows.to(tl.int64)
-        xhat, t, da, dxhat, dz, dz0, dz1, dz2, rstd = _column_tile_grads(
-            GY, X, STATS, LNW, LNB, f, rows64, rmask, cols, kmask, hs, hmask, B, H, stats_half, w0, w1, w2, wk,
-            stride_x_f, stride_x_b, stride_x_d, stride_gy_f, stride_gy_b, stride_gy_h, stride_lnw_f, stride_lnb_f,
-            HAS_LNW, HAS_LNB, NORM, ACT, OUT_ACT, FAST_TANH, BWD_DOT_PRECISION, BWD_DOT_DTYPE, DOT_UPCAST,
-            SPLIT_DT, DZ_PARTS, W_PARTS, EVEN_D, EVEN_B, X_EVICT, BLOCK_K)
-        s1 = tl.sum(dxhat * xhat, axis=1)
-        s2 = tl.sum(dxhat, axis=1)
-        if EVEN_B:
-            tl.store(plane + rows64, s1)
-            tl.store(plane + stats_half + rows64, s2)
-        else:
-            tl.store(plane + rows64, s1, mask=rmask)
-            tl.store(plane + stats_half + rows64, s2, mask=rmask)
+    of feature f over the rows of program p, and holds only that slice of the weight and one
+    [BLOCK_B, BLOCK_K] tile (`_column_tile_grads`: xhat, t, dz from grad_y and the forward's relu
+    mask, dt = dz @ w, dxhat). Needs the forward's row stats and, with relu, its relu mask.
 
+    * First pass: the slice's sums of dxhat * xhat and dxhat per row, into ROWSUMS ([n_chunks, 2,
+      F, B] fp32).
+    * Second pass (DX_PASS): the same tile again (the same products, so the same values), the row
+      sums of all slices added in slice order, dx for these columns, and the columns' weight
+      gradient dz^T @ t ([BLOCK_H, BLOCK_K] in registers), LayerNorm-affine column sums and, for
+      k = 0, the bias gradient, into the program's partial row (program p of feature f, the fused
+      kernel's layout), which `partials_to_grads` sums in a fixed order: no atomics.
 
-@triton.jit
-def ln_tanh_linear_relu_bwd_cols(
-    GY, X, W, BIAS, LNW, LNB, DX, PARTIAL, STATS, ROWSUMS,
-    B, D, H, rows_per_program, stats_half,
-    stride_x_f, stride_x_b, stride_x_d,
-    stride_gy_f, stride_gy_b, stride_gy_h,
-    stride_dx_f, stride_dx_b, stride_dx_d,
-    stride_w_f, stride_w_h,
-    stride_bias_f, stride_lnw_f, stride_lnb_f,
-    stride_part_prog,
-    eps, inv_d,
-    HAS_BIAS: tl.constexpr, HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
-    NORM: tl.constexpr, ACT: tl.constexpr, OUT_ACT: tl.constexpr,
-    BWD_DOT_PRECISION: tl.constexpr, BWD_DOT_DTYPE: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    SPLIT_DT: tl.constexpr, SPLIT_DW: tl.constexpr, FAST_TANH: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, LOOP_STAGES: tl.constexpr = None,
-):
-    """Pass two of the two-pass backward: dx and every parameter's partial gradient, BLOCK_K columns
-    at a time.
-
-    Program (k, p, f), as in `ln_tanh_linear_relu_bwd_rowsums`: recomputes its tile's xhat, t, dz,
-    dt (the same products, so the same values), adds the row sums of all column slices in slice
-    order, writes dx for its columns, and accumulates its columns of the weight gradient dz^T @ t
-    ([BLOCK_H, BLOCK_K] in registers) and of the LayerNorm affine's (row slots), plus, for k = 0,
-    the bias gradient. They go into its partial row (program p of feature f, the fused kernel's
-    layout), which `partials_to_grads` sums in a fixed order: no atomics.
+    The other arguments are `ln_tanh_linear_relu_bwd`'s (BIAS unused; DX and PARTIAL by the
+    second pass only).
     """
     pid_k = tl.program_id(0)
     pid_p = tl.program_id(1)
@@ -1556,50 +1503,60 @@ def ln_tanh_linear_relu_bwd_cols(
             stride_x_f, stride_x_b, stride_x_d, stride_gy_f, stride_gy_b, stride_gy_h, stride_lnw_f, stride_lnb_f,
             HAS_LNW, HAS_LNB, NORM, ACT, OUT_ACT, FAST_TANH, BWD_DOT_PRECISION, BWD_DOT_DTYPE, DOT_UPCAST,
             SPLIT_DT, DZ_PARTS, W_PARTS, EVEN_D, EVEN_B, X_EVICT, BLOCK_K)
-        if NORM == 0:
-            dx = dxhat
-        else:
-            c1 = tl.zeros([BLOCK_B], dtype=tl.float32)
-            c2 = tl.zeros([BLOCK_B], dtype=tl.float32)
-            for k in range(0, n_chunks):
-                plane = ROWSUMS + k * 2 * stats_half + f * B + rows64
-                if EVEN_B:
-                    c1 += tl.load(plane)
-                    c2 += tl.load(plane + stats_half)
-                else:
-                    c1 += tl.load(plane, mask=rmask, other=0.0)
-                    c2 += tl.load(plane + stats_half, mask=rmask, other=0.0)
-            # inv_d = 1/D correctly rounded on the host: a GPU fp32 `/` is approximate (2 ulp).
-            c1 = c1 * inv_d
-            if NORM == 2:
-                dx = (dxhat - xhat * c1[:, None]) * rstd[:, None]
+        if not DX_PASS:
+            plane = ROWSUMS + pid_k * 2 * stats_half + f * B + rows64
+            if EVEN_B:
+                tl.store(plane, tl.sum(dxhat * xhat, axis=1))
+                tl.store(plane + stats_half, tl.sum(dxhat, axis=1))
             else:
-                c2 = c2 * inv_d
-                dx = (dxhat - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-        dx_ptrs = DX + f * stride_dx_f + rows64[:, None] * stride_dx_b + cols[None, :] * stride_dx_d
-        if EVEN_D and EVEN_B:
-            tl.store(dx_ptrs, dx.to(DX.dtype.element_ty))
+                tl.store(plane, tl.sum(dxhat * xhat, axis=1), mask=rmask)
+                tl.store(plane + stats_half, tl.sum(dxhat, axis=1), mask=rmask)
         else:
-            tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=rmask[:, None] & kmask[None, :])
-        if SPLIT16:
-            t0, t1, t2 = _split16(t, BWD_DOT_DTYPE, T_PARTS)
-            acc_w = _dot_parts(tl.trans(dz0), tl.trans(dz1), tl.trans(dz2), t0, t1, t2, acc_w,
-                               min(DZ_PARTS, SPLIT_DW), T_PARTS, SPLIT_DW, DOT_UPCAST)
-        else:
-            acc_w += tl.dot(tl.trans(dz0), t, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
-        if pid_k == 0:  # the bias gradient is the first column chunk's
-            acc_b += tl.sum(dz, axis=0)
-        if HAS_LNW:
-            acc_lnw += tl.sum(da * xhat, axis=0)
-        if HAS_LNB:
-            acc_lnb += tl.sum(da, axis=0)
-    part = PARTIAL + (f * n_prog + pid_p) * stride_part_prog
-    tl.store(part + hs[:, None] * D + cols[None, :], acc_w, mask=hmask[:, None] & kmask[None, :])
-    # Absent LayerNorm affine: zeros (the fused kernel's rule), so the reduction stays uniform.
-    tl.store(part + H * D + H + cols, acc_lnw, mask=kmask)
-    tl.store(part + H * D + H + D + cols, acc_lnb, mask=kmask)
-    if pid_k == 0:
-        tl.store(part + H * D + hs, acc_b, mask=hmask)
+            if NORM == 0:
+                dx = dxhat
+            else:
+                c1 = tl.zeros([BLOCK_B], dtype=tl.float32)
+                c2 = tl.zeros([BLOCK_B], dtype=tl.float32)
+                for k in range(0, n_chunks):
+                    plane = ROWSUMS + k * 2 * stats_half + f * B + rows64
+                    if EVEN_B:
+                        c1 += tl.load(plane)
+                        c2 += tl.load(plane + stats_half)
+                    else:
+                        c1 += tl.load(plane, mask=rmask, other=0.0)
+                        c2 += tl.load(plane + stats_half, mask=rmask, other=0.0)
+                # inv_d = 1/D correctly rounded on the host: a GPU fp32 `/` is approximate (2 ulp).
+                c1 = c1 * inv_d
+                if NORM == 2:
+                    dx = (dxhat - xhat * c1[:, None]) * rstd[:, None]
+                else:
+                    c2 = c2 * inv_d
+                    dx = (dxhat - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            dx_ptrs = DX + f * stride_dx_f + rows64[:, None] * stride_dx_b + cols[None, :] * stride_dx_d
+            if EVEN_D and EVEN_B:
+                tl.store(dx_ptrs, dx.to(DX.dtype.element_ty))
+            else:
+                tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=rmask[:, None] & kmask[None, :])
+            if SPLIT16:
+                t0, t1, t2 = _split16(t, BWD_DOT_DTYPE, T_PARTS)
+                acc_w = _dot_parts(tl.trans(dz0), tl.trans(dz1), tl.trans(dz2), t0, t1, t2, acc_w,
+                                   min(DZ_PARTS, SPLIT_DW), T_PARTS, SPLIT_DW, DOT_UPCAST)
+            else:
+                acc_w += tl.dot(tl.trans(dz0), t, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
+            if pid_k == 0:  # the bias gradient is the first column chunk's
+                acc_b += tl.sum(dz, axis=0)
+            if HAS_LNW:
+                acc_lnw += tl.sum(da * xhat, axis=0)
+            if HAS_LNB:
+                acc_lnb += tl.sum(da, axis=0)
+    if DX_PASS:
+        part = PARTIAL + (f * n_prog + pid_p) * stride_part_prog
+        tl.store(part + hs[:, None] * D + cols[None, :], acc_w, mask=hmask[:, None] & kmask[None, :])
+        # Absent LayerNorm affine: zeros (the fused kernel's rule), so the reduction stays uniform.
+        tl.store(part + H * D + H + cols, acc_lnw, mask=kmask)
+        tl.store(part + H * D + H + D + cols, acc_lnb, mask=kmask)
+        if pid_k == 0:
+            tl.store(part + H * D + hs, acc_b, mask=hmask)
 
 
 @triton.jit

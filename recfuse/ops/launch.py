@@ -37,8 +37,7 @@ _launch_fwd_y_strided = CompiledLaunchCache(kernels.ln_tanh_linear_relu_fwd_y_st
 _launch_bwd = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
 _launch_bwd_chunked = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_chunked)
 _launch_bwd_weight = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_weight)
-_launch_bwd_rowsums = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_rowsums)
-_launch_bwd_cols = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_cols)
+_launch_bwd_two_pass = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_two_pass)
 _launch_bwd_rows2 = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_rows2)
 _launch_partials_to_grads = CompiledLaunchCache(kernels.partials_to_grads)
 
@@ -701,24 +700,25 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
 
 
 def _make_two_pass(plan: BackwardPlan, F: int, B: int, D: int, P: int):
-    """Make `plan` the two-pass backward (`BackwardConfig.two_pass`): the row-sums kernel in the
-    fused kernel's slot, the dx-and-partials kernel in the weight kernel's, both on a grid of
-    (column chunks, row programs, features) and the fused kernel's arguments."""
+    """Make `plan` the two-pass backward (`BackwardConfig.two_pass`): the row-sums pass in the
+    fused kernel's slot, the dx-and-partials pass in the weight kernel's, both
+    `kernels.ln_tanh_linear_relu_bwd_two_pass` on a grid of (column chunks, row programs,
+    features) and the fused kernel's arguments."""
     cfg, meta = plan.cfg, plan.meta
     n_chunks = triton.cdiv(D, cfg.two_pass)
     common = {k: meta[k] for k in ("HAS_BIAS", "HAS_LNW", "HAS_LNB", "NORM", "ACT", "OUT_ACT", "BWD_DOT_PRECISION",
                                    "BWD_DOT_DTYPE", "DOT_UPCAST", "SPLIT_DT", "SPLIT_DW", "FAST_TANH", "EVEN_B",
                                    "X_EVICT", "BLOCK_H")}
     common.update(EVEN_D=D % cfg.two_pass == 0, BLOCK_K=cfg.two_pass)
-    plan.meta = dict(common, BLOCK_B=cfg.block_b, LOOP_STAGES=cfg.loop_stages or None)
-    plan.launcher = _launch_bwd_rowsums
+    plan.meta = dict(common, BLOCK_B=cfg.block_b, DX_PASS=False, LOOP_STAGES=cfg.loop_stages or None)
+    plan.launcher = _launch_bwd_two_pass
     plan.grid = (n_chunks, P, F)
     plan.two_pass = True
     plan.reads_stats = True
-    plan.weight_launcher = _launch_bwd_cols
+    plan.weight_launcher = _launch_bwd_two_pass
     plan.weight_grid = plan.grid
     plan.weight_ints = plan.ints
-    plan.weight_meta = dict(common, BLOCK_B=cfg.dw_block_b)
+    plan.weight_meta = dict(common, BLOCK_B=cfg.dw_block_b, DX_PASS=True)
     plan.weight_options = dict(num_warps=cfg.dw_num_warps, num_stages=cfg.dw_num_stages)
     plan.dz_shape = (n_chunks, 2, F, B)  # the row sums
     plan.dz_dtype = torch.float32
