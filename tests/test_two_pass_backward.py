@@ -147,3 +147,20 @@ def test_two_pass_configs_fit_round_trip_their_entries_and_name_their_path():
                 dict(two_pass=32, dw_block_b=24)):
         cfg = configs.heuristic_backward(512, 16, torch.float32, use_dot=True, **dict(dict(block_k=0), **bad))
         assert not configs.backward_fits(cfg, 512, 16), bad
+
+
+@pytest.mark.interpret
+def test_no_features_give_zero_gradients_on_the_two_pass_plan():
+    # F = 0 with rows: the two-pass grid is (chunks, P, 0); no kernel runs, every gradient is zero.
+    case = Case(0, 8, 64, 16)
+    args, gy = chain_backward_inputs(case, torch.float32, DEFAULT_CHAIN, seed=9)
+    knobs = dict(KNOBS, two_pass=32, dw_block_b=16)
+    stats = torch.zeros(3, 0, case.B)
+    with configs.override(backward=_forced(**knobs)):
+        plan = launch.backward_plan(gy, *args, case.eps, case.feature_dim, stats)
+        grads = launch.backward(gy, *args, case.eps, case.feature_dim, stats)
+    assert plan.two_pass and plan.grid == (2, 1, 0)
+    assert grads[0].shape == args[0].shape
+    for g, p in zip(grads[1:], args[1:]):
+        if p is not None:
+            assert g.shape == p.shape and not g.any()

@@ -479,9 +479,9 @@ class BackwardPlan:
     dz_dtype: Optional[torch.dtype] = None
     stats_shape: Optional[tuple] = None
     reads_stats: bool = False  # the forward's stats go to the kernels (LOAD_STATS or LOAD_MASK)
-    # The two-pass backward (`BackwardConfig.two_pass`): the first kernel writes the row sums
-    # into the dz buffer ([n_chunks, 2, F, B] fp32), the second ("weight" slot) takes the first's
-    # arguments and writes dx and the partials.
+    # The two-pass backward (`BackwardConfig.two_pass`): its first pass writes the row sums into
+    # the dz buffer ([n_chunks, 2, F, B] fp32); the second (in the weight kernel's slot) takes the
+    # first's arguments and writes dx and the partials.
     two_pass: bool = False
     weight_launcher: Optional[CompiledLaunchCache] = None  # None: `_launch_bwd_weight`, looked up per call
     bound: Optional[Callable] = None  # the compiled kernels, bound after the first launch
@@ -506,7 +506,7 @@ class BackwardPlan:
         gb = x.new_empty((0,)) if bias is None else torch.empty_like(bias, memory_format=contiguous)
         glw = x.new_empty((0,)) if ln_weight is None else torch.empty_like(ln_weight, memory_format=contiguous)
         glb = x.new_empty((0,)) if ln_bias is None else torch.empty_like(ln_bias, memory_format=contiguous)
-        if self.grid[1] == 0:  # F == 0
+        if self.partial_shape[0] == 0:  # F == 0 (F * P partial rows, P >= 1)
             for g in (gw, gb, glw, glb):
                 g.zero_()
             return dx, gw, gb, glw, glb
