@@ -1493,6 +1493,7 @@ def ln_tanh_linear_relu_bwd_two_pass(
     acc_b = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc_lnw = tl.zeros([BLOCK_K], dtype=tl.float32)
     acc_lnb = tl.zeros([BLOCK_K], dtype=tl.float32)
+    chunk_planes = tl.full([], 2, tl.int64) * stats_half  # ROWSUMS elements a chunk (64-bit offsets)
     row_start = pid_p * rows_per_program
     for r0 in tl.range(row_start, row_start + rows_per_program, BLOCK_B, num_stages=LOOP_STAGES):
         rows = r0 + tl.arange(0, BLOCK_B)
@@ -1504,7 +1505,7 @@ def ln_tanh_linear_relu_bwd_two_pass(
             HAS_LNW, HAS_LNB, NORM, ACT, OUT_ACT, FAST_TANH, BWD_DOT_PRECISION, BWD_DOT_DTYPE, DOT_UPCAST,
             SPLIT_DT, DZ_PARTS, W_PARTS, EVEN_D, EVEN_B, X_EVICT, BLOCK_K)
         if not DX_PASS:
-            plane = ROWSUMS + pid_k * 2 * stats_half + f * B + rows64
+            plane = ROWSUMS + pid_k * chunk_planes + f * B + rows64
             if EVEN_B:
                 tl.store(plane, tl.sum(dxhat * xhat, axis=1))
                 tl.store(plane + stats_half, tl.sum(dxhat, axis=1))
@@ -1518,7 +1519,7 @@ def ln_tanh_linear_relu_bwd_two_pass(
                 c1 = tl.zeros([BLOCK_B], dtype=tl.float32)
                 c2 = tl.zeros([BLOCK_B], dtype=tl.float32)
                 for k in range(0, n_chunks):
-                    plane = ROWSUMS + k * 2 * stats_half + f * B + rows64
+                    plane = ROWSUMS + k * chunk_planes + f * B + rows64
                     if EVEN_B:
                         c1 += tl.load(plane)
                         c2 += tl.load(plane + stats_half)
