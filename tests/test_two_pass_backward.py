@@ -164,3 +164,22 @@ def test_no_features_give_zero_gradients_on_the_two_pass_plan():
     for g, p in zip(grads[1:], args[1:]):
         if p is not None:
             assert g.shape == p.shape and not g.any()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("chain, with_stats", [(DEFAULT_CHAIN, False), (chain_of("layer_norm", "tanh", "tanh"), True)],
+                         ids=["relu-no-stats", "tanh-out"])
+def test_a_two_pass_entry_without_its_inputs_takes_the_heuristic_whole_row_config(chain, with_stats):
+    # A compiled backward passes no stats, and an out-activation other than relu has no mask: the
+    # whole-row kernel runs then, with the heuristic's tiles, not the entry's (tuned on chunks:
+    # 64-row tiles of 512 columns would not fit a whole-row program).
+    case = Case(2, 40, 64, 16)
+    args, gy = chain_backward_inputs(case, torch.float32, chain, seed=10)
+    knobs = dict(KNOBS, two_pass=32, block_b=64, num_warps=2, dw_block_b=16)
+    stats = _training_stats(args, case, chain, knobs) if with_stats else None
+    with configs.override(backward=_forced(**knobs)):
+        plan = launch.backward_plan(gy, *args, case.eps, case.feature_dim, stats, chain=chain)
+        grads = launch.backward(gy, *args, case.eps, case.feature_dim, stats, chain=chain)
+    assert not plan.two_pass and "BLOCK_D" in plan.meta
+    assert plan.cfg == configs.heuristic_backward(64, 16, torch.float32)
+    assert_backward_close(grads, grads, gy, args, case, chain, torch.float32)

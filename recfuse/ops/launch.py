@@ -591,12 +591,19 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
     unfit_key = _unfit_key(x, weight, chain)
     if cfg is None or unfit_key in _BWD_UNFIT:
         return None
-    chunked = cfg.use_dot and 0 < cfg.block_k < cfg.block_d
     norm, act, out_act = chain_codes(chain)
-    load_mask = cfg.use_dot and out_act == ACTIVATIONS["relu"] and stats_planes(stats) > 2
+    has_mask = out_act == ACTIVATIONS["relu"] and stats_planes(stats) > 2
     # Two passes over column chunks need the forward's row stats and dz without z (its relu mask).
-    two_pass = (cfg.use_dot and cfg.two_pass > 0 and not chunked and B > 0 and (load_mask or out_act == 0)
+    two_pass = (cfg.use_dot and cfg.two_pass > 0 and not cfg.block_k and B > 0 and (has_mask or out_act == 0)
                 and (norm == 0 or stats is not None))
+    if cfg.two_pass and not two_pass:
+        # No stats or mask (a compiled backward, another out-activation): the entry's tiles were
+        # tuned on column chunks, and whole rows of that many may not fit; the heuristic's do.
+        cfg = configs.heuristic_backward(D, H, x.dtype)
+        if cfg is None:
+            return None
+    chunked = cfg.use_dot and 0 < cfg.block_k < cfg.block_d
+    load_mask = cfg.use_dot and has_mask
     if two_pass:
         load_stats = norm != 0
     elif cfg.use_dot and not chunked:
