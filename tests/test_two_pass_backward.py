@@ -183,3 +183,23 @@ def test_a_two_pass_entry_without_its_inputs_takes_the_heuristic_whole_row_confi
     assert not plan.two_pass and "BLOCK_D" in plan.meta
     assert plan.cfg == configs.heuristic_backward(64, 16, torch.float32)
     assert_backward_close(grads, grads, gy, args, case, chain, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case, dtype, chain, chunk", [CASES[1], CASES[3]], ids=str)
+def test_the_weight_gradient_in_the_first_pass_matches_float64_and_the_second_pass_one(case, dtype, chain, chunk,
+                                                                                          device):
+    # `BackwardConfig.dw_first`: dz^T @ t beside the row sums instead of beside dx; the same
+    # products in the same row order, so under the interpreter every gradient has the same bits.
+    chain = chain or DEFAULT_CHAIN
+    case = _scaled(case, device)
+    args, gy = chain_backward_inputs(case, dtype, chain, seed=11, device=device)
+    rows = 16 if device == "cpu" else 64
+    two_pass = dict(KNOBS, two_pass=chunk, dw_block_b=rows, block_b=rows)
+    stats = _training_stats(args, case, chain, two_pass)
+    first, meta = forced_backward(gy, args, case, stats, chain, **two_pass, dw_first=1)
+    second, meta_second = forced_backward(gy, args, case, stats, chain, **two_pass)
+    assert meta["DW_FIRST"] and not meta_second["DW_FIRST"]
+    assert_backward_close(first, second, gy, args, case, chain, dtype, same_bits=device == "cpu")
+    if device == "cpu":
+        assert torch.equal(first[1], second[1])

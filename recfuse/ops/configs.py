@@ -184,6 +184,11 @@ class BackwardConfig(TileConfig):
     # It costs a second read of x. The first pass takes block_b, num_warps, loop_stages and
     # programs_per_sm, the second dw_block_b, dw_num_warps and dw_num_stages.
     two_pass: int = 0
+    # two_pass only: 1 makes the weight gradient dz^T @ t in the first pass (beside the row sums)
+    # instead of the second (beside dx): offline (sm_90) the second pass then drops from 255
+    # registers with spills to 195 without, the first rises to 217 at 64 rows and 8 warps. Not
+    # measured on a GPU yet: a tuner candidate, no table entry or heuristic takes it.
+    dw_first: int = 0
 
 
 KernelConfig = ForwardConfig  # the name launch-level code and older tests use
@@ -193,7 +198,8 @@ _OPTIONAL_FORWARD_KNOBS = ("unroll_h", "k_loop")
 _BACKWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "programs_per_sm", "num_stages")
 # Knobs an older table's entries may lack: the heuristic's value stands.
 _OPTIONAL_BACKWARD_KNOBS = ("block_k", "prefetch", "unroll_h", "loop_stages", "col_sums", "split_dw", "dw_block_b",
-                            "dw_num_warps", "dw_num_stages", "row_parts", "split_ln", "two_pass")
+                            "dw_num_warps", "dw_num_stages", "row_parts", "split_ln", "two_pass",
+                            "dw_first")
 
 # ---------------------------------------------------------------------------------------------
 # the heuristic
@@ -813,6 +819,8 @@ def backward_fits(cfg: BackwardConfig, D: int, H: int) -> bool:
         # The weight-gradient kernel's column chunk and row tile are tl.arange ranges: powers of two
         # (split_dw=48 and dw_block_b=24 were accepted, and its launch failed to build).
         if cfg.split_ln and not cfg.split_dw:
+            return False
+        if cfg.dw_first and not cfg.two_pass:
             return False
         if cfg.two_pass and (cfg.block_k or cfg.split_dw or cfg.prefetch or cfg.two_pass < 16
                              or cfg.two_pass > cfg.block_d or not _power_of_two(cfg.two_pass)

@@ -1447,7 +1447,7 @@ def ln_tanh_linear_relu_bwd_two_pass(
     SPLIT_DT: tl.constexpr, SPLIT_DW: tl.constexpr, FAST_TANH: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, DX_PASS: tl.constexpr,
-    LOOP_STAGES: tl.constexpr = None,
+    LOOP_STAGES: tl.constexpr = None, DW_FIRST: tl.constexpr = False,
 ):
     """The two-pass backward, BLOCK_K columns at a time; launched twice, DX_PASS False then True.
 
@@ -1466,6 +1466,9 @@ def ln_tanh_linear_relu_bwd_two_pass(
       k = 0, the bias gradient, into the program's partial row (program p of feature f, the fused
       kernel's layout), which `partials_to_grads` sums in a fixed order: no atomics.
 
+    DW_FIRST: the weight gradient's columns are the first pass's instead (its accumulator and the
+    dz^T @ t product leave the second pass, which held 255 registers and spilled at bf16 D=512
+    H=64; benchmarks/NOTES.md, eighteenth session).
     The other arguments are `ln_tanh_linear_relu_bwd`'s (BIAS unused; DX and PARTIAL by the
     second pass only).
     """
@@ -1504,6 +1507,13 @@ def ln_tanh_linear_relu_bwd_two_pass(
             stride_x_f, stride_x_b, stride_x_d, stride_gy_f, stride_gy_b, stride_gy_h, stride_lnw_f, stride_lnb_f,
             HAS_LNW, HAS_LNB, NORM, ACT, OUT_ACT, FAST_TANH, BWD_DOT_PRECISION, BWD_DOT_DTYPE, DOT_UPCAST,
             SPLIT_DT, DZ_PARTS, W_PARTS, EVEN_D, EVEN_B, X_EVICT, BLOCK_K)
+        if DW_FIRST != DX_PASS:  # this pass makes the weight gradient's columns
+            if SPLIT16:
+                t0, t1, t2 = _split16(t, BWD_DOT_DTYPE, T_PARTS)
+                acc_w = _dot_parts(tl.trans(dz0), tl.trans(dz1), tl.trans(dz2), t0, t1, t2, acc_w,
+                                   min(DZ_PARTS, SPLIT_DW), T_PARTS, SPLIT_DW, DOT_UPCAST)
+            else:
+                acc_w += tl.dot(tl.trans(dz0), t, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
         if not DX_PASS:
             plane = ROWSUMS + pid_k * chunk_planes + f * B + rows64
             if EVEN_B:
@@ -1538,21 +1548,16 @@ def ln_tanh_linear_relu_bwd_two_pass(
                 tl.store(dx_ptrs, dx.to(DX.dtype.element_ty))
             else:
                 tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=rmask[:, None] & kmask[None, :])
-            if SPLIT16:
-                t0, t1, t2 = _split16(t, BWD_DOT_DTYPE, T_PARTS)
-                acc_w = _dot_parts(tl.trans(dz0), tl.trans(dz1), tl.trans(dz2), t0, t1, t2, acc_w,
-                                   min(DZ_PARTS, SPLIT_DW), T_PARTS, SPLIT_DW, DOT_UPCAST)
-            else:
-                acc_w += tl.dot(tl.trans(dz0), t, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
             if pid_k == 0:  # the bias gradient is the first column chunk's
                 acc_b += tl.sum(dz, axis=0)
             if HAS_LNW:
                 acc_lnw += tl.sum(da * xhat, axis=0)
             if HAS_LNB:
                 acc_lnb += tl.sum(da, axis=0)
-    if DX_PASS:
-        part = PARTIAL + (f * n_prog + pid_p) * stride_part_prog
+    part = PARTIAL + (f * n_prog + pid_p) * stride_part_prog
+    if DW_FIRST != DX_PASS:
         tl.store(part + hs[:, None] * D + cols[None, :], acc_w, mask=hmask[:, None] & kmask[None, :])
+    if DX_PASS:
         # Absent LayerNorm affine: zeros (the fused kernel's rule), so the reduction stays uniform.
         tl.store(part + H * D + H + cols, acc_lnw, mask=kmask)
         tl.store(part + H * D + H + D + cols, acc_lnb, mask=kmask)

@@ -716,7 +716,7 @@ def _make_two_pass(plan: BackwardPlan, F: int, B: int, D: int, P: int):
     common = {k: meta[k] for k in ("HAS_BIAS", "HAS_LNW", "HAS_LNB", "NORM", "ACT", "OUT_ACT", "BWD_DOT_PRECISION",
                                    "BWD_DOT_DTYPE", "DOT_UPCAST", "SPLIT_DT", "SPLIT_DW", "FAST_TANH", "EVEN_B",
                                    "X_EVICT", "BLOCK_H")}
-    common.update(EVEN_D=D % cfg.two_pass == 0, BLOCK_K=cfg.two_pass)
+    common.update(EVEN_D=D % cfg.two_pass == 0, BLOCK_K=cfg.two_pass, DW_FIRST=bool(cfg.dw_first))
     plan.meta = dict(common, BLOCK_B=cfg.block_b, DX_PASS=False, LOOP_STAGES=cfg.loop_stages or None)
     plan.launcher = _launch_bwd_two_pass
     plan.grid = (n_chunks, P, F)

@@ -207,8 +207,8 @@ def two_pass_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
     since the second holds the [H, chunk] weight-gradient accumulator besides its tile (H200, bf16
     D=512 H=64, both on 32 rows and 4 warps: 255 registers and spills in the second, 212 in the
     first); 16 programs per SM, or 8 with both on one tile. The second kernel's loads pipelined 3
-    deep. H >= 8, the tl.dot path's shapes: below, the whole-row kernels' weight and accumulator
-    are small.
+    deep. Then a few with the weight gradient in the first pass (`BackwardConfig.dw_first`). H >= 8,
+    the tl.dot path's shapes: below, the whole-row kernels' weight and accumulator are small.
 
     Example:
         >>> cands = two_pass_candidates(512, 64, torch.bfloat16)
@@ -230,6 +230,16 @@ def two_pass_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
         cfg = configs.heuristic_backward(D, H, dtype, use_dot=True, block_b=rows, num_warps=warps, num_stages=1,
                                          programs_per_sm=pps, block_k=0, prefetch=0, loop_stages=0, split_dw=0,
                                          two_pass=chunk, dw_block_b=dw_rows, dw_num_warps=dw_warps, dw_num_stages=3)
+        if cfg is not None and configs.backward_fits(cfg, D, H):
+            out.append(cfg)
+    # The weight gradient in the first pass (`BackwardConfig.dw_first`): the first pass then holds
+    # the accumulator, so 8 warps there; offline (sm_90, bf16 D=512 H=64) neither pass spills.
+    for chunk, (rows, warps), (dw_rows, dw_warps) in itertools.product(chunks, ((64, 8), (32, 8)),
+                                                                       ((32, 4), (64, 8))):
+        cfg = configs.heuristic_backward(D, H, dtype, use_dot=True, block_b=rows, num_warps=warps, num_stages=1,
+                                         programs_per_sm=16, block_k=0, prefetch=0, loop_stages=0, split_dw=0,
+                                         two_pass=chunk, dw_block_b=dw_rows, dw_num_warps=dw_warps, dw_num_stages=3,
+                                         dw_first=1)
         if cfg is not None and configs.backward_fits(cfg, D, H):
             out.append(cfg)
     return list(dict.fromkeys(out))
@@ -292,13 +302,13 @@ def kernel_path(cfg) -> tuple:
         return ("forward", cfg.use_dot, bool(cfg.block_k), bool(cfg.persistent), bool(cfg.unroll_h), bool(cfg.k_loop))
     return ("backward", cfg.use_dot, bool(cfg.block_k), bool(cfg.unroll_h), bool(cfg.loop_stages),
             bool(cfg.col_sums), bool(cfg.prefetch), bool(cfg.split_ln), bool(cfg.split_dw), bool(cfg.row_parts),
-            bool(cfg.two_pass))
+            bool(cfg.two_pass), bool(cfg.dw_first))
 
 
 # The knob each flag of a `kernel_path` stands for, after its kind.
 PATH_FLAGS = {"forward": ("dot", "chunked", "persistent", "unroll_h", "k_loop"),
               "backward": ("dot", "chunked", "unroll_h", "loop_stages", "col_sums", "prefetch", "split_ln",
-                           "split_dw", "row_parts", "two_pass")}
+                           "split_dw", "row_parts", "two_pass", "dw_first")}
 
 
 def path_label(path: tuple) -> str:
