@@ -52,15 +52,20 @@ def _training_stats(args, case, chain, backward_knobs):
         return launch.forward(*args, case.eps, case.feature_dim, save_stats=True, chain=chain)[1]
 
 
+def _two_pass_inputs(case, dtype, chain, chunk, device, seed):
+    """(case scaled to the device, chain, args, grad_y, two-pass knobs, the training forward's stats)."""
+    chain = chain or DEFAULT_CHAIN
+    case = _scaled(case, device)
+    args, gy = chain_backward_inputs(case, dtype, chain, seed=seed, device=device)
+    rows = 16 if device == "cpu" else 64
+    two_pass = dict(KNOBS, two_pass=chunk, dw_block_b=rows, block_b=rows)
+    return case, chain, args, gy, two_pass, _training_stats(args, case, chain, two_pass)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case, dtype, chain, chunk", CASES, ids=str)
 def test_two_pass_gradients_match_float64_and_the_whole_row_kernel(case, dtype, chain, chunk, device):
-    chain = chain or DEFAULT_CHAIN
-    case = _scaled(case, device)
-    args, gy = chain_backward_inputs(case, dtype, chain, seed=2, device=device)
-    rows = 16 if device == "cpu" else 64
-    two_pass = dict(KNOBS, two_pass=chunk, dw_block_b=rows, block_b=rows)
-    stats = _training_stats(args, case, chain, two_pass)
+    case, chain, args, gy, two_pass, stats = _two_pass_inputs(case, dtype, chain, chunk, device, seed=2)
     if chain.out_activation == "relu":
         assert stats.shape[0] > 2, "a two-pass backward needs the relu mask at any D"
     grads, meta = forced_backward(gy, args, case, stats, chain, **two_pass)
@@ -191,12 +196,7 @@ def test_the_weight_gradient_in_the_first_pass_matches_float64_and_the_second_pa
                                                                                           device):
     # `BackwardConfig.dw_first`: dz^T @ t beside the row sums instead of beside dx; the same
     # products in the same row order, so under the interpreter every gradient has the same bits.
-    chain = chain or DEFAULT_CHAIN
-    case = _scaled(case, device)
-    args, gy = chain_backward_inputs(case, dtype, chain, seed=11, device=device)
-    rows = 16 if device == "cpu" else 64
-    two_pass = dict(KNOBS, two_pass=chunk, dw_block_b=rows, block_b=rows)
-    stats = _training_stats(args, case, chain, two_pass)
+    case, chain, args, gy, two_pass, stats = _two_pass_inputs(case, dtype, chain, chunk, device, seed=11)
     first, meta = forced_backward(gy, args, case, stats, chain, **two_pass, dw_first=1)
     second, meta_second = forced_backward(gy, args, case, stats, chain, **two_pass)
     assert meta["DW_FIRST"] and not meta_second["DW_FIRST"]
