@@ -220,6 +220,16 @@ def _stats(t: dict, D: int, H: int, dtype: torch.dtype, full_tiles: bool, backwa
     return plan(t["x"], t["w"], t["b"], t["lw"], t["lb"])[1]
 
 
+def candidate_stats(t: dict, cfg, stats):
+    """The row stats a backward candidate runs on: the shape's ``stats``, or for a two-pass
+    candidate those the forward saves for it (the relu mask at any D, `launch._relu_mask_words`).
+    The CLI tuner times its candidates on these too."""
+    if not cfg.two_pass:
+        return stats
+    D, H = t["w"].shape[-1], t["w"].shape[-2]
+    return _stats(t, D, H, t["x"].dtype, D == triton.next_power_of_2(D), backward=cfg)
+
+
 def _call(kind: str, t: dict, cfg, stats, train: bool = False) -> Callable[[], list]:
     """A call of one candidate's kernel(s) on ``t``, returning [y] or the gradients; raises when the
     config does not make a plan (the composite would run the shape). ``train``: the forward as a
@@ -230,9 +240,7 @@ def _call(kind: str, t: dict, cfg, stats, train: bool = False) -> Callable[[], l
         with configs.override(forward=cfg):
             plan = launch.forward_plan(t["x"], t["w"], t["b"], t["lw"], t["lb"], EPS, 1, save_stats=train)
         return lambda: [plan(t["x"], t["w"], t["b"], t["lw"], t["lb"])[0]]
-    if cfg.two_pass:  # it reads the relu mask, which the forward saves for such a backward at any D
-        D, H = t["w"].shape[-1], t["w"].shape[-2]
-        stats = _stats(t, D, H, t["x"].dtype, D == triton.next_power_of_2(D), backward=cfg)
+    stats = candidate_stats(t, cfg, stats)
     with configs.override(backward=cfg):
         plan = launch.backward_plan(t["gy"], t["x"], t["w"], t["b"], t["lw"], t["lb"], EPS, 1, stats)
     if plan is None:

@@ -673,9 +673,8 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
                    ln_weight is not None and ln_weight.dim() == 2,
                    ln_bias is not None and ln_bias.dim() == 2)
     block_k = configs.REDUCE_BLOCK_K
-    # Shared parameters only: their sums are all made by the feature-0 programs.
-    # One axis (`kernels.partials_to_grads`): feature 0's blocks, then each other feature's from
-    # the first block holding a per-feature column.
+    # One axis (`kernels.partials_to_grads`): feature 0's blocks (they also make every shared
+    # parameter's sum), then each other feature's from the first block holding a per-feature column.
     segments = ((per_feature[0], 0), (per_feature[1], H * D), (per_feature[2], H * D + H),
                 (per_feature[3], H * D + H + D))
     first_pf_block = min((start // block_k for on, start in segments if on), default=0)
