@@ -135,20 +135,65 @@ def cuobjdump(kernel, *flags: str) -> str:
         os.remove(f.name)
 
 
-def sass_report(kernel, elements_per_thread: float) -> dict:
+_SASS_LINE = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*)")
+
+
+def loops(sass: list[tuple[int, str, str]]) -> list[tuple[int, int]]:
+    """(first, last) line indices of every loop in a kernel's SASS ((address, opcode, operands)
+    lines): from the target of a branch back to an earlier address, to that branch.
+
+    Example:
+        >>> loops([(0, "MOV", ""), (16, "FADD", ""), (32, "BRA", " 0x10"), (48, "EXIT", "")])
+        [(1, 2)]
+    """
+    index = {addr: i for i, (addr, _, _) in enumerate(sass)}
+    found = []
+    for i, (addr, op, operands) in enumerate(sass):
+        target = re.search(r"0x([0-9a-f]+)", operands) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr and int(target.group(1), 16) in index:
+            found.append((index[int(target.group(1), 16)], i))
+    return found
+
+
+def executed_per_tile(sass: list, row_loop: bool, chunk_trips: int) -> int:
+    """Instructions one row tile executes: with ``row_loop`` (a kernel that walks its row tiles in a
+    loop) the longest loop's body, the prologue and epilogue paid once a program and left out;
+    else the whole kernel. Loops inside that region are column-chunk loops: their bodies count
+    ``chunk_trips`` times.
+
+    Example:
+        >>> code = [(0, "MOV", ""), (16, "FADD", ""), (32, "BRA", " 0x10"), (48, "EXIT", "")]
+        >>> executed_per_tile(code, False, 4), executed_per_tile(code, True, 1)
+        (10, 2)
+    """
+    found = loops(sass)
+    first, last = 0, len(sass) - 1
+    if row_loop and found:
+        first, last = max(found, key=lambda fl: fl[1] - fl[0])
+    count = last - first + 1
+    for a, b in found:
+        if first <= a and b <= last and (a, b) != (first, last):
+            count += (b - a + 1) * (chunk_trips - 1)
+    return count
+
+
+def sass_report(kernel, elements_per_thread: float, row_loop: bool = False, chunk_trips: int = 1) -> dict:
     """Registers, stack bytes, shared memory, and SASS instructions (total, per element of one row
-    tile per thread, by opcode) of a compiled kernel."""
+    tile per thread, by opcode) of a compiled kernel, and those one row tile executes an element
+    (`executed_per_tile`: a row loop's body once its prologue is paid, chunk loops counted as
+    many times as they run)."""
     usage = cuobjdump(kernel, "-res-usage")
-    ops = collections.Counter()
-    for line in cuobjdump(kernel, "-sass").splitlines():
-        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
-        if m:
-            ops[m.group(1)] += 1
+    sass = [(int(m.group(1), 16), m.group(2), m.group(3))
+            for m in map(_SASS_LINE.match, cuobjdump(kernel, "-sass").splitlines()) if m]
+    ops = collections.Counter(op for _, op, _ in sass)
+    executed = executed_per_tile(sass, row_loop, chunk_trips)
     total = sum(ops.values())
     return dict(registers=int(re.search(r"REG:(\d+)", usage).group(1)),
                 stack_bytes=int(re.search(r"STACK:(\d+)", usage).group(1)),
                 shared_bytes=kernel.metadata.shared, instructions=total,
                 per_element=round(total / elements_per_thread, 1),
+                tile_instructions=executed,
+                loop_per_element=round(executed / elements_per_thread, 1),
                 opcodes=dict(ops.most_common()))
 
 
@@ -165,6 +210,116 @@ def issue_ceiling(per_element: float, bytes_per_element: float, gbps: float, sms
     """
     elements_per_cycle = gbps / (sms * ghz) / bytes_per_element
     return min(1.0, issue_per_cycle / (per_element * elements_per_cycle))
+
+
+def point_report(args, kind: str, D: int, H: int, dtype_name: str) -> dict:
+    """`sass_report` of one (kind, D, H, dtype) launch plan (and of the split or two-pass
+    backward's second kernel), with its issue ceiling on the GPU that ``args`` describe."""
+    dtype = DTYPES[dtype_name]
+    plan, cfg, source, kernel_args = build_plan(kind, D, H, dtype, table=args.table, knobs=args.knobs,
+                                                   affine=args.affine == "per_feature")
+    if args.tanh_mode is not None:
+        plan.meta["FAST_TANH"] = args.tanh_mode
+    plan.meta.update(args.meta or {})
+    # the forward launches with Triton's default num_stages (3), the backward with its config's
+    kernel = compile_offline(plan.launcher.jit_fn, kernel_args, plan.meta, cfg.num_warps,
+                             getattr(cfg, "num_stages", 3), args.arch)
+    # elements of a row tile a thread handles: the real D where the kernel walks no padded columns
+    # (the chunked row forward, the two-part row backward), BLOCK_D's padded lanes elsewhere
+    real_d = plan.meta.get("BLOCK_K", cfg.block_d) < cfg.block_d if kind == "forward" else "BLOCK_D2" in plan.meta
+    # the two-pass backward's kernels hold [rows, BLOCK_K] tiles
+    tile_d = plan.meta["BLOCK_K"] if getattr(plan, "two_pass", False) else (D if real_d else cfg.block_d)
+    # Backward kernels walk their row tiles in a loop, as a persistent forward does; the chunked
+    # kernels walk BLOCK_K-column chunks in loops inside
+    block_k = plan.meta.get("BLOCK_K") or cfg.block_d
+    trips = -(-D // block_k) if not getattr(plan, "two_pass", False) else 1
+    row_loop = kind == "backward" or bool(getattr(cfg, "persistent", 0))
+    report = sass_report(kernel, cfg.block_b * tile_d / (32 * cfg.num_warps), row_loop, trips)
+    per_element = report["loop_per_element"]
+    if kind == "backward" and plan.weight_meta is not None:
+        # the split backward's weight-gradient kernel, or the two-pass backward's second kernel
+        # (dx and the partials, on the first kernel's arguments): both walk every element again
+        second, second_args = ((launch._launch_bwd_two_pass, kernel_args) if plan.two_pass
+                               else (launch._launch_bwd_weight, weight_kernel_args(plan, kernel_args)))
+        wk = compile_offline(second.jit_fn, second_args, plan.weight_meta, cfg.dw_num_warps, cfg.dw_num_stages,
+                             args.arch)
+        wr = sass_report(wk, cfg.dw_block_b * plan.weight_meta["BLOCK_K"] / (32 * cfg.dw_num_warps), True)
+        wr["role"] = "dx-and-partials" if plan.two_pass else "weight-gradient"
+        report["second_kernel"] = wr
+        per_element += wr["loop_per_element"]
+    # bytes of traffic an element of x: x read (forward), x read and dx written (backward); y and
+    # grad_y add H / D of that
+    itemsize = dtype.itemsize * (1 if kind == "forward" else 2) * (1 + H / D)
+    report["issue_ceiling_pct"] = round(100 * issue_ceiling(per_element, itemsize, args.gbps, args.sms,
+                                                            args.ghz), 1)
+    report.update(kind=kind, D=D, H=H, dtype=dtype_name, arch=args.arch, config_source=source,
+                  config=configs.config_to_entry(cfg), triton=triton.__version__, row_loop_per_element=per_element,
+                  constexprs={k: str(v) for k, v in plan.meta.items()})
+    return report
+
+
+def _sweep_point(job):
+    args, kind, D, H, dtype_name = job
+    try:
+        r = point_report(args, kind, D, H, dtype_name)
+        r.pop("constexprs", None)
+        return r
+    except (SystemExit, Exception) as err:  # noqa: BLE001 - a point that does not compile is a row saying so
+        return dict(kind=kind, D=D, H=H, dtype=dtype_name, error=f"{type(err).__name__}: {err}")
+
+
+def sweep(args) -> int:
+    """Every (D, H, dtype) of ``--dims/--hs/--dtypes``, forward and backward: registers, spills and
+    row-loop instructions an element, the issue ceilings of the forward and of a training step
+    (forward + backward), and beside them (``--grid-json``) what the grid measured there (per-feature
+    LayerNorm affine, mean over layouts): a point far below its ceiling waits on memory latency,
+    one near it is instruction-bound."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = [(args, kind, D, H, dt) for dt in args.dtypes for H in args.hs for D in args.dims
+            for kind in ("forward", "backward")]
+    with ProcessPoolExecutor(args.workers) as pool:
+        reports = list(pool.map(_sweep_point, jobs))
+    measured = {}
+    if args.grid_json:
+        with open(args.grid_json) as f:
+            for p in json.load(f)["points"]:
+                if p.get("affine") == "per_feature" and "train_pct_floor" in p:
+                    measured.setdefault((p["dtype"], p["D"], p["H"]), []).append((p["fwd_pct_floor"], p["train_pct_floor"]))
+    by_point = {(r["dtype"], r["D"], r["H"], r["kind"]): r for r in reports}
+    lines = [f"sm_{args.arch}, triton {triton.__version__}, table {args.table}; ceilings at {args.gbps:.0f} GB/s, "
+             f"{args.sms} SMs, {args.ghz} GHz (128 thread-instructions a cycle and SM)",
+             f"{'dtype':5s} {'D':>4s} {'H':>3s} | {'fwd regs':>8s} {'instr/el':>8s} {'ceiling':>7s} {'measured':>8s} | "
+             f"{'bwd regs':>8s} {'stack':>5s} {'instr/el':>8s} | {'step ceiling':>12s} {'measured':>8s}"]
+    rows = []
+    for dt in args.dtypes:
+        for H in args.hs:
+            for D in args.dims:
+                fw, bw = by_point[(dt, D, H, "forward")], by_point[(dt, D, H, "backward")]
+                if "error" in fw or "error" in bw:
+                    lines.append(f"{dt:5s} {D:4d} {H:3d} | {fw.get('error') or bw.get('error')}")
+                    continue
+                itemsize = DTYPES[dt].itemsize * (1 + H / D)
+                step = 100 * issue_ceiling(fw["row_loop_per_element"] + bw["row_loop_per_element"], 3 * itemsize,
+                                           args.gbps, args.sms, args.ghz)
+                got = measured.get((dt, D, H))
+                fwd_got = f"{sum(g[0] for g in got) / len(got):.0f}%" if got else "-"
+                train_got = f"{sum(g[1] for g in got) / len(got):.0f}%" if got else "-"
+                bwd_regs = str(bw["registers"]) + (f"+{bw['second_kernel']['registers']}" if "second_kernel" in bw else "")
+                lines.append(f"{dt:5s} {D:4d} {H:3d} | {fw['registers']:8d} {fw['row_loop_per_element']:8.1f} "
+                             f"{fw['issue_ceiling_pct']:6.0f}% {fwd_got:>8s} | {bwd_regs:>8s} {bw['stack_bytes']:5d} "
+                             f"{bw['row_loop_per_element']:8.1f} | {step:11.0f}% {train_got:>8s}")
+                rows.append(dict(dtype=dt, D=D, H=H, step_issue_ceiling_pct=round(step, 1), forward=fw, backward=bw,
+                                 measured_fwd_train_pct=got))
+    print("\n".join(lines))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(arch=args.arch, triton=triton.__version__, table=args.table, gbps=args.gbps, sms=args.sms,
+                           ghz=args.ghz, points=rows), f, indent=1)
+    if args.txt:
+        with open(args.txt, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -187,48 +342,30 @@ def main(argv=None) -> int:
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--ghz", type=float, default=1.755, help="SM clock under load")
     ap.add_argument("--json", help="also write the report here")
+    ap.add_argument("--sweep", action="store_true",
+                    help="every --dims x --hs x --dtypes point, forward and backward, as one table")
+    ap.add_argument("--dims", type=int, nargs="+", default=[32, 48, 64, 128, 160, 256, 512])
+    ap.add_argument("--hs", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["fp32", "bf16"])
+    ap.add_argument("--workers", type=int, default=2, help="--sweep: compiling processes")
+    ap.add_argument("--grid-json", help="--sweep: a grid result whose measured %% of the floor to show beside")
+    ap.add_argument("--txt", help="--sweep: also write the table here")
     args = ap.parse_args(argv)
-    dtype = DTYPES[args.dtype]
-    plan, cfg, source, kernel_args = build_plan(args.kind, args.D, args.H, dtype, table=args.table, knobs=args.knobs,
-                                                   affine=args.affine == "per_feature")
-    if args.tanh_mode is not None:
-        plan.meta["FAST_TANH"] = args.tanh_mode
-    plan.meta.update(args.meta or {})
-    # the forward launches with Triton's default num_stages (3), the backward with its config's
-    kernel = compile_offline(plan.launcher.jit_fn, kernel_args, plan.meta, cfg.num_warps,
-                             getattr(cfg, "num_stages", 3), args.arch)
-    # elements of a row tile a thread handles: the real D where the kernel walks no padded columns
-    # (the chunked row forward, the two-part row backward), BLOCK_D's padded lanes elsewhere
-    real_d = plan.meta.get("BLOCK_K", cfg.block_d) < cfg.block_d if args.kind == "forward" else "BLOCK_D2" in plan.meta
-    # the two-pass backward's kernels hold [rows, BLOCK_K] tiles
-    tile_d = plan.meta["BLOCK_K"] if getattr(plan, "two_pass", False) else (args.D if real_d else cfg.block_d)
-    report = sass_report(kernel, cfg.block_b * tile_d / (32 * cfg.num_warps))
-    # bytes of traffic an element of x: x read (forward), x read and dx written (backward); y and
-    # grad_y add H / D of that
-    itemsize = dtype.itemsize * (1 if args.kind == "forward" else 2) * (1 + args.H / args.D)
-    report["issue_ceiling_pct"] = round(100 * issue_ceiling(report["per_element"], itemsize, args.gbps, args.sms,
-                                                            args.ghz), 1)
-    report.update(kind=args.kind, D=args.D, H=args.H, dtype=args.dtype, arch=args.arch, config_source=source,
-                  config=configs.config_to_entry(cfg), triton=triton.__version__,
-                  constexprs={k: str(v) for k, v in plan.meta.items()})
+    if args.sweep:
+        return sweep(args)
+    report = point_report(args, args.kind, args.D, args.H, args.dtype)
     print(f"{args.kind} D={args.D} H={args.H} {args.dtype} sm_{args.arch}, triton {triton.__version__}; "
-          f"config ({source}): {report['config']}")
+          f"config ({report['config_source']}): {report['config']}")
     print(f"registers {report['registers']}, stack {report['stack_bytes']} B, shared {report['shared_bytes']} B; "
-          f"{report['instructions']} SASS instructions, {report['per_element']} an element of a row tile; "
-          f"if issue-bound, at most {report['issue_ceiling_pct']}% of the copy floor")
+          f"{report['instructions']} SASS instructions, {report['per_element']} an element of a row tile "
+          f"({report['loop_per_element']} in the row loop); if issue-bound, at most "
+          f"{report['issue_ceiling_pct']}% of the copy floor")
     print("  " + ", ".join(f"{op} {n}" for op, n in list(report["opcodes"].items())[:args.top]))
-    if args.kind == "backward" and plan.weight_meta is not None:
-        # the split backward's weight-gradient kernel, or the two-pass backward's second kernel
-        # (dx and the partials, on the first kernel's arguments)
-        second, second_args = ((launch._launch_bwd_two_pass, kernel_args) if plan.two_pass
-                               else (launch._launch_bwd_weight, weight_kernel_args(plan, kernel_args)))
-        wk = compile_offline(second.jit_fn, second_args, plan.weight_meta, cfg.dw_num_warps, cfg.dw_num_stages,
-                             args.arch)
-        wr = sass_report(wk, cfg.dw_block_b * plan.weight_meta["BLOCK_K"] / (32 * cfg.dw_num_warps))
-        report["weight_kernel"] = wr
-        print(f"{'dx-and-partials' if plan.two_pass else 'weight-gradient'} kernel: registers {wr['registers']}, "
-              f"stack {wr['stack_bytes']} B, shared {wr['shared_bytes']} B; {wr['per_element']} SASS instructions "
-              f"an element of its tile")
+    wr = report.get("second_kernel")
+    if wr is not None:
+        print(f"{wr['role']} kernel: registers {wr['registers']}, stack {wr['stack_bytes']} B, shared "
+              f"{wr['shared_bytes']} B; {wr['per_element']} SASS instructions an element of its tile "
+              f"({wr['loop_per_element']} in its loop)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
