@@ -14,7 +14,9 @@ forward without grad, a forward recording autograd, and a training step (forward
 parameter grads set to None before each step); the eager batched composite (`combined`) forward
 and training step as the peers; two floors: an nn.Module call of an empty module, and the
 training step of a no-op autograd.Function with the op's tensor interface (what any Python
-custom autograd op costs before it does anything). The training steps are also timed with
+custom autograd op costs before it does anything) and its forward alone. On CUDA the op's
+forward without grad is also timed in parts ("op part: ..."): its signature, y's allocation, its
+bound kernel launch (beside the one-line kernel launched the same way), and the plan's call. The training steps are also timed with
 `torch.autograd.set_multithreading_enabled(False)` (", single-threaded autograd"): on CUDA the
 autograd engine runs backward nodes on a device thread of its own, and on a slow host the hand-overs
 cost as much as recfuse's whole backward. With ``--profile`` the op's training step is also profiled with
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
+import importlib
 import io
 import json
 import logging
@@ -44,9 +47,13 @@ from recfuse.reference import batched_ln_tanh_linear_relu
 log = logging.getLogger("recfuse.bench")
 
 
-def bare_triton_launch():
+def bare_triton_launches() -> dict:
+    """A one-line Triton kernel launched through `JITFunction.run` (the calibration row every
+    ratio is to), and the same kernel launched as recfuse launches its own: the compiled kernel
+    bound once (`CompiledLaunchCache.bind`), called with its tensors."""
     import triton
     import triton.language as tl
+    from recfuse.ops._compiled_launch import CompiledLaunchCache
 
     @triton.jit
     def _copy(src, dst, n, BLOCK: tl.constexpr):
@@ -55,7 +62,11 @@ def bare_triton_launch():
 
     a = torch.randn(1024, device="cuda")
     b = torch.empty_like(a)
-    return lambda: _copy[(1,)](a, b, 1024, BLOCK=1024)
+    cache = CompiledLaunchCache(_copy)
+    cache((1,), (a, b, 1024), {"BLOCK": 1024})
+    bound = cache.bind((1,), (a, b, 1024), {"BLOCK": 1024}, n_tensors=2)
+    return {"bare Triton launch": lambda: _copy[(1,)](a, b, 1024, BLOCK=1024),
+            "bare Triton launch, bound compiled kernel": lambda: bound(a, b)}
 
 
 class _NoOpAutogradOp(torch.autograd.Function):
@@ -76,6 +87,35 @@ class _NoOpAutogradOp(torch.autograd.Function):
 class _EmptyModule(torch.nn.Module):
     def forward(self, x):
         return x
+
+
+def op_part_rows(x3, params, op) -> dict:
+    """The op's forward without grad in its parts, each timed alone: the call's signature (the key
+    of its validation record and launch plan), y's allocation, the plan's bound kernel launch on a
+    preallocated y, and the plan's call (both). What the op adds beyond these is its entry's
+    checks and lookups. Also the floor of a forward recording autograd: a no-op
+    autograd.Function's forward."""
+    from recfuse._checks import call_signature
+
+    op_module = importlib.import_module("recfuse.ops.ln_tanh_linear_relu")  # the package exports the function
+
+    w, b, lw, lb = params
+    with torch.no_grad():
+        op()  # the signature's record keeps the plan its call ran
+    record = op_module._VALIDATED.known[call_signature(x3, w, b, lw, lb, 1e-5, 1)]
+    plan = record.fwd
+    if plan is None or plan.bound is None:
+        log.warning("op parts: the op's record holds no bound forward plan; rows left out")
+        return {}
+    y = x3.new_empty(plan.y_shape)
+    tensors = (x3, w, b, lw, lb, y, w)  # as `ForwardPlan.__call__` passes them without stats
+    return {
+        "op part: call_signature": lambda: call_signature(x3, w, b, lw, lb, 1e-5, 1),
+        "op part: y allocation": lambda: x3.new_empty(plan.y_shape),
+        "op part: bound kernel launch, y preallocated": lambda: plan.bound(*tensors),
+        "op part: plan call (allocation + launch)": lambda: plan(x3, w, b, lw, lb),
+        "floor: no-op autograd.Function forward": lambda: _NoOpAutogradOp.apply(x3, *params),
+    }
 
 
 def single_threaded_autograd(step):
@@ -129,7 +169,7 @@ def build_rows(F_, B, D, H, dtype, dev="cuda"):
     tanh_in = torch.randn(1024, device=dev)
     rows = {
         "torch.tanh 1k (calibration)": lambda: torch.tanh(tanh_in),
-        **({"bare Triton launch": bare_triton_launch()} if dev == "cuda" else {}),
+        **(bare_triton_launches() if dev == "cuda" else {}),
         "op forward, no grad": no_grad_call(op),
         "op forward, autograd": op,
         "op training step": training_step_call(op, params),
@@ -145,6 +185,11 @@ def build_rows(F_, B, D, H, dtype, dev="cuda"):
         "floor: nn.Module call, empty forward": lambda m=_EmptyModule(): m(buf),
         "floor: no-op autograd.Function training step": training_step_call(lambda: _NoOpAutogradOp.apply(x3, *params), params),
     }
+    if dev == "cuda":
+        try:
+            rows.update(op_part_rows(x3, params, op))
+        except Exception as e:  # reported, not fatal, as the CUDA-graph rows
+            log.warning("op part rows failed: %s: %s", type(e).__name__, e)
     # The same steps with the autograd engine's device threads off: on CUDA the engine otherwise
     # runs every backward node on a thread of its own, and the hand-overs cost host time.
     for name in ("op training step", "transform training step", "combined (eager) training step",

@@ -81,8 +81,13 @@ def shape_candidates(kind: str, p: dict, only: str, saved: dict) -> list:
     if torch.cuda.is_available():
         incumbent.append(configs.table_forward_config(D, H, dtype, 0, full) if kind == "forward"
                          else configs.table_backward_config(D, H, dtype, 0))
-    picked = [cands[0]] + [c for c in incumbent if c is not None] + [c for c in cands if getattr(c, only, 0)]
-    return list(dict.fromkeys(picked))
+    incumbent = [c for c in incumbent if c is not None]
+    if only == "row_slots" and kind == "backward":
+        # the incumbents' own tiles and longer ones with folded column sums (`row_slots_neighbours`)
+        knob = [n for c in incumbent for n in tuning.row_slots_neighbours(c, D, H, dtype)]
+    else:
+        knob = [c for c in cands if getattr(c, only, 0)]
+    return list(dict.fromkeys([cands[0]] + incumbent + knob))
 
 
 def make_inputs(p: dict, device: str, seed: int = 0):
@@ -342,9 +347,9 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", action="store_true", help="keep the saved table's entries for shapes not in this run")
     ap.add_argument("--resume", action="store_true", help="with --merge: skip shapes the saved table has")
     ap.add_argument("--only", default="all", choices=["all", "unroll_h", "loop_stages", "col_sums", "persistent", "split_dw", "block_k", "row_parts",
-                             "k_loop", "split_ln", "two_pass", "dw_first"],
+                             "k_loop", "split_ln", "two_pass", "dw_first", "row_slots"],
                     help="time only the heuristic, the saved entry (with --merge) and the candidates that set "
-                         "this knob")
+                         "this knob (row_slots: the incumbents' neighbours with it, `tuning.row_slots_neighbours`)")
     ap.add_argument("--confirm-scale", type=int, default=4,
                     help="re-time the fastest --finalists at this many times the batch and pick the one best "
                          "at both sizes (1: off)")

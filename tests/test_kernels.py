@@ -562,7 +562,7 @@ def test_pipelined_row_loop_and_column_sums_match_float64_and_the_plain_loop(cas
     # `loop_stages=3`: the row loop as `tl.range(num_stages=3)` (the interpreter runs it as a plain
     # loop: this checks the kernel's indexing and every path through it, not the pipelining), and
     # `col_sums=1` (H = 1 and the per-column product): gradient columns summed per tile instead of
-    # per row slot. 8- or
+    # per row slot; `row_slots=2/4`: a tile's rows folded into that many slots. 8- or
     # 16-row tiles, one program per SM (the interpreter counts 2), so programs walk several tiles,
     # the last partly padded. Against float64 (the contract) and the plain loop (same sums, and
     # for row slots the same order: bitwise).
@@ -574,18 +574,22 @@ def test_pipelined_row_loop_and_column_sums_match_float64_and_the_plain_loop(cas
     plain, plain_meta = forced_backward(gy, args, case, stats, chain, **knobs)
     assert "LOOP_STAGES" not in plain_meta
     sums_per_tile = case.H == 1 or path.get("unroll_h")
-    variants = [dict(loop_stages=3)] + ([dict(loop_stages=3, col_sums=1), dict(col_sums=1)] if sums_per_tile else [])
+    variants = [dict(loop_stages=3)] + ([dict(loop_stages=3, col_sums=1), dict(col_sums=1), dict(row_slots=2),
+                                         dict(loop_stages=3, row_slots=4)] if sums_per_tile else [])
     for extra in variants:
         grads, meta = forced_backward(gy, args, case, stats, chain, **dict(knobs, **extra))
         assert meta.get("LOOP_STAGES") == extra.get("loop_stages") and bool(meta.get("COL_SUMS")) == bool(
             extra.get("col_sums")) and meta["USE_DOT"] == path["use_dot"]
+        assert meta.get("ROW_SLOTS") == extra.get("row_slots")
         for name, g, gp, r in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), grads, plain, reference):
             if r is None or not g.numel():
                 continue
             assert g.shape == r.shape
             err = ((g.double() - r).norm() / r.norm().clamp_min(1e-12)).item()
             assert err < tol, f"{extra} {name}: {err:.2e}"
-            if not extra.get("col_sums"):
+            if not (extra.get("col_sums") or extra.get("row_slots")):
+                assert torch.equal(g, gp), f"{extra} {name}"
+            elif name == "x":  # the fold changes the order of column sums, never dx
                 assert torch.equal(g, gp), f"{extra} {name}"
 
 

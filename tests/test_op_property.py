@@ -54,11 +54,13 @@ def test_kernels_match_float64_reference(case, dtype):
 @pytest.mark.interpret
 @settings(max_examples=16, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(max_f=3, max_b=40, max_d=40, max_h=8), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       block_b=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 3]), col_sums=st.booleans())
-def test_pipelined_row_paths_match_float64_reference(case, dtype, block_b, stages, col_sums):
+       block_b=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 3]), col_sums=st.booleans(),
+       row_slots=st.sampled_from([0, 2, 4]))
+def test_pipelined_row_paths_match_float64_reference(case, dtype, block_b, stages, col_sums, row_slots):
     """The row paths' pipelined variants forced on drawn shapes: the persistent forward (programs
     walking row tiles, `tile_stages` in flight) and the backward's pipelined row loop with the
-    per-column product for H > 1 and per-tile column sums or row slots; tiles of 1-8 rows over
+    per-column product for H > 1 and per-tile column sums, row slots or rows folded into 2-4
+    slots; tiles of 1-8 rows over
     batches of 1-40 (programs with no tile, one partial tile, several)."""
     import triton
 
@@ -72,7 +74,8 @@ def test_pipelined_row_paths_match_float64_reference(case, dtype, block_b, stage
     def backward(D, H, dt):
         return configs.heuristic_backward(D, H, dt, use_dot=False, unroll_h=int(H > 1), block_b=block_b,
                                           num_warps=2, programs_per_sm=1, block_k=0, prefetch=0, loop_stages=stages,
-                                          col_sums=int(col_sums))
+                                          col_sums=int(col_sums),
+                                          row_slots=row_slots if row_slots < block_b and not col_sums else 0)
 
     torch.manual_seed(0)
     with configs.override(forward=forward, backward=backward):

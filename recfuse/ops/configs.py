@@ -158,6 +158,13 @@ class BackwardConfig(TileConfig):
     # No tl.dot, H = 1 or `unroll_h`: 1 sums the gradient columns per row tile instead of in row
     # slots (one [rows, D] slot tile per output column with `unroll_h`).
     col_sums: int = 0
+    # No tl.dot, H = 1 or `unroll_h`, col_sums 0: n > 0 folds each row tile's column products
+    # into n row slots (row r into slot r % n, `kernels._fold_rows`) instead of one slot a tile
+    # row. With n the rows one layout tile of the kernel spans (its warps along rows, 2-4), the fold
+    # is adds inside each thread: the slots' registers drop by block_b / n without the per-tile
+    # cross-warp sums of col_sums (offline, sm_90: fp32 D=256 H=1 8 rows 2 warps 255 registers
+    # with spills -> 168, the row loop 49.8 -> 50.8 instructions an element).
+    row_slots: int = 0
     # Whole-row tl.dot path only: n > 0 leaves the weight gradient to a second kernel
     # (`kernels.ln_tanh_linear_relu_bwd_weight`: dz^T @ t over rows, n columns of t at a time,
     # t recomputed from x and the rows' mean / rstd, which the first kernel writes with dz);
@@ -199,7 +206,7 @@ _BACKWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "programs_per_s
 # Knobs an older table's entries may lack: the heuristic's value stands.
 _OPTIONAL_BACKWARD_KNOBS = ("block_k", "prefetch", "unroll_h", "loop_stages", "col_sums", "split_dw", "dw_block_b",
                             "dw_num_warps", "dw_num_stages", "row_parts", "split_ln", "two_pass",
-                            "dw_first")
+                            "dw_first", "row_slots")
 
 # ---------------------------------------------------------------------------------------------
 # the heuristic
@@ -831,8 +838,11 @@ def backward_fits(cfg: BackwardConfig, D: int, H: int) -> bool:
                              or not _power_of_two(cfg.split_dw) or cfg.dw_block_b < 16
                              or not _power_of_two(cfg.dw_block_b) or cfg.dw_num_warps not in (1, 2, 4, 8)):
             return False
-        return cfg.block_d >= 16 and cfg.block_b >= 16 and (
+        return cfg.block_d >= 16 and cfg.block_b >= 16 and not cfg.row_slots and (
             cfg.block_k > 0 or cfg.two_pass > 0 or cfg.block_h * cfg.block_d <= 2 * BWD_MAX_WEIGHT_TILE)
+    if cfg.row_slots and (cfg.col_sums or not _power_of_two(cfg.row_slots) or cfg.row_slots >= cfg.block_b
+                          or not (cfg.block_h == 1 or cfg.unroll_h)):
+        return False
     return cfg.block_b * cfg.block_d * cfg.block_h <= 4 * TILE_BUDGET
 
 

@@ -769,6 +769,17 @@ def _load_bwd_tile(
 
 
 @triton.jit
+def _fold_rows(v, ACC_ROWS: tl.constexpr):
+    """A [rows, cols] tile's column sums into ACC_ROWS slots: row r into slot r % ACC_ROWS (the
+    tile itself when ACC_ROWS is its row count; one slot: the tile's column sums)."""
+    if ACC_ROWS == v.shape[0]:
+        return v
+    if ACC_ROWS == 1:
+        return tl.sum(v, axis=0, keep_dims=True)
+    return tl.sum(tl.reshape(v, [v.shape[0] // ACC_ROWS, ACC_ROWS, v.shape[1]]), axis=0)
+
+
+@triton.jit
 def _column_init(W, bias, hs, f, h: tl.constexpr, stride_w_f, stride_w_h, cols, cmask, H, EVEN_D: tl.constexpr,
                  BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, ACC_ROWS: tl.constexpr):
     """Row h of feature f's weight as fp32 [BLOCK_D] (zeros for a padded h >= H), its bias (a
@@ -805,16 +816,13 @@ def _column_dz(t, w_h, b_h, GY, f, h: tl.constexpr, rows64, rmask, H, stride_gy_
 @triton.jit
 def _column_step(t, dt, w_h, b_h, acc_w_h, acc_b_h, GY, f, h: tl.constexpr, rows64, rmask, H,
                  stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT: tl.constexpr, FAST_TANH: tl.constexpr,
-                 EVEN_B: tl.constexpr, SUM_PER_TILE: tl.constexpr):
+                 EVEN_B: tl.constexpr, ACC_ROWS: tl.constexpr):
     """One output column of a row tile: dt += dz[:, h] w[h], and dz[:, h] added into that column's
-    weight- and bias-gradient row slots (summed over rows once, after the row loop), or with
-    SUM_PER_TILE its weight-gradient column summed over the tile's rows now."""
+    weight- and bias-gradient row slots (summed over rows once, after the row loop): the tile's
+    rows folded into ACC_ROWS weight-gradient slots (`_fold_rows`; one: summed over the tile now)."""
     dz_h = _column_dz(t, w_h, b_h, GY, f, h, rows64, rmask, H, stride_gy_f, stride_gy_b, stride_gy_h,
                       OUT_ACT, FAST_TANH, EVEN_B)
-    if SUM_PER_TILE:
-        acc_w_h += tl.sum(dz_h[:, None] * t, axis=0, keep_dims=True)
-    else:
-        acc_w_h += dz_h[:, None] * t
+    acc_w_h += _fold_rows(dz_h[:, None] * t, ACC_ROWS)
     return dt + dz_h[:, None] * w_h[None, :], acc_w_h, acc_b_h + dz_h
 
 
@@ -846,6 +854,7 @@ def ln_tanh_linear_relu_bwd(
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PREFETCH: tl.constexpr = False,
     UNROLL_H: tl.constexpr = False, LOOP_STAGES: tl.constexpr = None, COL_SUMS: tl.constexpr = False,
     DZ_OUT: tl.constexpr = False, LOAD_MASK: tl.constexpr = False, LN_IN_WEIGHT: tl.constexpr = False,
+    ROW_SLOTS: tl.constexpr = 0,
 ):
     # EVEN_B: every program's rows are all < B (B is a multiple of rows_per_program).
     # LOAD_STATS: STATS holds the forward's per-row mean and rstd ([2, F, B] fp32).
@@ -907,7 +916,7 @@ def ln_tanh_linear_relu_bwd(
     # reduced once after the loop, or summed per tile (SUM_PER_TILE): the tl.dot path (see below),
     # and COL_SUMS without it, where the slots' registers would cap the programs per SM.
     SUM_PER_TILE: tl.constexpr = USE_DOT or (COL_SUMS and (BLOCK_H == 1 or UNROLL_H))
-    ACC_ROWS: tl.constexpr = 1 if SUM_PER_TILE else BLOCK_B
+    ACC_ROWS: tl.constexpr = 1 if SUM_PER_TILE else (ROW_SLOTS if ROW_SLOTS else BLOCK_B)
     if UNROLL_H:
         # Column h's weight row and bias, and its weight-gradient and bias-gradient row slots.
         w_0, b_0, acc_w_0, acc_b_0 = _column_init(W, bias, hs, f, 0, stride_w_f, stride_w_h, cols, cmask, H,
@@ -933,7 +942,7 @@ def ln_tanh_linear_relu_bwd(
     # Column sums over rows are kept per row slot ([BLOCK_B, BLOCK_D], elementwise adds) and
     # reduced once after the loop: a cross-warp reduction per tile would cost more than the tile,
     # and BLOCK_B short chains instead of one long one keep fp32 sums over 1e6 rows accurate.
-    acc_w_rows = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+    acc_w_rows = tl.zeros([ACC_ROWS, BLOCK_D], dtype=tl.float32)
     # The tl.dot path sums its tiles' columns as it goes: [BLOCK_B, BLOCK_D] slots beside the
     # weight and its accumulator cost registers, and a dot tile is long enough to pay for one
     # cross-warp reduction (H100, F=64 x 256 MB, 32-row tiles: bf16 D=256 H=16 1197 -> 758 us,
@@ -985,30 +994,30 @@ def ln_tanh_linear_relu_bwd(
             dt = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
             dt, acc_w_0, acc_b_0 = _column_step(t, dt, w_0, b_0, acc_w_0, acc_b_0, GY, f, 0, rows64, rmask, H,
                                                     stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B,
-                                                    SUM_PER_TILE)
+                                                    ACC_ROWS)
             dt, acc_w_1, acc_b_1 = _column_step(t, dt, w_1, b_1, acc_w_1, acc_b_1, GY, f, 1, rows64, rmask, H,
                                                     stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B,
-                                                    SUM_PER_TILE)
+                                                    ACC_ROWS)
             if BLOCK_H > 2:
                 dt, acc_w_2, acc_b_2 = _column_step(t, dt, w_2, b_2, acc_w_2, acc_b_2, GY, f, 2, rows64, rmask, H,
                                                     stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B,
-                                                    SUM_PER_TILE)
+                                                    ACC_ROWS)
                 dt, acc_w_3, acc_b_3 = _column_step(t, dt, w_3, b_3, acc_w_3, acc_b_3, GY, f, 3, rows64, rmask, H,
                                                     stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B,
-                                                    SUM_PER_TILE)
+                                                    ACC_ROWS)
             if BLOCK_H > 4:
                 dt, acc_w_4, acc_b_4 = _column_step(t, dt, w_4, b_4, acc_w_4, acc_b_4, GY, f, 4, rows64, rmask, H,
                                                     stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B,
-                                                    SUM_PER_TILE)
+                                                    ACC_ROWS)
                 dt, acc_w_5, acc_b_5 = _column_step(t, dt, w_5, b_5, acc_w_5, acc_b_5, GY, f, 5, rows64, rmask, H,
                                                     stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B,
-                                                    SUM_PER_TILE)
+                                                    ACC_ROWS)
                 dt, acc_w_6, acc_b_6 = _column_step(t, dt, w_6, b_6, acc_w_6, acc_b_6, GY, f, 6, rows64, rmask, H,
                                                     stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B,
-                                                    SUM_PER_TILE)
+                                                    ACC_ROWS)
                 dt, acc_w_7, acc_b_7 = _column_step(t, dt, w_7, b_7, acc_w_7, acc_b_7, GY, f, 7, rows64, rmask, H,
                                                     stride_gy_f, stride_gy_b, stride_gy_h, OUT_ACT, FAST_TANH, EVEN_B,
-                                                    SUM_PER_TILE)
+                                                    ACC_ROWS)
         else:
             if SPLIT16:
                 t0, t1, t2 = _split16(t, BWD_DOT_DTYPE, T_PARTS)
@@ -1065,7 +1074,7 @@ def ln_tanh_linear_relu_bwd(
                 if SUM_PER_TILE:
                     acc_w += tl.sum(dz1[:, None] * t, axis=0, keep_dims=True)
                 else:
-                    acc_w_rows += dz1[:, None] * t
+                    acc_w_rows += _fold_rows(dz1[:, None] * t, ACC_ROWS)
             else:
                 dt = tl.sum(dz[:, :, None] * w[None, :, :], axis=1)
                 acc_w += tl.sum(dz[:, :, None] * t[:, None, :], axis=0)
@@ -1074,15 +1083,9 @@ def ln_tanh_linear_relu_bwd(
         if not (EVEN_D and EVEN_B):
             da = tl.where(mask, da, 0.0)
         if HAS_LNW and not LN_IN_WEIGHT:
-            if SUM_PER_TILE:
-                acc_lnw_rows += tl.sum(da * xhat, axis=0, keep_dims=True)
-            else:
-                acc_lnw_rows += da * xhat
+            acc_lnw_rows += _fold_rows(da * xhat, ACC_ROWS)
         if HAS_LNB and not LN_IN_WEIGHT:
-            if SUM_PER_TILE:
-                acc_lnb_rows += tl.sum(da, axis=0, keep_dims=True)
-            else:
-                acc_lnb_rows += da
+            acc_lnb_rows += _fold_rows(da, ACC_ROWS)
         dxhat = da * g[None, :]
         if NORM == 0:
             dx = dxhat

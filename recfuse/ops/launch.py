@@ -666,8 +666,11 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
     if not chunked:
         if cfg.loop_stages > 0 and B > 0:
             meta["LOOP_STAGES"] = cfg.loop_stages
-        if cfg.col_sums and not cfg.use_dot and (cfg.block_h == 1 or meta.get("UNROLL_H")):
-            meta["COL_SUMS"] = True
+        if not cfg.use_dot and (cfg.block_h == 1 or meta.get("UNROLL_H")):
+            if cfg.col_sums:
+                meta["COL_SUMS"] = True
+            elif 0 < cfg.row_slots < cfg.block_b:
+                meta["ROW_SLOTS"] = cfg.row_slots
     per_feature = (weight.dim() == 3,
                    bias is not None and bias.dim() == 2,
                    ln_weight is not None and ln_weight.dim() == 2,
@@ -691,7 +694,7 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
     if (cfg.row_parts and parts and H == 1 and not cfg.use_dot and not meta.get("UNROLL_H")
             and (load_stats or norm == 0)):
         # two unmasked power-of-two parts of each row (`kernels.ln_tanh_linear_relu_bwd_rows2`)
-        for name in ("PREFETCH", "UNROLL_H", "COL_SUMS"):
+        for name in ("PREFETCH", "UNROLL_H", "COL_SUMS", "ROW_SLOTS"):
             meta.pop(name, None)
         meta.update(BLOCK_D=parts[0], BLOCK_D2=parts[1], EVEN_D=True)
         launcher = _launch_bwd_rows2

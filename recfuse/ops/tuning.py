@@ -146,6 +146,11 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
                                                      num_stages=1, programs_per_sm=pps, block_k=0, unroll_h=1)
                     if cfg is not None and 2 <= cfg.block_b * cfg.block_d / (32 * warps) <= 16:
                         out.append(cfg)
+            # the row loop's column sums folded into 2 or 4 row slots (`BackwardConfig.row_slots`)
+            # instead of one a tile row: fewer registers, so more programs in flight
+            out += [dataclasses.replace(c, row_slots=n) for c in list(out)
+                    if not c.use_dot and not c.col_sums and not c.row_parts and (c.block_h == 1 or c.unroll_h)
+                    for n in (2, 4) if n < c.block_b]
             continue
         if dtype == torch.bfloat16:
             # the next row tile loaded while this one is computed (`BackwardConfig.prefetch`)
@@ -164,6 +169,34 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
                 out.append(cfg)
     return list(dict.fromkeys(out))
 
+
+
+def row_slots_neighbours(cfg, D: int, H: int, dtype: torch.dtype) -> list[configs.BackwardConfig]:
+    """A no-tl.dot backward config that keeps row slots, with its column sums folded into 2 or 4
+    row slots (`BackwardConfig.row_slots`) on its own row tile and on tiles 2 and 4 times as long,
+    at its programs per SM and twice as many: what the registers the fold frees can buy. The
+    tuner's ``--only row_slots`` times these against the config a GPU runs now (the full candidate
+    list has every row_slots variant, too many for a short run).
+
+    Example:
+        >>> base = configs.heuristic_backward(256, 1, torch.float32, use_dot=False, block_b=8, num_warps=2,
+        ...                                    programs_per_sm=32, block_k=0, loop_stages=3)
+        >>> sorted({(c.row_slots, c.block_b) for c in row_slots_neighbours(base, 256, 1, torch.float32)})
+        [(2, 8), (2, 16), (2, 32), (4, 8), (4, 16), (4, 32)]
+    """
+    if (cfg is None or cfg.use_dot or cfg.col_sums or cfg.row_parts or cfg.block_k
+            or not (cfg.block_h == 1 or cfg.unroll_h)):
+        return []
+    knobs = configs.config_to_entry(cfg)
+    out = []
+    for slots, longer, more in itertools.product((2, 4), (1, 2, 4), (1, 2)):
+        knobs.update(row_slots=slots, block_b=cfg.block_b * longer, programs_per_sm=cfg.programs_per_sm * more)
+        c = configs.heuristic_backward(D, H, dtype, **knobs)
+        if (c is not None and c.block_b == knobs["block_b"] and slots < c.block_b
+                and c.block_b * c.block_d <= max(NARROW_TILE, cfg.block_b * cfg.block_d)
+                and configs.backward_fits(c, D, H)):
+            out.append(c)
+    return list(dict.fromkeys(out))
 
 
 def split_weight_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.BackwardConfig]:
@@ -302,13 +335,13 @@ def kernel_path(cfg) -> tuple:
         return ("forward", cfg.use_dot, bool(cfg.block_k), bool(cfg.persistent), bool(cfg.unroll_h), bool(cfg.k_loop))
     return ("backward", cfg.use_dot, bool(cfg.block_k), bool(cfg.unroll_h), bool(cfg.loop_stages),
             bool(cfg.col_sums), bool(cfg.prefetch), bool(cfg.split_ln), bool(cfg.split_dw), bool(cfg.row_parts),
-            bool(cfg.two_pass), bool(cfg.dw_first))
+            bool(cfg.two_pass), bool(cfg.dw_first), bool(cfg.row_slots))
 
 
 # The knob each flag of a `kernel_path` stands for, after its kind.
 PATH_FLAGS = {"forward": ("dot", "chunked", "persistent", "unroll_h", "k_loop"),
               "backward": ("dot", "chunked", "unroll_h", "loop_stages", "col_sums", "prefetch", "split_ln",
-                           "split_dw", "row_parts", "two_pass", "dw_first")}
+                           "split_dw", "row_parts", "two_pass", "dw_first", "row_slots")}
 
 
 def path_label(path: tuple) -> str:
