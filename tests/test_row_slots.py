@@ -1,0 +1,59 @@
+"""The no-tl.dot backward's column sums folded into row slots (`BackwardConfig.row_slots`): each row
+tile's rows r go into slot r % n of the weight- and LayerNorm-gradient accumulators instead of
+one slot a tile row, reduced once after the row loop.
+
+Each case runs under the Triton interpreter (``make test-interpret``) and, where a GPU is present,
+on it with many row tiles per program. References: float64 (the composite backward) and the same
+config with one slot a tile row (dx has the same bits: only the order of column sums changes).
+"""
+import pytest
+import torch
+
+from recfuse.chain import DEFAULT as DEFAULT_CHAIN, chain_of
+from recfuse.ops import configs, launch
+from op_cases import INTERPRETER_AND_CUDA, Case, assert_backward_close, chain_backward_inputs, forced_backward, with_rows
+
+CASES = [
+    # (case, dtype, chain, path knobs): H = 1 rows and the per-column product (H = 4, and H = 7:
+    # 8 columns, one padded); masked columns (D = 40, 48) and rows, the [B, F*D] view, per-feature
+    # and shared parameters, no LayerNorm affine, another chain.
+    (Case(2, 37, 64, 1, ln="per_feature", bias="per_feature"), torch.float32, None, dict(unroll_h=0)),
+    (Case(2, 45, 48, 1, feature_dim=1, strided_view=True, ln="shared"), torch.bfloat16, None, dict(unroll_h=0)),
+    (Case(2, 29, 40, 4, per_feature_weight=True, ln="per_feature"), torch.float32, None, dict(unroll_h=1)),
+    (Case(1, 27, 32, 7, ln="none", bias="per_feature"), torch.bfloat16, None, dict(unroll_h=1)),
+    (Case(2, 30, 32, 1, ln="none", bias="none"), torch.float32, chain_of("rms_norm", "silu", "tanh"),
+     dict(unroll_h=0)),
+]
+
+
+@pytest.mark.parametrize("device", INTERPRETER_AND_CUDA)
+@pytest.mark.parametrize("slots", [2, 4])
+@pytest.mark.parametrize("case, dtype, chain, path", CASES, ids=str)
+def test_folded_column_sums_match_float64_and_the_row_slot_loop(case, dtype, chain, path, slots, device):
+    chain = chain or DEFAULT_CHAIN
+    case = case if device == "cpu" else with_rows(case, 3000)
+    args, gy = chain_backward_inputs(case, dtype, chain, seed=3, device=device)
+    stats = launch.forward(*args, case.eps, case.feature_dim, save_stats=True, chain=chain)[1]
+    knobs = dict(path, use_dot=False, block_b=8, num_warps=2, programs_per_sm=1, block_k=0, prefetch=0,
+                 loop_stages=3 if slots == 4 else 0, col_sums=0)
+    assert configs.backward_fits(configs.heuristic_backward(case.D, case.H, dtype, **knobs, row_slots=slots),
+                                 case.D, case.H)
+    baseline, base_meta = forced_backward(gy, args, case, stats, chain, **knobs)
+    grads, meta = forced_backward(gy, args, case, stats, chain, **knobs, row_slots=slots)
+    assert "ROW_SLOTS" not in base_meta and meta["ROW_SLOTS"] == slots and not meta["USE_DOT"]
+    assert_backward_close(grads, baseline, gy, args, case, chain, dtype)
+    assert torch.equal(grads[0], baseline[0])  # dx: the fold changes column sums only
+    again, _ = forced_backward(gy, args, case, stats, chain, **knobs, row_slots=slots)
+    for g, h in zip(grads, again):
+        assert g is None or torch.equal(g, h)  # deterministic: fixed-order sums
+
+
+def test_row_slots_outside_their_path_do_not_fit():
+    # one slot per tile row or more is no fold; the tl.dot path and per-tile column sums have none
+    base = dict(use_dot=False, block_b=8, num_warps=2, block_k=0)
+    for knobs in (dict(base, row_slots=8), dict(base, row_slots=3), dict(base, row_slots=2, col_sums=1)):
+        assert not configs.backward_fits(configs.heuristic_backward(256, 1, torch.float32, **knobs), 256, 1), knobs
+    dot = configs.heuristic_backward(256, 16, torch.bfloat16, row_slots=2)
+    assert dot.use_dot and not configs.backward_fits(dot, 256, 16)
+    entry = configs.config_to_entry(configs.heuristic_backward(256, 1, torch.float32, **base, row_slots=2))
+    assert configs.config_from_entry("backward", entry, 256, 1, torch.float32).row_slots == 2
