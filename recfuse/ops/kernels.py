@@ -871,6 +871,9 @@ def ln_tanh_linear_relu_bwd(
     # COL_SUMS (no tl.dot; H = 1 or UNROLL_H): the gradient columns summed per tile (one cross-warp
     # reduction a tile and column) instead of [BLOCK_B, BLOCK_D] row slots (one per output column
     # with UNROLL_H), whose registers cap the programs per SM.
+    # ROW_SLOTS (no tl.dot, H = 1 or UNROLL_H, not COL_SUMS; 0: BLOCK_B): the row slots are
+    # [ROW_SLOTS, BLOCK_D], each tile's rows folded into them (`_fold_rows`: row r into slot
+    # r % ROW_SLOTS), adds inside a thread where ROW_SLOTS is the rows a layout tile spans.
     # DZ_OUT (tl.dot path): no weight gradient here. dz goes to DZ ([F, B, H], contiguous: in
     # grad_y's dtype where it is exactly that, else fp32) and, unless LOAD_STATS, the rows' mean
     # and rstd to STATS; `ln_tanh_linear_relu_bwd_weight` makes the weight gradient from them in
@@ -912,7 +915,7 @@ def ln_tanh_linear_relu_bwd(
     bias = tl.zeros([BLOCK_H], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
-    # Column sums over rows are kept per row slot ([BLOCK_B, BLOCK_D], elementwise adds) and
+    # Column sums over rows are kept per row slot ([ACC_ROWS, BLOCK_D], elementwise adds) and
     # reduced once after the loop, or summed per tile (SUM_PER_TILE): the tl.dot path (see below),
     # and COL_SUMS without it, where the slots' registers would cap the programs per SM.
     SUM_PER_TILE: tl.constexpr = USE_DOT or (COL_SUMS and (BLOCK_H == 1 or UNROLL_H))
@@ -939,9 +942,9 @@ def ln_tanh_linear_relu_bwd(
                                                         EVEN_D, BLOCK_B, BLOCK_D, ACC_ROWS)
     acc_w = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     acc_b_rows = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
-    # Column sums over rows are kept per row slot ([BLOCK_B, BLOCK_D], elementwise adds) and
+    # Column sums over rows are kept per row slot ([ACC_ROWS, BLOCK_D], elementwise adds) and
     # reduced once after the loop: a cross-warp reduction per tile would cost more than the tile,
-    # and BLOCK_B short chains instead of one long one keep fp32 sums over 1e6 rows accurate.
+    # and ACC_ROWS short chains instead of one long one keep fp32 sums over 1e6 rows accurate.
     acc_w_rows = tl.zeros([ACC_ROWS, BLOCK_D], dtype=tl.float32)
     # The tl.dot path sums its tiles' columns as it goes: [BLOCK_B, BLOCK_D] slots beside the
     # weight and its accumulator cost registers, and a dot tile is long enough to pay for one
