@@ -34,7 +34,7 @@ class CompiledLaunchCache:
         >>> from recfuse.ops import kernels
         >>> launch = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
         >>> launch.defaults
-        {'PREFETCH': False, 'UNROLL_H': False, 'LOOP_STAGES': None, 'COL_SUMS': False, 'DZ_OUT': False, 'LOAD_MASK': False, 'LN_IN_WEIGHT': False}
+        {'PREFETCH': False, 'UNROLL_H': False, 'LOOP_STAGES': None, 'COL_SUMS': False, 'DZ_OUT': False, 'LOAD_MASK': False, 'LN_IN_WEIGHT': False, 'ROW_SLOTS': 0}
     """
 
     def __init__(self, jit_fn):
@@ -60,10 +60,10 @@ class CompiledLaunchCache:
         Example:
             >>> from recfuse.ops import kernels
             >>> launch = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
-            >>> n = len(launch.arg_names)  # the last eight: BLOCK_H, then seven with defaults
-            >>> launch.trailing_args(range(n - 8), {"BLOCK_H": 16})
-            [16, False, False, None, False, False, False, False]
-            >>> launch.trailing_args(range(n - 8), {}) is None  # BLOCK_H has no default
+            >>> n = len(launch.arg_names)  # the last nine: BLOCK_H, then eight with defaults
+            >>> launch.trailing_args(range(n - 9), {"BLOCK_H": 16})
+            [16, False, False, None, False, False, False, False, 0]
+            >>> launch.trailing_args(range(n - 9), {}) is None  # BLOCK_H has no default
             True
         """
         trailing = []
