@@ -49,9 +49,11 @@ def test_folded_column_sums_match_float64_and_the_row_slot_loop(case, dtype, cha
 
 
 def test_row_slots_outside_their_path_do_not_fit():
-    # one slot per tile row or more is no fold; the tl.dot path and per-tile column sums have none
+    # one slot per tile row or more is no fold, one slot is col_sums; the tl.dot path and per-tile
+    # column sums have none
     base = dict(use_dot=False, block_b=8, num_warps=2, block_k=0)
-    for knobs in (dict(base, row_slots=8), dict(base, row_slots=3), dict(base, row_slots=2, col_sums=1)):
+    for knobs in (dict(base, row_slots=8), dict(base, row_slots=3), dict(base, row_slots=2, col_sums=1),
+                  dict(base, row_slots=1)):  # one slot is col_sums
         assert not configs.backward_fits(configs.heuristic_backward(256, 1, torch.float32, **knobs), 256, 1), knobs
     dot = configs.heuristic_backward(256, 16, torch.bfloat16, row_slots=2)
     assert dot.use_dot and not configs.backward_fits(dot, 256, 16)

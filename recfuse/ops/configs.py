@@ -163,7 +163,8 @@ class BackwardConfig(TileConfig):
     # row. With n the rows one layout tile of the kernel spans (its warps along rows, 2-4), the fold
     # is adds inside each thread: the slots' registers drop by block_b / n without the per-tile
     # cross-warp sums of col_sums (offline, sm_90: fp32 D=256 H=1 8 rows 2 warps 255 registers
-    # with spills -> 168, the row loop 49.8 -> 50.8 instructions an element).
+    # with spills -> 168, the row loop 49.8 -> 50.8 instructions an element). n = 1 would be
+    # col_sums under another name: it does not fit.
     row_slots: int = 0
     # Whole-row tl.dot path only: n > 0 leaves the weight gradient to a second kernel
     # (`kernels.ln_tanh_linear_relu_bwd_weight`: dz^T @ t over rows, n columns of t at a time,
@@ -193,8 +194,9 @@ class BackwardConfig(TileConfig):
     two_pass: int = 0
     # two_pass only: 1 makes the weight gradient dz^T @ t in the first pass (beside the row sums)
     # instead of the second (beside dx): offline (sm_90) the second pass then drops from 255
-    # registers with spills to 195 without, the first rises to 217 at 64 rows and 8 warps. Not
-    # measured on a GPU yet: a tuner candidate, no table entry or heuristic takes it.
+    # registers with spills to 195 without, the first rises to 217 at 64 rows and 8 warps. On the
+    # H200 it lost (bf16 D=512 H=64: 1145 vs 1044 us): a tuner candidate, no table entry or
+    # heuristic takes it.
     dw_first: int = 0
 
 
@@ -840,8 +842,8 @@ def backward_fits(cfg: BackwardConfig, D: int, H: int) -> bool:
             return False
         return cfg.block_d >= 16 and cfg.block_b >= 16 and not cfg.row_slots and (
             cfg.block_k > 0 or cfg.two_pass > 0 or cfg.block_h * cfg.block_d <= 2 * BWD_MAX_WEIGHT_TILE)
-    if cfg.row_slots and (cfg.col_sums or not _power_of_two(cfg.row_slots) or cfg.row_slots >= cfg.block_b
-                          or not (cfg.block_h == 1 or cfg.unroll_h)):
+    if cfg.row_slots and (cfg.col_sums or cfg.row_slots < 2 or not _power_of_two(cfg.row_slots)
+                          or cfg.row_slots >= cfg.block_b or not (cfg.block_h == 1 or cfg.unroll_h)):
         return False
     return cfg.block_b * cfg.block_d * cfg.block_h <= 4 * TILE_BUDGET
 
