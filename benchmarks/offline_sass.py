@@ -94,9 +94,11 @@ def weight_kernel_args(plan, kernel_args: tuple) -> tuple:
     return (x, dz, stats, lw, lb, partial, w) + tuple(plan.weight_ints)
 
 
-def compile_offline(jit_fn, args: tuple, meta: dict, num_warps: int, num_stages: int, arch: int = 90):
+def compile_offline(jit_fn, args: tuple, meta: dict, num_warps: int, num_stages: int, arch: int = 90,
+                    maxnreg: int = 0):
     """``triton.compile`` of ``jit_fn`` for a CUDA target of compute capability ``arch``, with the
-    argument types, the JIT's specialisations and the constexprs a launch with ``args`` and ``meta`` has."""
+    argument types, the JIT's specialisations and the constexprs a launch with ``args`` and ``meta``
+    has (and its register cap ``maxnreg``, 0: none)."""
     names = jit_fn.arg_names
     nospec = set(getattr(jit_fn, "do_not_specialize", None) or [])
     signature, constants, attrs = {}, {}, {}
@@ -121,7 +123,7 @@ def compile_offline(jit_fn, args: tuple, meta: dict, num_warps: int, num_stages:
     for name in names[len(args):]:
         signature[name], constants[(names.index(name),)] = "constexpr", meta.get(name, defaults.get(name))
     return triton.compile(ASTSource(jit_fn, signature, constants, attrs), target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {})))
 
 
 def cuobjdump(kernel, *flags: str) -> str:
@@ -223,7 +225,7 @@ def point_report(args, kind: str, D: int, H: int, dtype_name: str) -> dict:
     plan.meta.update(args.meta or {})
     # the forward launches with Triton's default num_stages (3), the backward with its config's
     kernel = compile_offline(plan.launcher.jit_fn, kernel_args, plan.meta, cfg.num_warps,
-                             getattr(cfg, "num_stages", 3), args.arch)
+                             getattr(cfg, "num_stages", 3), args.arch, getattr(cfg, "maxnreg", 0))
     # elements of a row tile a thread handles: the real D where the kernel walks no padded columns
     # (the chunked row forward, the two-part row backward), BLOCK_D's padded lanes elsewhere
     real_d = plan.meta.get("BLOCK_K", cfg.block_d) < cfg.block_d if kind == "forward" else "BLOCK_D2" in plan.meta

@@ -85,6 +85,9 @@ def shape_candidates(kind: str, p: dict, only: str, saved: dict) -> list:
     if only == "row_slots" and kind == "backward":
         # the incumbents' own tiles and longer ones with folded column sums (`row_slots_neighbours`)
         knob = [n for c in incumbent for n in tuning.row_slots_neighbours(c, D, H, dtype)]
+    elif only == "maxnreg" and kind == "backward":
+        # the incumbents with their registers capped so that more programs fit an SM
+        knob = [n for c in incumbent for n in tuning.maxnreg_neighbours(c, D, H, dtype)]
     else:
         knob = [c for c in cands if getattr(c, only, 0)]
     return list(dict.fromkeys([cands[0]] + incumbent + knob))
@@ -347,9 +350,10 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", action="store_true", help="keep the saved table's entries for shapes not in this run")
     ap.add_argument("--resume", action="store_true", help="with --merge: skip shapes the saved table has")
     ap.add_argument("--only", default="all", choices=["all", "unroll_h", "loop_stages", "col_sums", "persistent", "split_dw", "block_k", "row_parts",
-                             "k_loop", "split_ln", "two_pass", "dw_first", "row_slots", "prefetch"],
+                             "k_loop", "split_ln", "two_pass", "dw_first", "row_slots", "prefetch", "maxnreg"],
                     help="time only the heuristic, the saved entry (with --merge) and the candidates that set "
-                         "this knob (row_slots: the incumbents' neighbours with it, `tuning.row_slots_neighbours`)")
+                         "this knob (row_slots / maxnreg: the incumbents' neighbours with it, `tuning.row_slots_neighbours` / "
+                         "`tuning.maxnreg_neighbours`)")
     ap.add_argument("--confirm-scale", type=int, default=4,
                     help="re-time the fastest --finalists at this many times the batch and pick the one best "
                          "at both sizes (1: off)")
@@ -457,6 +461,17 @@ def write_table(path: str, saved: dict, entries: list[dict], args) -> None:
     done = {(e["kind"], e["D"], e["H"], e["dtype"]) for e in entries}
     old = [dict(e, kind=kind) for kind in ("forward", "backward") for e in saved.get(kind, [])
            if (kind, e["D"], e["H"], e["dtype"]) not in done]
+    # A saved entry's note (why a config was kept by hand) stays while this run keeps its config.
+    notes = {(kind, e["D"], e["H"], e["dtype"]): e for kind in ("forward", "backward")
+             for e in saved.get(kind, []) if "note" in e}
+    for e in entries:
+        kept = notes.get((e["kind"], e["D"], e["H"], e["dtype"]))
+        if kept is None:
+            continue
+        cfg = configs.config_from_entry(e["kind"], kept["config"], e["D"], e["H"], getattr(torch, e["dtype"]),
+                                        e["full_tiles"])
+        if cfg is not None and configs.config_to_entry(cfg) == e["config"]:  # older entries lack new knobs
+            e.setdefault("note", kept["note"])
     env = environment("cuda")
     props = torch.cuda.get_device_properties(0)
     # sm_count and compute_capability: a GPU without a table of its own takes a table of the same

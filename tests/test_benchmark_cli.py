@@ -49,6 +49,9 @@ def smoke_commands(out: Path) -> dict[str, list[str]]:
                          "--json", str(out / "sass_mufu.json")],
         "offline_sass_portable": ["offline_sass.py", "--kind", "forward", "--D", "64", "--H", "1", "--dtype", "fp32",
                                   "--tanh-mode", "0", "--json", str(out / "sass_portable.json")],
+        # The backward under a register cap (`BackwardConfig.maxnreg`): ptxas must honour it
+        "offline_sass_capped": ["offline_sass.py", "--kind", "backward", "--D", "64", "--H", "16", "--dtype", "fp32",
+                                "--knobs", '{"maxnreg": 96}', "--json", str(out / "sass_capped.json")],
         # What ncu runs per point (here without ncu), and the ncu commands for the committed grid's lowest points.
         "profile_points_child": ["profile_points.py", "--child", "fp32:BFD:per_feature:16:4", "--features", "3",
                                  "--x-mb", "0.05", "--device", "cpu"],
@@ -264,6 +267,16 @@ def test_offline_sass_compiles_for_the_gpu_and_counts(smoke):
     assert portable["per_element"] - mufu["per_element"] >= 3, (portable["per_element"], mufu["per_element"])
     # the issue-rate ceiling rises as the instructions an element fall
     assert 0 < portable["issue_ceiling_pct"] <= mufu["issue_ceiling_pct"] <= 100
+
+
+def test_offline_sass_compiles_the_backward_under_its_register_cap(smoke):
+    """`BackwardConfig.maxnreg` reaches ptxas: the tl.dot backward at D=64 H=16 fp32 (255 registers
+    uncapped, benchmarks/NOTES.md) held to 96 a thread, the rest spilled to local memory."""
+    out, _ = smoke("offline_sass_capped")
+    report = json.loads((out / "sass_capped.json").read_text())
+    assert report["config"]["maxnreg"] == 96 and report["config"]["use_dot"]
+    assert 0 < report["registers"] <= 96, report["registers"]
+    assert report["stack_bytes"] > 0 and report["opcodes"].get("STL", 0) > 0  # the spills
 
 
 def test_profile_points_child_runs_and_picks_the_grids_lowest_points(smoke):

@@ -210,3 +210,60 @@ def test_gelu_chains_ask_the_backward_for_the_exact_tanh(monkeypatch):
     finally:
         launch._BACKWARD_PLANS.clear()
     assert (True, True) in seen and (True, False) in seen, seen
+
+
+def test_the_direct_launch_is_on_only_for_the_runner_call_it_makes_itself():
+    """`CompiledLaunchCache.bind` calls the compiled kernel's launcher the way Triton's runner does
+    (`runner_call_is_known` reads the runner's source); a runner that passes its arguments otherwise
+    keeps the launches."""
+    from triton.compiler.compiler import CompiledKernel
+
+    from recfuse.ops import _compiled_launch as cl
+
+    import inspect
+    source = inspect.getsource(CompiledKernel.__getitem__)
+    assert cl.runner_call_is_known() == bool(cl._RUNNER_CALL.search(source))
+    assert cl.runner_call_is_known()  # torch 2.13 / triton 3.x here, triton 3.6 on the GPU image
+    reordered = source.replace("self.function, self.packed_metadata", "self.packed_metadata, self.function")
+    assert cl._RUNNER_CALL.search(reordered) is None
+    older = "self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed_metadata, launch_metadata, " \
+            "self.launch_enter_hook, self.launch_exit_hook, *args)"  # hooks from elsewhere: not this call
+    assert cl._RUNNER_CALL.search(older) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bound_launch_passes_pointers_and_honours_triton_launch_hooks():
+    """The bound forward launch (data pointers as integers, no hooks) writes what the JIT launch
+    writes; with a launch hook registered with Triton, the launch goes through the runner and the
+    hook sees it."""
+    import triton
+
+    from recfuse.ops import _compiled_launch as cl
+
+    assert cl.runner_call_is_known()
+    F, B, D, H = 4, 300, 64, 16
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(B, F * D, device="cuda", generator=g).view(B, F, D)
+    w = torch.randn(H, D, device="cuda", generator=g) * D ** -0.5
+    b = 0.1 * torch.randn(H, device="cuda", generator=g)
+    lw = 1 + 0.1 * torch.randn(F, D, device="cuda", generator=g)
+    lb = 0.1 * torch.randn(F, D, device="cuda", generator=g)
+    launch._FORWARD_PLANS.clear()
+    first = launch.forward(x, w, b, lw, lb, 1e-5, 1)[0]  # the JIT launch, then bound
+    plan = launch.forward_plan(x, w, b, lw, lb, 1e-5, 1)
+    assert plan.bound is not None
+    y, _ = plan(x, w, b, lw, lb)
+    assert torch.equal(y, first)
+    seen = []
+    hook = lambda metadata: seen.append(metadata)  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert not cl.no_launch_hooks(triton.knobs.runtime)
+        y_hooked, _ = plan(x, w, b, lw, lb)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    torch.cuda.synchronize()
+    assert torch.equal(y_hooked, first) and len(seen) == 1, seen
+    y64 = recfuse.reference.ln_tanh_linear_relu(x.double(), w.double(), b.double(), ln_weight=lw.double(),
+                                                ln_bias=lb.double(), feature_dim=1)
+    assert ((y.double() - y64).norm() / y64.norm()).item() < 1e-5

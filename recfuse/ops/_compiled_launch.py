@@ -12,15 +12,25 @@ compilations-cache lookups for new batch sizes, never a kernel specialised for o
 If the direct launch ever fails (a Triton version whose launcher takes other arguments), it is
 switched off for the process with a warning and `JITFunction.run` is used from then on.
 Set `RECFUSE_COMPILED_LAUNCH=0` to switch it off.
+
+A bound launch (`CompiledLaunchCache.bind`) goes one step further where this Triton's runner makes
+the call it knows (`runner_call_is_known`) and no launch hook is registered: it calls the C
+launcher itself, with the tensors' data pointers as integers. On the H200 host (triton 3.6) the
+op's forward kernel launch fell from 14.6 to 9.1 us (benchmarks/NOTES.md, twentieth session): the
+runner records launch metadata for its (empty) hook chains on every call, and the launcher
+queries the driver about each tensor's pointer. `RECFUSE_DIRECT_LAUNCH=0` keeps the runner.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
+import re
 from typing import Any, Optional, Sequence
 
 import torch
+import triton
 
 from .._checks import BoundedDict
 
@@ -119,16 +129,96 @@ class CompiledLaunchCache:
             return None
         tail = list(args[n_tensors:])
         tail.extend(self.trailing_args(args, meta))
-        runner = compiled[tuple(grid) + (1,) * (3 - len(grid))]
+        grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        runner = compiled[grid3]
         device_index = args[0].device.index
         current_stream = torch._C._cuda_getCurrentRawStream
         jit, fixed = self.jit_fn, tuple(args[n_tensors:])
+        if not runner_call_is_known():
+            def launch(*tensors):
+                try:
+                    runner(*tensors, *tail, stream=current_stream(device_index))
+                except Exception as err:  # noqa: BLE001 - a launcher mismatch falls back, loudly
+                    self._disable(err)
+                    jit[grid](*tensors, *fixed, **meta, **options)
+
+            return launch
+
+        # The runner's own call, made directly: without its launch-metadata record for hooks that
+        # are not there, and with the tensors' data pointers as integers, which the C launcher
+        # takes as they are (a tensor costs it a method call and a driver query of the pointer).
+        # The plan is per device, so the driver's "is this a device pointer" check has nothing to
+        # find. Hooks registered with Triton (a profiler's) send the call through the runner.
+        run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+        g0, g1, g2 = grid3
+        hooks = _knobs_runtime()
+        data_ptr = torch.Tensor.data_ptr
 
         def launch(*tensors):
             try:
-                runner(*tensors, *tail, stream=current_stream(device_index))
+                if no_launch_hooks(hooks):
+                    run(g0, g1, g2, current_stream(device_index), function, packed, None, None, None,
+                        *map(data_ptr, tensors), *tail)
+                else:
+                    runner(*tensors, *tail, stream=current_stream(device_index))
             except Exception as err:  # noqa: BLE001 - a launcher mismatch falls back, loudly
                 self._disable(err)
                 jit[grid](*tensors, *fixed, **meta, **options)
 
         return launch
+
+
+def _knobs_runtime():
+    knobs = getattr(triton, "knobs", None)
+    return getattr(knobs, "runtime", None)
+
+
+def no_launch_hooks(runtime) -> bool:
+    """Whether Triton's launch hooks (``triton.knobs.runtime.launch_enter_hook`` / ``..._exit_hook``)
+    are unset or empty chains: then a launch may pass None for them, as a launch without hooks does.
+
+    Example:
+        >>> import triton
+        >>> no_launch_hooks(triton.knobs.runtime)
+        True
+        >>> seen = []
+        >>> triton.knobs.runtime.launch_enter_hook.add(seen.append)
+        >>> no_launch_hooks(triton.knobs.runtime)
+        False
+        >>> triton.knobs.runtime.launch_enter_hook.remove(seen.append)
+    """
+    if runtime is None:
+        return False
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and (type(hook) is not _HOOK_CHAIN or hook.calls):
+            return False
+    return True
+
+
+_HOOK_CHAIN = getattr(getattr(triton, "knobs", None), "HookChain", None)
+# `CompiledKernel.__getitem__`'s runner, as Triton 3.4-3.9 write it: the call `bind`'s launches make
+# themselves. Another Triton's runner (another argument order) keeps its launches on the runner.
+_RUNNER_CALL = re.compile(r"self\.run\(\s*grid\[0\],\s*grid\[1\],\s*grid\[2\],\s*stream,\s*self\.function,"
+                          r"\s*self\.packed_metadata,\s*launch_metadata,\s*knobs\.runtime\.launch_enter_hook,"
+                          r"\s*knobs\.runtime\.launch_exit_hook,\s*\*args\)")
+
+
+@functools.lru_cache(maxsize=None)
+def runner_call_is_known() -> bool:
+    """Whether this Triton's compiled-kernel runner launches with the call `CompiledLaunchCache.bind`
+    makes directly (read from its source once a process), and its launch hooks are chains whose
+    emptiness can be seen; False turns the direct call off. Set ``RECFUSE_DIRECT_LAUNCH=0`` to
+    turn it off by hand.
+
+    Example:
+        >>> isinstance(runner_call_is_known(), bool)
+        True
+    """
+    if os.environ.get("RECFUSE_DIRECT_LAUNCH", "1") == "0" or _HOOK_CHAIN is None or _knobs_runtime() is None:
+        return False
+    try:
+        from triton.compiler.compiler import CompiledKernel
+        source = inspect.getsource(CompiledKernel.__getitem__)
+    except (ImportError, OSError, TypeError):
+        return False
+    return _RUNNER_CALL.search(source) is not None

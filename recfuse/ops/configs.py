@@ -68,6 +68,11 @@ WARPS_PER_SM = 32
 # faster than the former 128 x 8 (F=64 P=33 D=64 H=16: 126 -> 25 us, D=128 H=1: 77 -> 16 us;
 # benchmarks/results/checks/ab_reduce_h100.json).
 REDUCE_BLOCK_K = 16
+# The register caps `BackwardConfig.maxnreg` may take (ptxas allocates threads 8 at a time, at most
+# 255; below 64 a backward row tile spills most of its state).
+MIN_MAXNREG, MAX_MAXNREG = 64, 248
+# 32-bit registers an SM holds (sm_80-sm_90): with a thread's registers, how many programs fit.
+REGISTERS_PER_SM = 64 * 1024
 REDUCE_BLOCK_J = 128
 
 TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
@@ -198,6 +203,12 @@ class BackwardConfig(TileConfig):
     # H200 it lost (bf16 D=512 H=64: 1145 vs 1044 us): a tuner candidate, no table entry or
     # heuristic takes it.
     dw_first: int = 0
+    # n > 0 caps the registers a thread of the backward's (first) kernel may hold at n (ptxas
+    # `.maxnreg`; a multiple of 8, 64-248), 0 leaves them to the compiler. The row loop is
+    # latency-bound: at 216-255 registers a 4-warp program leaves room for two on an SM (8 warps);
+    # 168 for three, 128 for four, at the price of spills to local memory, which live in L1.
+    # Which cap pays is the GPU's business: a tuner knob (`tuning.maxnreg_neighbours`).
+    maxnreg: int = 0
 
 
 KernelConfig = ForwardConfig  # the name launch-level code and older tests use
@@ -208,7 +219,7 @@ _BACKWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "programs_per_s
 # Knobs an older table's entries may lack: the heuristic's value stands.
 _OPTIONAL_BACKWARD_KNOBS = ("block_k", "prefetch", "unroll_h", "loop_stages", "col_sums", "split_dw", "dw_block_b",
                             "dw_num_warps", "dw_num_stages", "row_parts", "split_ln", "two_pass",
-                            "dw_first", "row_slots")
+                            "dw_first", "row_slots", "maxnreg")
 
 # ---------------------------------------------------------------------------------------------
 # the heuristic
@@ -821,6 +832,8 @@ def forward_fits(cfg: ForwardConfig, D: int, H: int) -> bool:
 
 def backward_fits(cfg: BackwardConfig, D: int, H: int) -> bool:
     if not _power_of_two(cfg.block_b) or cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.programs_per_sm < 1:
+        return False
+    if cfg.maxnreg and (cfg.maxnreg % 8 or not MIN_MAXNREG <= cfg.maxnreg <= MAX_MAXNREG):
         return False
     if cfg.use_dot:
         if cfg.block_k and (cfg.block_k < 16 or cfg.block_k >= cfg.block_d or cfg.block_d % cfg.block_k):

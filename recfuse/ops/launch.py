@@ -528,7 +528,7 @@ class BackwardPlan:
                 self.bound_weight(*weight_tensors)
             self.bound_reduce(*reduce_tensors)
         else:
-            options = dict(num_warps=self.cfg.num_warps, num_stages=self.cfg.num_stages)
+            options = backward_options(self.cfg)
             self.launcher(self.grid, tensors + self.ints, self.meta, **options)
             if split:
                 weight_launcher = self.weight_launcher or _launch_bwd_weight
@@ -547,6 +547,20 @@ class BackwardPlan:
             # ulp of rounding (the kernel's two uses of dxhat may round apart) times eps**-0.5.
             dx.zero_()
         return dx, gw, gb, glw, glb
+
+
+def backward_options(cfg: configs.BackwardConfig) -> dict:
+    """The launch options of the backward's fused (or first) kernel: warps, pipelining depth and
+    the register cap (`BackwardConfig.maxnreg`, left out at 0: the compiler's choice).
+
+    Example:
+        >>> backward_options(configs.heuristic_backward(256, 16, torch.float32, maxnreg=168))["maxnreg"]
+        168
+    """
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.maxnreg:
+        options["maxnreg"] = cfg.maxnreg
+    return options
 
 
 def _empty_or_like(p, x):

@@ -323,6 +323,35 @@ def confirm_at_scale(timed: list, time_at_scale, finalists: int) -> list:
     return head + tail
 
 
+def maxnreg_neighbours(cfg, D: int, H: int, dtype: torch.dtype) -> list[configs.BackwardConfig]:
+    """A backward config with its first kernel's registers capped (`BackwardConfig.maxnreg`) so
+    that one, two or three more of its programs fit an SM's register file than at 255 registers a
+    thread (caps 112-232, multiples of 8), at its programs per SM and, where that is fewer, at the
+    programs the cap lets in: the tuner's ``--only maxnreg`` times these against the config a GPU
+    runs now. The backward's row loop waits on memory with 216-255 registers (benchmarks/NOTES.md,
+    nineteenth session): spills to L1 may buy the warps that hide it.
+
+    Example:
+        >>> base = configs.heuristic_backward(256, 16, torch.float32, num_warps=4, programs_per_sm=16)
+        >>> sorted(c.maxnreg for c in maxnreg_neighbours(base, 256, 16, torch.float32))
+        [128, 168]
+    """
+    if cfg is None or cfg.maxnreg:
+        return []
+    threads = 32 * cfg.num_warps
+    uncapped = configs.REGISTERS_PER_SM // (256 * threads)  # programs an SM holds at 255 registers
+    out = []
+    for programs in range(uncapped + 1, uncapped + 4):
+        cap = configs.REGISTERS_PER_SM // (programs * threads) // 8 * 8
+        if not 112 <= cap <= 232:
+            continue
+        for pps in dict.fromkeys((cfg.programs_per_sm, max(cfg.programs_per_sm, programs))):
+            c = dataclasses.replace(cfg, maxnreg=cap, programs_per_sm=pps)
+            if configs.backward_fits(c, D, H):
+                out.append(c)
+    return list(dict.fromkeys(out))
+
+
 def kernel_path(cfg) -> tuple:
     """The code path a config compiles to, as `spread` groups candidates: the product (tl.dot or
     not), K-chunked or whole rows, and the path knobs (persistent forward, per-column products,
@@ -336,13 +365,13 @@ def kernel_path(cfg) -> tuple:
         return ("forward", cfg.use_dot, bool(cfg.block_k), bool(cfg.persistent), bool(cfg.unroll_h), bool(cfg.k_loop))
     return ("backward", cfg.use_dot, bool(cfg.block_k), bool(cfg.unroll_h), bool(cfg.loop_stages),
             bool(cfg.col_sums), bool(cfg.prefetch), bool(cfg.split_ln), bool(cfg.split_dw), bool(cfg.row_parts),
-            bool(cfg.two_pass), bool(cfg.dw_first), bool(cfg.row_slots))
+            bool(cfg.two_pass), bool(cfg.dw_first), bool(cfg.row_slots), bool(cfg.maxnreg))
 
 
 # The knob each flag of a `kernel_path` stands for, after its kind.
 PATH_FLAGS = {"forward": ("dot", "chunked", "persistent", "unroll_h", "k_loop"),
               "backward": ("dot", "chunked", "unroll_h", "loop_stages", "col_sums", "prefetch", "split_ln",
-                           "split_dw", "row_parts", "two_pass", "dw_first", "row_slots")}
+                           "split_dw", "row_parts", "two_pass", "dw_first", "row_slots", "maxnreg")}
 
 
 def path_label(path: tuple) -> str:
