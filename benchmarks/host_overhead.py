@@ -11,7 +11,8 @@ from the profiler: a busy time near the wall time means the row is GPU-bound, no
 
 Rows: the op, `recfuse.transform` of a per-feature model and `FusedFeatureProcessor`, each as a
 forward without grad, a forward recording autograd, and a training step (forward + backward,
-parameter grads set to None before each step); the eager batched composite (`combined`) forward
+parameter grads set to None before each step); the op called as transform and FFP are on a
+[B, F*D] input (its view as [B, F, D] in, y flattened to [B, F*H] out); the eager batched composite (`combined`) forward
 and training step as the peers; two floors: an nn.Module call of an empty module, and the
 training step of a no-op autograd.Function with the op's tensor interface (what any Python
 custom autograd op costs before it does anything) and its forward alone. On CUDA the op's
@@ -141,6 +142,12 @@ def build_rows(F_, B, D, H, dtype, dev="cuda"):
     def op():
         return recfuse.ln_tanh_linear_relu(x3, w, b, ln_weight=lw, ln_bias=lb, feature_dim=1)
 
+    def op_from_buffer():
+        # what FFP and transform do for a [B, F*D] input: the view in, the op, the flatten out
+        # (each recorded by autograd when it records)
+        return recfuse.ln_tanh_linear_relu(buf.view(B, F_, D), w, b, ln_weight=lw, ln_bias=lb,
+                                           feature_dim=1).flatten(1)
+
     def combined():
         return batched_ln_tanh_linear_relu(x3, w, b, lw, lb, 1e-5, 1)
 
@@ -173,6 +180,8 @@ def build_rows(F_, B, D, H, dtype, dev="cuda"):
         "op forward, no grad": no_grad_call(op),
         "op forward, autograd": op,
         "op training step": training_step_call(op, params),
+        "op forward from the [B, F*D] buffer, no grad": no_grad_call(op_from_buffer),
+        "op forward from the [B, F*D] buffer, autograd": op_from_buffer,
         "transform forward, no grad": no_grad_call(lambda: fused(buf)),
         "transform forward, autograd": lambda: fused(buf),
         "transform training step": training_step_call(lambda: fused(buf), list(fused.parameters())),

@@ -85,7 +85,7 @@ def shape_candidates(kind: str, p: dict, only: str, saved: dict) -> list:
     if only == "row_slots" and kind == "backward":
         # the incumbents' own tiles and longer ones with folded column sums (`row_slots_neighbours`)
         knob = [n for c in incumbent for n in tuning.row_slots_neighbours(c, D, H, dtype)]
-    elif only == "maxnreg" and kind == "backward":
+    elif only == "maxnreg":
         # the incumbents with their registers capped so that more programs fit an SM
         knob = [n for c in incumbent for n in tuning.maxnreg_neighbours(c, D, H, dtype)]
     else:

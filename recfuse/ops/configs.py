@@ -89,6 +89,13 @@ class TileConfig:
     num_warps: int
     # Cache policy of the loads of x: "" (default) or "evict_first" (x is streamed once).
     x_evict: str = ""
+    # n > 0 caps the registers a thread of the kernel (the backward's fused or first kernel) may
+    # hold at n (ptxas `.maxnreg`; a multiple of 8, 64-248), 0 leaves them to the compiler. The
+    # backward's row loop is latency-bound: at 216-255 registers a 4-warp program leaves room for
+    # two on an SM (8 warps); 168 for three, 128 for four, at the price of spills to local memory,
+    # which live in L1; a forward at 96-168 registers likewise. Which cap pays is the GPU's
+    # business: a tuner knob (`tuning.maxnreg_neighbours`).
+    maxnreg: int = 0
 
 
 @dataclass(frozen=True)
@@ -203,18 +210,12 @@ class BackwardConfig(TileConfig):
     # H200 it lost (bf16 D=512 H=64: 1145 vs 1044 us): a tuner candidate, no table entry or
     # heuristic takes it.
     dw_first: int = 0
-    # n > 0 caps the registers a thread of the backward's (first) kernel may hold at n (ptxas
-    # `.maxnreg`; a multiple of 8, 64-248), 0 leaves them to the compiler. The row loop is
-    # latency-bound: at 216-255 registers a 4-warp program leaves room for two on an SM (8 warps);
-    # 168 for three, 128 for four, at the price of spills to local memory, which live in L1.
-    # Which cap pays is the GPU's business: a tuner knob (`tuning.maxnreg_neighbours`).
-    maxnreg: int = 0
 
 
 KernelConfig = ForwardConfig  # the name launch-level code and older tests use
 
 _FORWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "persistent", "tile_stages", "block_k")
-_OPTIONAL_FORWARD_KNOBS = ("unroll_h", "k_loop")
+_OPTIONAL_FORWARD_KNOBS = ("unroll_h", "k_loop", "maxnreg")
 _BACKWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "programs_per_sm", "num_stages")
 # Knobs an older table's entries may lack: the heuristic's value stands.
 _OPTIONAL_BACKWARD_KNOBS = ("block_k", "prefetch", "unroll_h", "loop_stages", "col_sums", "split_dw", "dw_block_b",
@@ -813,9 +814,13 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def _maxnreg_fits(cfg: TileConfig) -> bool:
+    return not cfg.maxnreg or (cfg.maxnreg % 8 == 0 and MIN_MAXNREG <= cfg.maxnreg <= MAX_MAXNREG)
+
+
 def forward_fits(cfg: ForwardConfig, D: int, H: int) -> bool:
     # Row tiles are tl.arange ranges: powers of two (block_d and block_h follow from the shape).
-    if not _power_of_two(cfg.block_b) or cfg.num_warps not in (1, 2, 4, 8, 16):
+    if not _power_of_two(cfg.block_b) or cfg.num_warps not in (1, 2, 4, 8, 16) or not _maxnreg_fits(cfg):
         return False
     if cfg.k_loop and not (cfg.block_k and cfg.block_k < cfg.block_d):
         return False  # a chunk loop needs chunks
@@ -833,7 +838,7 @@ def forward_fits(cfg: ForwardConfig, D: int, H: int) -> bool:
 def backward_fits(cfg: BackwardConfig, D: int, H: int) -> bool:
     if not _power_of_two(cfg.block_b) or cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.programs_per_sm < 1:
         return False
-    if cfg.maxnreg and (cfg.maxnreg % 8 or not MIN_MAXNREG <= cfg.maxnreg <= MAX_MAXNREG):
+    if not _maxnreg_fits(cfg):
         return False
     if cfg.use_dot:
         if cfg.block_k and (cfg.block_k < 16 or cfg.block_k >= cfg.block_d or cfg.block_d % cfg.block_k):

@@ -283,8 +283,9 @@ class ForwardPlan:
             self.bound(*tensors)
         else:
             args = tensors + self.ints
-            self.launcher(self.grid, args, self.meta, num_warps=self.cfg.num_warps)
-            self.bound = self.launcher.bind(self.grid, args, self.meta, len(tensors), num_warps=self.cfg.num_warps)
+            options = launch_options(self.cfg)
+            self.launcher(self.grid, args, self.meta, **options)
+            self.bound = self.launcher.bind(self.grid, args, self.meta, len(tensors), **options)
         return y, stats
 
 
@@ -528,7 +529,7 @@ class BackwardPlan:
                 self.bound_weight(*weight_tensors)
             self.bound_reduce(*reduce_tensors)
         else:
-            options = backward_options(self.cfg)
+            options = launch_options(self.cfg)
             self.launcher(self.grid, tensors + self.ints, self.meta, **options)
             if split:
                 weight_launcher = self.weight_launcher or _launch_bwd_weight
@@ -549,15 +550,20 @@ class BackwardPlan:
         return dx, gw, gb, glw, glb
 
 
-def backward_options(cfg: configs.BackwardConfig) -> dict:
-    """The launch options of the backward's fused (or first) kernel: warps, pipelining depth and
-    the register cap (`BackwardConfig.maxnreg`, left out at 0: the compiler's choice).
+def launch_options(cfg: configs.TileConfig) -> dict:
+    """The launch options of a config's kernel (the backward's fused or first kernel): warps, the
+    backward's pipelining depth (the forward takes Triton's default) and the register cap
+    (`TileConfig.maxnreg`, left out at 0: the compiler's choice).
 
     Example:
-        >>> backward_options(configs.heuristic_backward(256, 16, torch.float32, maxnreg=168))["maxnreg"]
+        >>> launch_options(configs.heuristic_backward(256, 16, torch.float32, maxnreg=168))["maxnreg"]
         168
+        >>> launch_options(configs.heuristic_forward(256, 1, torch.float32))
+        {'num_warps': 1}
     """
-    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    options = dict(num_warps=cfg.num_warps)
+    if isinstance(cfg, configs.BackwardConfig):
+        options["num_stages"] = cfg.num_stages
     if cfg.maxnreg:
         options["maxnreg"] = cfg.maxnreg
     return options

@@ -323,21 +323,28 @@ def confirm_at_scale(timed: list, time_at_scale, finalists: int) -> list:
     return head + tail
 
 
-def maxnreg_neighbours(cfg, D: int, H: int, dtype: torch.dtype) -> list[configs.BackwardConfig]:
-    """A backward config with its first kernel's registers capped (`BackwardConfig.maxnreg`) so
-    that one, two or three more of its programs fit an SM's register file than at 255 registers a
-    thread (caps 112-232, multiples of 8), at its programs per SM and, where that is fewer, at the
-    programs the cap lets in: the tuner's ``--only maxnreg`` times these against the config a GPU
-    runs now. The backward's row loop waits on memory with 216-255 registers (benchmarks/NOTES.md,
-    nineteenth session): spills to L1 may buy the warps that hide it.
+def maxnreg_neighbours(cfg, D: int, H: int, dtype: torch.dtype) -> list:
+    """A config with its (first) kernel's registers capped (`TileConfig.maxnreg`) so that more of
+    its programs fit an SM's register file: the tuner's ``--only maxnreg`` times these against the
+    config a GPU runs now. Backward: caps (112-232, multiples of 8) that fit one, two or three more
+    programs than 255 registers a thread do, at the config's programs per SM and, where that is
+    fewer, at the programs the cap lets in; its row loop waits on memory with 216-255 registers
+    (benchmarks/NOTES.md, nineteenth session). Forward (96-168 registers, offline sm_90): the caps
+    168, 128, 96, 80 and 64, which at 4 warps fit 3, 4, 5, 6 and 8 programs.
 
     Example:
         >>> base = configs.heuristic_backward(256, 16, torch.float32, num_warps=4, programs_per_sm=16)
         >>> sorted(c.maxnreg for c in maxnreg_neighbours(base, 256, 16, torch.float32))
         [128, 168]
+        >>> fwd = configs.heuristic_forward(256, 16, torch.float32)
+        >>> sorted(c.maxnreg for c in maxnreg_neighbours(fwd, 256, 16, torch.float32))
+        [64, 80, 96, 128, 168]
     """
     if cfg is None or cfg.maxnreg:
         return []
+    if isinstance(cfg, configs.ForwardConfig):
+        out = [dataclasses.replace(cfg, maxnreg=cap) for cap in FORWARD_MAXNREG_CAPS]
+        return [c for c in out if configs.forward_fits(c, D, H)]
     threads = 32 * cfg.num_warps
     uncapped = configs.REGISTERS_PER_SM // (256 * threads)  # programs an SM holds at 255 registers
     out = []
@@ -352,6 +359,10 @@ def maxnreg_neighbours(cfg, D: int, H: int, dtype: torch.dtype) -> list[configs.
     return list(dict.fromkeys(out))
 
 
+# The forward's register caps `maxnreg_neighbours` tries.
+FORWARD_MAXNREG_CAPS = (168, 128, 96, 80, 64)
+
+
 def kernel_path(cfg) -> tuple:
     """The code path a config compiles to, as `spread` groups candidates: the product (tl.dot or
     not), K-chunked or whole rows, and the path knobs (persistent forward, per-column products,
@@ -359,17 +370,18 @@ def kernel_path(cfg) -> tuple:
 
     Example:
         >>> kernel_path(configs.heuristic_forward(256, 1, torch.float32))
-        ('forward', False, False, False, False, False)
+        ('forward', False, False, False, False, False, False)
     """
     if isinstance(cfg, configs.ForwardConfig):
-        return ("forward", cfg.use_dot, bool(cfg.block_k), bool(cfg.persistent), bool(cfg.unroll_h), bool(cfg.k_loop))
+        return ("forward", cfg.use_dot, bool(cfg.block_k), bool(cfg.persistent), bool(cfg.unroll_h), bool(cfg.k_loop),
+                bool(cfg.maxnreg))
     return ("backward", cfg.use_dot, bool(cfg.block_k), bool(cfg.unroll_h), bool(cfg.loop_stages),
             bool(cfg.col_sums), bool(cfg.prefetch), bool(cfg.split_ln), bool(cfg.split_dw), bool(cfg.row_parts),
             bool(cfg.two_pass), bool(cfg.dw_first), bool(cfg.row_slots), bool(cfg.maxnreg))
 
 
 # The knob each flag of a `kernel_path` stands for, after its kind.
-PATH_FLAGS = {"forward": ("dot", "chunked", "persistent", "unroll_h", "k_loop"),
+PATH_FLAGS = {"forward": ("dot", "chunked", "persistent", "unroll_h", "k_loop", "maxnreg"),
               "backward": ("dot", "chunked", "unroll_h", "loop_stages", "col_sums", "prefetch", "split_ln",
                            "split_dw", "row_parts", "two_pass", "dw_first", "row_slots", "maxnreg")}
 
