@@ -13,8 +13,9 @@ measured beside them so the table says what it gained.
 Compiling dominates (a few seconds per candidate); candidates are compiled first by
 ``--workers`` processes in parallel (Triton's on-disk cache then serves the timing process),
 then timed one by one in this process. The fastest few (``--finalists``) are then timed again at
-``--confirm-scale`` times the batch and the winner is the one best at both sizes: a config that won
-at x 256 MB can collapse at 1 GB (benchmarks/NOTES.md, eleventh session). Progress on stderr, a
+``--confirm-scale`` times the batch, with and without the LayerNorm affine (``--confirm-affine``),
+and the winner is the one best at both sizes: a config that won at x 256 MB can collapse at 1 GB
+(benchmarks/NOTES.md, eleventh session), and one affine mode's winner can lose the other's calls. Progress on stderr, a
 summary table at the end.
 
 Example:
@@ -209,25 +210,41 @@ def masked_rows_ok(p: dict, kind: str, entry: dict) -> bool:
 
 class _ScaledInputs:
     """The tuned shape with `scale` times its batch (inputs and the forward's stats made on first
-    use), and the time of a config there."""
+    use), and the time of a config there: with ``affine_modes`` ("per_feature", "none") the sum of
+    its times with the per-feature LayerNorm affine and without one, so that the finalists are
+    ranked on both calls a table entry serves. One mode's winner can lose the other by 5-10% (H200:
+    fp32 D=160 H=16's prefetched loop won per-feature and lost without affine, bf16 D=160 H=64's
+    register cap the reverse; benchmarks/NOTES.md, nineteenth and twentieth sessions)."""
 
-    def __init__(self, p: dict, scale: int, bench):
-        self.p, self.scale, self.bench, self.t, self.stats = p, scale, bench, None, None
+    def __init__(self, p: dict, scale: int, bench, affine_modes=("per_feature",)):
+        self.p, self.scale, self.bench, self.affine_modes = p, scale, bench, tuple(affine_modes)
+        self.inputs = None  # per affine mode: (inputs, the heuristic forward's stats)
+
+    def _make(self) -> dict:
+        p = dict(self.p, B=self.p["B"] * self.scale)
+        t = make_inputs(p, "cuda" if torch.cuda.is_available() else "cpu", seed=2)
+        heuristic = configs.heuristic_forward(p["D"], p["H"], DTYPES[p["dtype"]], p["D"] == triton.next_power_of_2(p["D"]))
+        out = {}
+        for mode in self.affine_modes:
+            tm = t if mode == "per_feature" else dict(t, lw=None, lb=None)
+            out[mode] = (tm, forward_call(tm, heuristic, True)()[1])
+        return out
 
     def time(self, kind: str, entry: dict) -> float:
-        if self.t is None:
-            p = dict(self.p, B=self.p["B"] * self.scale)
-            self.t = make_inputs(p, "cuda" if torch.cuda.is_available() else "cpu", seed=2)
-            heuristic = configs.heuristic_forward(p["D"], p["H"], DTYPES[p["dtype"]], p["D"] == triton.next_power_of_2(p["D"]))
-            self.stats = forward_call(self.t, heuristic, True)()[1]
+        if self.inputs is None:
+            self.inputs = self._make()
         cfg = _config(kind, self.p, entry)
-        if kind == "forward":  # both calls a forward config serves, as `tuning.rank_us` ranks them
-            infer, train = forward_call(self.t, cfg), forward_call(self.t, cfg, True)
-            infer(), train()
-            return self.bench(infer) + self.bench(train)
-        fn = backward_call(self.t, cfg, self.stats)
-        fn()
-        return self.bench(fn)
+        total = 0.0
+        for t, stats in self.inputs.values():
+            if kind == "forward":  # both calls a forward config serves, as `tuning.rank_us` ranks them
+                infer, train = forward_call(t, cfg), forward_call(t, cfg, True)
+                infer(), train()
+                total += self.bench(infer) + self.bench(train)
+            else:
+                fn = backward_call(t, cfg, stats)
+                fn()
+                total += self.bench(fn)
+        return total
 
 
 def best_per_path(rows: list[dict]) -> dict:
@@ -256,7 +273,8 @@ def best_per_path(rows: list[dict]) -> dict:
 
 
 def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress, only: str = "all",
-               saved: Optional[dict] = None, confirm_scale: int = 4, finalists: int = 4) -> list[dict]:
+               saved: Optional[dict] = None, confirm_scale: int = 4, finalists: int = 4,
+               confirm_affine=("per_feature", "none")) -> list[dict]:
     D, H, dtype = p["D"], p["H"], DTYPES[p["dtype"]]
     t = make_inputs(p, "cuda" if torch.cuda.is_available() else "cpu")
     ref = references(t)
@@ -266,7 +284,7 @@ def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress, only: s
     x_bytes, y_bytes = t["x"].numel() * t["x"].element_size(), t["gy"].numel() * t["gy"].element_size()
     floors = {"forward": (x_bytes + y_bytes) / copy_gbps / 1e3, "backward": (2 * x_bytes + y_bytes) / copy_gbps / 1e3}
     results = []
-    scaled = _ScaledInputs(p, confirm_scale, bench)
+    scaled = _ScaledInputs(p, confirm_scale, bench, confirm_affine)
     for kind in kinds:
         cands = shape_candidates(kind, p, only, saved or {})
         if t["x"].device.type == "cpu":
@@ -319,8 +337,8 @@ def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress, only: s
         results.append(dict(kind=kind, D=D, H=H, dtype=str(dtype).replace("torch.", ""), full_tiles=full,
                             config=best["config"], us=best["us"], pct_floor=100 * floors[kind] / best["us"],
                             **({"train_us": best["train_us"]} if "train_us" in best else {}),
-                            **({"confirm_us": best["confirm_us"], "confirm_scale": confirm_scale}
-                               if "confirm_us" in best else {}),
+                            **({"confirm_us": best["confirm_us"], "confirm_scale": confirm_scale,
+                                "confirm_affine": list(confirm_affine)} if "confirm_us" in best else {}),
                             heuristic_us=base.get("us"),
                             # the runners-up at both sizes: why the winner won (not read by recfuse)
                             finalists=[dict(config=r["config"], us=round(r["us"], 1),
@@ -358,6 +376,9 @@ def main(argv=None) -> int:
                     help="re-time the fastest --finalists at this many times the batch and pick the one best "
                          "at both sizes (1: off)")
     ap.add_argument("--finalists", type=int, default=4)
+    ap.add_argument("--confirm-affine", nargs="+", choices=["per_feature", "none"], default=["per_feature", "none"],
+                    help="the LayerNorm affine modes the finalists are re-timed with at --confirm-scale (their "
+                         "times summed): a table entry serves calls with and without the affine")
     ap.add_argument("--compile-worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.compile_worker:
@@ -431,7 +452,7 @@ def main(argv=None) -> int:
     entries = []
     for p in pts:
         entries += tune_shape(p, args.kinds, bench, quick, copy_gbps, progress, args.only, saved,
-                              args.confirm_scale, args.finalists)
+                              args.confirm_scale, args.finalists, args.confirm_affine)
         if table_path and cuda:  # after every shape: a run cut short keeps what it measured
             write_table(table_path, saved, entries, args)
     if bar is not None:
