@@ -134,29 +134,21 @@ class CompiledLaunchCache:
         device_index = args[0].device.index
         current_stream = torch._C._cuda_getCurrentRawStream
         jit, fixed = self.jit_fn, tuple(args[n_tensors:])
-        if not runner_call_is_known():
-            def launch(*tensors):
-                try:
-                    runner(*tensors, *tail, stream=current_stream(device_index))
-                except Exception as err:  # noqa: BLE001 - a launcher mismatch falls back, loudly
-                    self._disable(err)
-                    jit[grid](*tensors, *fixed, **meta, **options)
-
-            return launch
-
-        # The runner's own call, made directly: without its launch-metadata record for hooks that
-        # are not there, and with the tensors' data pointers as integers, which the C launcher
-        # takes as they are (a tensor costs it a method call and a driver query of the pointer).
-        # The plan is per device, so the driver's "is this a device pointer" check has nothing to
-        # find. Hooks registered with Triton (a profiler's) send the call through the runner.
-        run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+        # The runner's own call, made directly where this Triton's runner makes the call we know
+        # and no hook is registered with Triton (a profiler's hook sends the call through the
+        # runner): without the runner's launch-metadata record for hooks that are not there, and
+        # with the tensors' data pointers as integers, which the C launcher takes as they are (a
+        # tensor costs it a method call and a driver query of the pointer; the plan is per
+        # device, so that query has nothing to find).
+        run, function, packed = (getattr(compiled, name, None) for name in ("run", "function", "packed_metadata"))
+        direct = runner_call_is_known() and run is not None
         g0, g1, g2 = grid3
         hooks = _knobs_runtime()
         data_ptr = torch.Tensor.data_ptr
 
         def launch(*tensors):
             try:
-                if no_launch_hooks(hooks):
+                if direct and no_launch_hooks(hooks):
                     run(g0, g1, g2, current_stream(device_index), function, packed, None, None, None,
                         *map(data_ptr, tensors), *tail)
                 else:
