@@ -147,7 +147,7 @@ def test_finalists_are_ranked_at_both_sizes(cache, monkeypatch):
     times = {(heuristic, B): 50.0, (fast_small, B): 1.0, (steady, B): 1.1, (fails_large, B): 0.9,
              (slow, B): 60.0, (heuristic, 4 * B): 200.0, (fast_small, 4 * B): 9.0, (steady, 4 * B): 4.0}
     call = autotune._call
-    timed_at = []
+    timed_at, affine_at_4x = [], []
 
     def tagged_call(kind, t, cfg, stats, train=False):
         batch = t["x"].shape[0]
@@ -156,6 +156,7 @@ def test_finalists_are_ranked_at_both_sizes(cache, monkeypatch):
         fn = call(kind, t, cfg, stats, train)
         tagged = lambda: fn()  # noqa: E731
         tagged.key = (cfg, batch, train)
+        affine_at_4x.append((batch == 4 * B, t["lw"] is not None, t["lb"] is not None))
         return tagged
 
     def bench(fn):  # a training step's forward (train=True) takes as long as the inference call
@@ -170,13 +171,18 @@ def test_finalists_are_ranked_at_both_sizes(cache, monkeypatch):
     entry = autotune.tune_shape("forward", 16, 1, F32, "cpu", cands=cands, bench=bench,
                                 **dict(TINY, confirm_scale=4), finalists=4)
     assert configs.config_from_entry("forward", entry["config"], 16, 1, F32) == steady
-    # us: the inference call; train_us and confirm_us (both calls at 4x): the training forward's share
-    assert entry["us"] == 1.1 and entry["train_us"] == 1.1 and entry["confirm_us"] == 8.0
+    # us: the inference call; train_us the training forward's share; confirm_us: both calls at 4x
+    # with the per-feature LayerNorm affine and without one, summed
+    assert entry["us"] == 1.1 and entry["train_us"] == 1.1 and entry["confirm_us"] == 16.0
     assert entry["confirm_scale"] == 4
-    # the 4 fastest at the tuned batch, and only they, timed at 4x (slow is not a finalist), both calls
+    # the 4 fastest at the tuned batch, and only they, timed at 4x (slow is not a finalist), both
+    # calls in both affine modes (fails_large raises before its calls are timed)
     at_4x = [k for k in timed_at if k[1] == 4 * B]
-    assert len(at_4x) == 6 and {c for c, _, _ in at_4x} == {fast_small, steady, heuristic}, timed_at
+    assert len(at_4x) == 12 and {c for c, _, _ in at_4x} == {fast_small, steady, heuristic}, timed_at
     assert {train for _, _, train in at_4x} == {False, True}
+    modes = [(lw, lb) for large, lw, lb in affine_at_4x if large]
+    assert modes.count((True, True)) == modes.count((False, False)) > 0 and len(set(modes)) == 2
+    assert {(lw, lb) for large, lw, lb in affine_at_4x if not large} == {(True, True)}  # the tuned batch: one mode
     # off: the tuned batch alone decides (fails_large, fastest there, is written)
     os.remove(configs.cache_path("cpu"))
     entry = autotune.tune_shape("forward", 16, 1, F32, "cpu", cands=cands[:4], bench=bench, **TINY)

@@ -18,8 +18,9 @@ the first launch plan) of a (kind, D, H, dtype) on a CUDA device tunes it, unles
   `TOLERANCE`; grad_y zeroed where the float64 z is within `RELU_TIE` of 0, as the CLI tuner
   does), then timed with ``triton.testing.do_bench``; one that fails to compile or to check is
   dropped. The `FINALISTS` fastest are timed again at `CONFIRM_SCALE` times the batch (x about
-  256 MB) and ranked by their worse ratio to the best at either size (`tuning.confirm_at_scale`,
-  as the CLI tuner ranks); the first in that order must also be right at a masked batch (F=3,
+  256 MB), with and without the LayerNorm affine (`CONFIRM_AFFINE`, the two times summed), and
+  ranked by their worse ratio to the best at either size (`tuning.confirm_at_scale`, as the CLI
+  tuner ranks); the first in that order must also be right at a masked batch (F=3,
   B=1000), else the next one;
 * the winner goes into the cache file (same schema as `tuned/<gpu>.json`), merged with what the
   file holds (another process may have written it) under a file lock, written atomically (temp
@@ -78,6 +79,8 @@ MASKED_FEATURES, MASKED_BATCH = 3, 1000
 # (`tuning.confirm_at_scale`): the CLI tuner's 16-programs-per-SM winners at x 256 MB collapsed
 # at 1 GB on the H100 (benchmarks/NOTES.md, "the tuner's size was a trap").
 CONFIRM_SCALE, FINALISTS = 4, 4
+# ... with the LayerNorm affine per feature and without one (`_confirmed_at_scale`).
+CONFIRM_AFFINE = ("per_feature", "none")
 EPS = 1e-5
 
 _LOCK = threading.Lock()
@@ -299,8 +302,8 @@ def tune_shape(kind: str, D: int, H: int, dtype: torch.dtype, device: Union[str,
     (default: x about ``x_mb`` MB over ``features`` features, a multiple of 64), ``cands`` (default
     `candidates`), ``bench`` (``fn -> microseconds``; default ``triton.testing.do_bench``'s median)
     are for tests and tools; the automatic trigger (`on_lookup`) takes the defaults. The fastest
-    ``finalists`` are timed again at ``confirm_scale`` times the batch (1: off) and the winner is
-    the one best at both sizes (`tuning.confirm_at_scale`).
+    ``finalists`` are timed again at ``confirm_scale`` times the batch (1: off), with and without
+    the LayerNorm affine, and the winner is the one best at both sizes (`tuning.confirm_at_scale`).
     """
     dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     lookup_device = "cpu" if dev.type == "cpu" else (dev.index if dev.index is not None else torch.cuda.current_device())
@@ -398,19 +401,28 @@ def _measure(kind, cands, F, B, D, H, dtype, dev, full, bench, seed):
         del t
 
 
-def _confirmed_at_scale(kind, ranked, F, B, D, H, dtype, dev, full, bench, seed, finalists) -> list:
+def _confirmed_at_scale(kind, ranked, F, B, D, H, dtype, dev, full, bench, seed, finalists,
+                        affine_modes=CONFIRM_AFFINE) -> list:
     """``ranked`` (timed rows, fastest first) re-ranked by `tuning.confirm_at_scale` with the
-    finalists timed at F x B rows; a finalist that fails there counts as infinitely slow."""
+    finalists timed at F x B rows, with the per-feature LayerNorm affine and (``affine_modes``)
+    without one, the times summed: an entry serves both calls, and one mode's winner has lost the
+    other's by 5-10% (benchmarks/NOTES.md, twentieth session). A finalist that fails there counts
+    as infinitely slow."""
     t = synthetic_inputs(F, B, D, H, dtype, dev, seed + 2)
     try:
-        stats = _stats(t, D, H, dtype, full) if kind == "backward" else None
+        inputs = [t if mode == "per_feature" else dict(t, lw=None, lb=None) for mode in affine_modes]
+        stats = [_stats(tm, D, H, dtype, full) if kind == "backward" else None for tm in inputs]
 
         def time_at_scale(row):
+            total = 0.0
             try:
-                us = bench(_call(kind, t, row["cfg"], stats))
-                return us + bench(_call(kind, t, row["cfg"], stats, train=True)) if kind == "forward" else us
+                for tm, st in zip(inputs, stats):
+                    total += bench(_call(kind, tm, row["cfg"], st))
+                    if kind == "forward":
+                        total += bench(_call(kind, tm, row["cfg"], st, train=True))
             except Exception:  # noqa: BLE001 - out of memory or not compiling at this size
                 return float("inf")
+            return total
 
         return tuning.confirm_at_scale(ranked, time_at_scale, finalists)
     finally:
