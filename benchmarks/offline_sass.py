@@ -123,7 +123,8 @@ def compile_offline(jit_fn, args: tuple, meta: dict, num_warps: int, num_stages:
     for name in names[len(args):]:
         signature[name], constants[(names.index(name),)] = "constexpr", meta.get(name, defaults.get(name))
     return triton.compile(ASTSource(jit_fn, signature, constants, attrs), target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {})))
+                          options=dict(num_warps=num_warps, num_stages=num_stages,
+                                       **({"maxnreg": maxnreg} if maxnreg else {})))
 
 
 def cuobjdump(kernel, *flags: str) -> str:

@@ -15,8 +15,8 @@ Compiling dominates (a few seconds per candidate); candidates are compiled first
 then timed one by one in this process. The fastest few (``--finalists``) are then timed again at
 ``--confirm-scale`` times the batch, with and without the LayerNorm affine (``--confirm-affine``),
 and the winner is the one best at both sizes: a config that won at x 256 MB can collapse at 1 GB
-(benchmarks/NOTES.md, eleventh session), and one affine mode's winner can lose the other's calls. Progress on stderr, a
-summary table at the end.
+(benchmarks/NOTES.md, eleventh session), and one affine mode's winner can lose the other's calls.
+Progress on stderr, a summary table at the end.
 
 Example:
     $ python benchmarks/tune_kernels.py --save                 # whole sweep, writes the table
@@ -370,8 +370,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="all", choices=["all", "unroll_h", "loop_stages", "col_sums", "persistent", "split_dw", "block_k", "row_parts",
                              "k_loop", "split_ln", "two_pass", "dw_first", "row_slots", "prefetch", "maxnreg"],
                     help="time only the heuristic, the saved entry (with --merge) and the candidates that set "
-                         "this knob (row_slots / maxnreg: the incumbents' neighbours with it, `tuning.row_slots_neighbours` / "
-                         "`tuning.maxnreg_neighbours`)")
+                         "this knob (row_slots / maxnreg: the incumbents' neighbours with it, "
+                         "`tuning.row_slots_neighbours` / `tuning.maxnreg_neighbours`)")
     ap.add_argument("--confirm-scale", type=int, default=4,
                     help="re-time the fastest --finalists at this many times the batch and pick the one best "
                          "at both sizes (1: off)")

@@ -13,8 +13,8 @@ import torch
 from recfuse.chain import DEFAULT as DEFAULT_CHAIN
 from recfuse.ops import configs, launch, tuning
 import recfuse
-from op_cases import (INTERPRETER_AND_CUDA, TOLERANCE, Case, assert_backward_close, chain_backward_inputs, forced_backward,
-                      rel_err, with_rows)
+from op_cases import (INTERPRETER_AND_CUDA, TOLERANCE, Case, assert_backward_close, chain_backward_inputs,
+                      forced_backward, rel_err, with_rows)
 
 CASES = [
     # (case, dtype, path knobs): the tl.dot whole-row backward (fp32 operands split into bf16 parts,

@@ -68,12 +68,13 @@ WARPS_PER_SM = 32
 # faster than the former 128 x 8 (F=64 P=33 D=64 H=16: 126 -> 25 us, D=128 H=1: 77 -> 16 us;
 # benchmarks/results/checks/ab_reduce_h100.json).
 REDUCE_BLOCK_K = 16
-# The register caps `BackwardConfig.maxnreg` may take (ptxas allocates threads 8 at a time, at most
-# 255; below 64 a backward row tile spills most of its state).
+REDUCE_BLOCK_J = 128
+
+# The register caps `TileConfig.maxnreg` may take (ptxas allocates a thread's registers 8 at a
+# time, at most 255; below 64 a row tile spills most of its state).
 MIN_MAXNREG, MAX_MAXNREG = 64, 248
 # 32-bit registers an SM holds (sm_80-sm_90): with a thread's registers, how many programs fit.
 REGISTERS_PER_SM = 64 * 1024
-REDUCE_BLOCK_J = 128
 
 TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
 
