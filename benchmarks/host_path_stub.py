@@ -6,10 +6,10 @@ the one CUDA tensors take. This tool replaces the kernel launch by a no-op *insi
 only* (the library is not changed):
 
 * `CompiledLaunchCache.__call__` (a plan's first launch, `JITFunction.run` on CUDA) does nothing;
-* `CompiledLaunchCache.bind` returns what it returns on CUDA after a first launch: a closure over
-  the compiled kernel's runner and the fixed arguments (the same code as the library's `bind`,
-  copied here because the library's refuses CPU tensors), whose runner is a no-op Python function
-  and whose stream lookup returns 0. So a plan binds after its first call, as on CUDA, and later
+* `CompiledLaunchCache.bind` returns what it returns on CUDA after a first launch: the library's
+  closure over the compiled kernel's launcher (or its runner) and the fixed arguments
+  (`CompiledLaunchCache.bound_launch`; `bind` itself refuses CPU tensors), over a kernel whose
+  launcher and runner are no-op Python functions and whose stream lookup returns 0. So a plan binds after its first call, as on CUDA, and later
   calls go through `plan.bound(*tensors)`.
 
 What stays different from CUDA: allocations are CPU `torch.empty` (the CUDA caching allocator
@@ -50,7 +50,15 @@ def _noop_runner(*args, stream=None):
     _LAUNCHES[0] += 1
 
 
+def _noop_run(*args):
+    _LAUNCHES[0] += 1
+
+
 class _FakeCompiled:
+    """A compiled kernel whose runner and C launcher (`run`) do nothing."""
+
+    run, function, packed_metadata = staticmethod(_noop_run), 0, None
+
     def __getitem__(self, grid):
         return _noop_runner
 
@@ -61,26 +69,13 @@ def _stub_call(self, grid, args, meta, **options):
 
 
 def _stub_bind(self, grid, args, meta, n_tensors, **options):
-    """`CompiledLaunchCache.bind` as it runs for a CUDA tensor whose kernel is compiled, with a
-    no-op runner (the closure below is the library's, line for line)."""
+    """`CompiledLaunchCache.bind` as it runs for a CUDA tensor whose kernel is compiled: the
+    library's own launcher (`bound_launch`: the direct call of the C launcher with data pointers
+    where Triton's runner makes the call it knows), over a kernel whose launcher and runner do
+    nothing."""
     if not self.enabled:
         return None
-    compiled = _FakeCompiled()
-    tail = list(args[n_tensors:])
-    tail.extend(self.trailing_args(args, meta))
-    runner = compiled[tuple(grid) + (1,) * (3 - len(grid))]
-    device_index = 0
-    current_stream = _stub_stream
-    jit, fixed = self.jit_fn, tuple(args[n_tensors:])
-
-    def launch(*tensors):
-        try:
-            runner(*tensors, *tail, stream=current_stream(device_index))
-        except Exception as err:  # noqa: BLE001
-            self._disable(err)
-            jit[grid](*tensors, *fixed, **meta, **options)
-
-    return launch
+    return self.bound_launch(_FakeCompiled(), grid, args, meta, n_tensors, 0, _stub_stream, options)
 
 
 def _stub_stream(index):
