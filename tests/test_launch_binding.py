@@ -12,6 +12,8 @@ float64.
 """
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import recfuse
 from recfuse.ops import configs, launch
@@ -267,3 +269,50 @@ def test_cuda_bound_launch_passes_pointers_and_honours_triton_launch_hooks():
     y64 = recfuse.reference.ln_tanh_linear_relu(x.double(), w.double(), b.double(), ln_weight=lw.double(),
                                                 ln_bias=lb.double(), feature_dim=1)
     assert ((y.double() - y64).norm() / y64.norm()).item() < 1e-5
+
+
+@triton.jit
+def _two_tensor_kernel(A, B, n, m, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):
+    pass  # never launched: its signature is what `bound_launch` lays out
+
+
+def test_bound_launcher_argument_layout_and_hooks_without_a_gpu():
+    """`CompiledLaunchCache.bound_launch` over a recording stand-in for a compiled kernel: the direct
+    call passes the grid, the stream, the kernel's function and packed metadata, None for the
+    launch metadata and both hooks, then the tensors' data pointers and every other argument in
+    signature order (the layout the CUDA test checks by the kernel's output); with a Triton launch
+    hook registered the call goes through the runner with the tensors themselves."""
+    import triton
+
+    from recfuse.ops import _compiled_launch as cl
+
+    calls = []
+
+    class Recording:
+        function, packed_metadata = "fn", "packed"
+
+        @staticmethod
+        def run(*args):
+            calls.append(("run", args))
+
+        def __getitem__(self, grid):
+            return lambda *args, stream=None: calls.append(("runner", grid, args, stream))
+
+    cache = cl.CompiledLaunchCache(_two_tensor_kernel)
+    a, b = torch.zeros(4), torch.ones(4)
+    rest = (4, 3)  # n, m
+    bound = cache.bound_launch(Recording(), (5, 2), (a, b) + rest, {"BLOCK": 8}, 2, 0, lambda index: 77, {})
+    bound(a, b)
+    kind, args = calls[-1]
+    assert kind == "run" and args[:9] == (5, 2, 1, 77, "fn", "packed", None, None, None)
+    # pointers, the runtime integers, then the constexprs (BLOCK given, FLAG its default)
+    assert args[9:] == (a.data_ptr(), b.data_ptr(), 4, 3, 8, False)
+    hook = lambda metadata: None  # noqa: E731
+    triton.knobs.runtime.launch_exit_hook.add(hook)
+    try:
+        bound(a, b)
+    finally:
+        triton.knobs.runtime.launch_exit_hook.remove(hook)
+    kind, grid, args, stream = calls[-1]
+    assert kind == "runner" and grid == (5, 2, 1) and stream == 77
+    assert args[0] is a and args[1] is b and args[2:] == (4, 3, 8, False)
