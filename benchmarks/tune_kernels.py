@@ -216,7 +216,7 @@ class _ScaledInputs:
     fp32 D=160 H=16's prefetched loop won per-feature and lost without affine, bf16 D=160 H=64's
     register cap the reverse; benchmarks/NOTES.md, nineteenth and twentieth sessions)."""
 
-    def __init__(self, p: dict, scale: int, bench, affine_modes=("per_feature",)):
+    def __init__(self, p: dict, scale: int, bench, affine_modes=autotune.CONFIRM_AFFINE):
         self.p, self.scale, self.bench, self.affine_modes = p, scale, bench, tuple(affine_modes)
         self.inputs = None  # per affine mode: (inputs, the heuristic forward's stats)
 
@@ -224,11 +224,8 @@ class _ScaledInputs:
         p = dict(self.p, B=self.p["B"] * self.scale)
         t = make_inputs(p, "cuda" if torch.cuda.is_available() else "cpu", seed=2)
         heuristic = configs.heuristic_forward(p["D"], p["H"], DTYPES[p["dtype"]], p["D"] == triton.next_power_of_2(p["D"]))
-        out = {}
-        for mode in self.affine_modes:
-            tm = t if mode == "per_feature" else dict(t, lw=None, lb=None)
-            out[mode] = (tm, forward_call(tm, heuristic, True)()[1])
-        return out
+        return {mode: (tm, forward_call(tm, heuristic, True)()[1])
+                for mode, tm in zip(self.affine_modes, autotune.per_affine_mode(t, self.affine_modes))}
 
     def time(self, kind: str, entry: dict) -> float:
         if self.inputs is None:
@@ -274,7 +271,7 @@ def best_per_path(rows: list[dict]) -> dict:
 
 def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress, only: str = "all",
                saved: Optional[dict] = None, confirm_scale: int = 4, finalists: int = 4,
-               confirm_affine=("per_feature", "none")) -> list[dict]:
+               confirm_affine=autotune.CONFIRM_AFFINE) -> list[dict]:
     D, H, dtype = p["D"], p["H"], DTYPES[p["dtype"]]
     t = make_inputs(p, "cuda" if torch.cuda.is_available() else "cpu")
     ref = references(t)
@@ -376,7 +373,7 @@ def main(argv=None) -> int:
                     help="re-time the fastest --finalists at this many times the batch and pick the one best "
                          "at both sizes (1: off)")
     ap.add_argument("--finalists", type=int, default=4)
-    ap.add_argument("--confirm-affine", nargs="+", choices=["per_feature", "none"], default=["per_feature", "none"],
+    ap.add_argument("--confirm-affine", nargs="+", choices=["per_feature", "none"], default=list(autotune.CONFIRM_AFFINE),
                     help="the LayerNorm affine modes the finalists are re-timed with at --confirm-scale (their "
                          "times summed): a table entry serves calls with and without the affine")
     ap.add_argument("--compile-worker", nargs=3, help=argparse.SUPPRESS)

@@ -401,6 +401,18 @@ def _measure(kind, cands, F, B, D, H, dtype, dev, full, bench, seed):
         del t
 
 
+def per_affine_mode(t: dict, modes=CONFIRM_AFFINE) -> list:
+    """``t`` (`synthetic_inputs`) as each LayerNorm affine mode calls the op: "per_feature" the
+    inputs themselves, "none" without ``lw`` and ``lb``. Both tuners confirm their finalists on these.
+
+    Example:
+        >>> t = synthetic_inputs(2, 4, 8, 1, torch.float32, "cpu")
+        >>> [tm["lw"] is None for tm in per_affine_mode(t)]
+        [False, True]
+    """
+    return [t if mode == "per_feature" else dict(t, lw=None, lb=None) for mode in modes]
+
+
 def _confirmed_at_scale(kind, ranked, F, B, D, H, dtype, dev, full, bench, seed, finalists,
                         affine_modes=CONFIRM_AFFINE) -> list:
     """``ranked`` (timed rows, fastest first) re-ranked by `tuning.confirm_at_scale` with the
@@ -410,7 +422,7 @@ def _confirmed_at_scale(kind, ranked, F, B, D, H, dtype, dev, full, bench, seed,
     as infinitely slow."""
     t = synthetic_inputs(F, B, D, H, dtype, dev, seed + 2)
     try:
-        inputs = [t if mode == "per_feature" else dict(t, lw=None, lb=None) for mode in affine_modes]
+        inputs = per_affine_mode(t, affine_modes)
         stats = [_stats(tm, D, H, dtype, full) if kind == "backward" else None for tm in inputs]
 
         def time_at_scale(row):
