@@ -496,6 +496,14 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
     return cfg
 
 
+# The tl.dot path's two-part rows (`kernels.ln_tanh_linear_relu_bwd_rows2_dot`) need a second part
+# at least this wide. On the H200 (triton 3.6) the kernel faulted with an illegal address at D = 48
+# (32 + 16) and H = 64 for 64-row tiles (bf16) and most fp32 tiles, while every D = 160 (128 + 32)
+# candidate and every H = 16 one ran clean and matched float64 (benchmarks/NOTES.md, twenty-first
+# session; not diagnosed): only the validated widths take it.
+ROW_PARTS_DOT_MIN = 32
+
+
 def row_parts_of(D: int) -> Optional[tuple]:
     """(D1, D2): D as two powers of two, the larger first, each at least 8, or None.
 

@@ -18,7 +18,8 @@ Three kernels, as in Triton's layer-norm tutorial:
   `ln_tanh_linear_relu_bwd_weight`: with DZ_OUT the whole-row kernel writes dz and the row stats
   instead of the weight gradient, and this GEMM over rows makes it a chunk of columns at a time.
   `ln_tanh_linear_relu_bwd_rows2`: H = 1 with D the sum of two powers of two, each row walked as
-  those two unmasked parts instead of one padded tile.
+  those two unmasked parts instead of one padded tile; `ln_tanh_linear_relu_bwd_rows2_dot` the
+  same for the tl.dot path.
   `ln_tanh_linear_relu_bwd_two_pass`, launched twice: the two-pass tl.dot backward, column
   chunks of every row tile, from the forward's row stats and relu mask: the first launch writes
   each chunk's share of dx's two row sums, the second dx and the partial sums.
@@ -1289,6 +1290,160 @@ def ln_tanh_linear_relu_bwd_rows2(
     tl.store(part + D + 1 + cols2, acc_lnw2)
     tl.store(part + 2 * D + 1 + cols1, acc_lnb1)
     tl.store(part + 2 * D + 1 + cols2, acc_lnb2)
+
+
+@triton.jit
+def _part_dot_grads(dz0, dz1, dz2, dz, w, w0, w1, w2, t, acc_w, BWD_DOT_PRECISION: tl.constexpr,
+                    BWD_DOT_DTYPE: tl.constexpr, DOT_UPCAST: tl.constexpr, SPLIT_DT: tl.constexpr,
+                    SPLIT_DW: tl.constexpr, DZ_PARTS: tl.constexpr, W_PARTS: tl.constexpr, T_DW_PARTS: tl.constexpr):
+    """One column part of a tl.dot row tile: (dt = dz @ w, acc_w + dz^T @ t), as the whole-row
+    kernel takes them (16-bit parts of fp32 values on bf16 tensor cores, or fp32 operands)."""
+    if BWD_DOT_DTYPE != tl.float32:
+        t0, t1, t2 = _split16(t, BWD_DOT_DTYPE, T_DW_PARTS)
+        dt = _dot_parts(dz0, dz1, dz2, w0, w1, w2, tl.zeros([dz.shape[0], w.shape[1]], dtype=tl.float32),
+                        min(DZ_PARTS, SPLIT_DT), W_PARTS, SPLIT_DT, DOT_UPCAST)
+        acc_w = _dot_parts(tl.trans(dz0), tl.trans(dz1), tl.trans(dz2), t0, t1, t2, acc_w,
+                           min(DZ_PARTS, SPLIT_DW), T_DW_PARTS, SPLIT_DW, DOT_UPCAST)
+    else:
+        dt = tl.dot(dz, w, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
+        acc_w += tl.dot(tl.trans(dz), t, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
+    return dt, acc_w
+
+
+@triton.jit
+def ln_tanh_linear_relu_bwd_rows2_dot(
+    GY, X, W, BIAS, LNW, LNB, DX, PARTIAL, STATS, DZ,
+    B, D, H, rows_per_program, stats_half,
+    stride_x_f, stride_x_b, stride_x_d,
+    stride_gy_f, stride_gy_b, stride_gy_h,
+    stride_dx_f, stride_dx_b, stride_dx_d,
+    stride_w_f, stride_w_h,
+    stride_bias_f, stride_lnw_f, stride_lnb_f,
+    stride_part_prog,
+    eps, inv_d,
+    HAS_BIAS: tl.constexpr, HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
+    NORM: tl.constexpr, ACT: tl.constexpr, OUT_ACT: tl.constexpr,
+    USE_DOT: tl.constexpr, BWD_DOT_PRECISION: tl.constexpr, BWD_DOT_DTYPE: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    SPLIT_Z: tl.constexpr, SPLIT_DT: tl.constexpr, SPLIT_DW: tl.constexpr,
+    FAST_TANH: tl.constexpr,
+    LOAD_STATS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr,
+    LOAD_MASK: tl.constexpr = False, LOOP_STAGES: tl.constexpr = None,
+):
+    """`ln_tanh_linear_relu_bwd`'s tl.dot path where D is the sum of two powers of two, D = BLOCK_D
+    + BLOCK_D2 with BLOCK_D2 >= 16 (48 = 32 + 16, 160 = 128 + 32), as `ln_tanh_linear_relu_bwd_rows2`
+    is its H = 1 path: each row tile is two unmasked parts, each with its slice of the weight, its
+    dt = dz @ w and its weight-gradient accumulator, instead of one tile padded to the next power
+    of two (160 -> 256 columns: 60% more lanes through tanh and both dots) or five 32-column chunks
+    whose partial sums go through global memory (`ln_tanh_linear_relu_bwd_chunked`). dz comes
+    from grad_y and, with relu, the forward's mask (LOAD_MASK; no z here: OUT_ACT is relu with the
+    mask or none); the rows' mean and rstd are the forward's (LOAD_STATS; NORM == 0 needs none).
+    The same arguments, partial-row layout and numbers up to summation order (dx's two row sums
+    add the parts' sums). Column sums per tile, as the whole-row tl.dot path takes them.
+    """
+    pid_p = tl.program_id(0)
+    f = tl.program_id(1).to(tl.int64)
+    n_prog = tl.num_programs(0)
+    cols1 = tl.arange(0, BLOCK_D)
+    cols2 = BLOCK_D + tl.arange(0, BLOCK_D2)
+    hs = tl.arange(0, BLOCK_H)
+    hmask = hs < H
+    # operand parts as `ln_tanh_linear_relu_bwd` counts them (no z: t needs parts for the weight
+    # gradient only)
+    W_PARTS: tl.constexpr = 1 if W.dtype.element_ty == BWD_DOT_DTYPE else max(SPLIT_Z, SPLIT_DT)
+    T_DW_PARTS: tl.constexpr = 1 if X.dtype.element_ty == BWD_DOT_DTYPE else SPLIT_DW
+    DZ_EXACT: tl.constexpr = (OUT_ACT == 0 or OUT_ACT == 3) and GY.dtype.element_ty == BWD_DOT_DTYPE
+    DZ_PARTS: tl.constexpr = 1 if DZ_EXACT else max(SPLIT_DT, SPLIT_DW)
+    w_rows = W + f * stride_w_f + hs[:, None] * stride_w_h
+    wa = tl.load(w_rows + cols1[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+    wb = tl.load(w_rows + cols2[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+    wa0, wa1, wa2 = _split16(wa, BWD_DOT_DTYPE, W_PARTS)
+    wb0, wb1, wb2 = _split16(wb, BWD_DOT_DTYPE, W_PARTS)
+    acc_wa = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    acc_wb = tl.zeros([BLOCK_H, BLOCK_D2], dtype=tl.float32)
+    acc_b_rows = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
+    acc_lnwa = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc_lnwb = tl.zeros([BLOCK_D2], dtype=tl.float32)
+    acc_lnba = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc_lnbb = tl.zeros([BLOCK_D2], dtype=tl.float32)
+    row_start = pid_p * rows_per_program
+    for r0 in tl.range(row_start, row_start + rows_per_program, BLOCK_B, num_stages=LOOP_STAGES):
+        rows = r0 + tl.arange(0, BLOCK_B)
+        rmask = rows < B
+        rows64 = rows.to(tl.int64)
+        x_rows = X + f * stride_x_f + rows64 * stride_x_b
+        mean = tl.zeros([BLOCK_B], dtype=tl.float32)
+        rstd = tl.full([BLOCK_B], 1.0, tl.float32)
+        if NORM != 0:
+            if EVEN_B:
+                mean = tl.load(STATS + f * B + rows64)
+                rstd = tl.load(STATS + stats_half + f * B + rows64)
+            else:
+                mean = tl.load(STATS + f * B + rows64, mask=rmask, other=0.0)
+                rstd = tl.load(STATS + stats_half + f * B + rows64, mask=rmask, other=0.0)
+        xhat_a, a_a, t_a, g_a = _part_norm_act(X, x_rows, cols1, rmask, f, mean, rstd, LNW, LNB, stride_x_d,
+                                               stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_B,
+                                               X_EVICT, NORM, ACT)
+        xhat_b, a_b, t_b, g_b = _part_norm_act(X, x_rows, cols2, rmask, f, mean, rstd, LNW, LNB, stride_x_d,
+                                               stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_B,
+                                               X_EVICT, NORM, ACT)
+        # Any strides: the gradient of `y.sum()` is an expanded scalar (all strides 0), read as it is.
+        gy = tl.load(GY + f * stride_gy_f + rows64[:, None] * stride_gy_b + hs[None, :] * stride_gy_h,
+                     mask=rmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
+        dz = gy
+        if LOAD_MASK:
+            dz = tl.where(_load_relu_mask_rows(STATS, stats_half, f, B, rows64, rmask, hs, H, BLOCK_H), gy, 0.0)
+        acc_b_rows += dz
+        dz0, dz1, dz2 = _split16(dz, BWD_DOT_DTYPE, DZ_PARTS)
+        dt_a, acc_wa = _part_dot_grads(dz0, dz1, dz2, dz, wa, wa0, wa1, wa2, t_a, acc_wa, BWD_DOT_PRECISION,
+                                       BWD_DOT_DTYPE, DOT_UPCAST, SPLIT_DT, SPLIT_DW, DZ_PARTS, W_PARTS, T_DW_PARTS)
+        dt_b, acc_wb = _part_dot_grads(dz0, dz1, dz2, dz, wb, wb0, wb1, wb2, t_b, acc_wb, BWD_DOT_PRECISION,
+                                       BWD_DOT_DTYPE, DOT_UPCAST, SPLIT_DT, SPLIT_DW, DZ_PARTS, W_PARTS, T_DW_PARTS)
+        da_a = dt_a * _activate_grad(a_a, t_a, ACT, FAST_TANH)
+        da_b = dt_b * _activate_grad(a_b, t_b, ACT, FAST_TANH)
+        if not EVEN_B:
+            da_a = tl.where(rmask[:, None], da_a, 0.0)
+            da_b = tl.where(rmask[:, None], da_b, 0.0)
+        if HAS_LNW:  # absent: the partial's columns stay zeros
+            acc_lnwa += tl.sum(da_a * xhat_a, axis=0)
+            acc_lnwb += tl.sum(da_b * xhat_b, axis=0)
+        if HAS_LNB:
+            acc_lnba += tl.sum(da_a, axis=0)
+            acc_lnbb += tl.sum(da_b, axis=0)
+        dxhat_a = da_a * g_a[None, :]
+        dxhat_b = da_b * g_b[None, :]
+        if NORM == 0:
+            dx_a = dxhat_a
+            dx_b = dxhat_b
+        else:
+            # inv_d = 1/D correctly rounded on the host: a GPU fp32 `/` is approximate (2 ulp).
+            c1 = (tl.sum(dxhat_a * xhat_a, axis=1) + tl.sum(dxhat_b * xhat_b, axis=1)) * inv_d
+            if NORM == 2:
+                dx_a = (dxhat_a - xhat_a * c1[:, None]) * rstd[:, None]
+                dx_b = (dxhat_b - xhat_b * c1[:, None]) * rstd[:, None]
+            else:
+                c2 = (tl.sum(dxhat_a, axis=1) + tl.sum(dxhat_b, axis=1)) * inv_d
+                dx_a = (dxhat_a - (xhat_a * c1[:, None] + c2[:, None])) * rstd[:, None]
+                dx_b = (dxhat_b - (xhat_b * c1[:, None] + c2[:, None])) * rstd[:, None]
+        dx_rows = DX + f * stride_dx_f + rows64 * stride_dx_b
+        if EVEN_B:
+            tl.store(dx_rows[:, None] + cols1[None, :] * stride_dx_d, dx_a.to(DX.dtype.element_ty))
+            tl.store(dx_rows[:, None] + cols2[None, :] * stride_dx_d, dx_b.to(DX.dtype.element_ty))
+        else:
+            tl.store(dx_rows[:, None] + cols1[None, :] * stride_dx_d, dx_a.to(DX.dtype.element_ty),
+                     mask=rmask[:, None])
+            tl.store(dx_rows[:, None] + cols2[None, :] * stride_dx_d, dx_b.to(DX.dtype.element_ty),
+                     mask=rmask[:, None])
+    # PARTIAL row of this program: [H*D weight | H bias | D ln_weight | D ln_bias], fp32.
+    part = PARTIAL + (f * n_prog + pid_p) * stride_part_prog
+    tl.store(part + hs[:, None] * D + cols1[None, :], acc_wa, mask=hmask[:, None])
+    tl.store(part + hs[:, None] * D + cols2[None, :], acc_wb, mask=hmask[:, None])
+    tl.store(part + H * D + hs, tl.sum(acc_b_rows, axis=0), mask=hmask)
+    part += H * D + H
+    tl.store(part + cols1, acc_lnwa)
+    tl.store(part + cols2, acc_lnwb)
+    tl.store(part + D + cols1, acc_lnba)
+    tl.store(part + D + cols2, acc_lnbb)
 
 
 @triton.jit

@@ -39,6 +39,7 @@ _launch_bwd_chunked = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_chunke
 _launch_bwd_weight = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_weight)
 _launch_bwd_two_pass = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_two_pass)
 _launch_bwd_rows2 = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_rows2)
+_launch_bwd_rows2_dot = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd_rows2_dot)
 _launch_partials_to_grads = CompiledLaunchCache(kernels.partials_to_grads)
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
@@ -219,8 +220,9 @@ def _relu_mask_words(D: int, H: int, dtype: torch.dtype, device, chain, fwd_bloc
     bwd = configs.backward_config(D, H, dtype, _config_device(device))
     if bwd is None or not bwd.use_dot:
         return 0
-    # The two-pass backward has no whole row to recompute z from: it needs the mask at any D.
-    if D < min_d and not bwd.two_pass:
+    # The two-pass backward has no whole row to recompute z from, and the two-part row backward
+    # (`kernels.ln_tanh_linear_relu_bwd_rows2_dot`) takes none: they need the mask at any D.
+    if D < min_d and not bwd.two_pass and not bwd.row_parts:
         return 0
     return max(1, fwd_block_h // 32)
 
@@ -616,15 +618,21 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
     # Two passes over column chunks need the forward's row stats and dz without z (its relu mask).
     two_pass = (cfg.use_dot and cfg.two_pass > 0 and not cfg.block_k and B > 0 and (has_mask or out_act == 0)
                 and (norm == 0 or stats is not None))
-    if cfg.two_pass and not two_pass:
+    # The tl.dot path on two unmasked power-of-two parts of each row likewise needs them.
+    parts = configs.row_parts_of(D)
+    rows2_dot = (cfg.use_dot and bool(cfg.row_parts) and not cfg.block_k and not cfg.two_pass and not cfg.split_dw
+                 and parts is not None and parts[1] >= configs.ROW_PARTS_DOT_MIN and B > 0 and (has_mask or out_act == 0)
+                 and (norm == 0 or stats is not None))
+    if (cfg.two_pass and not two_pass) or (cfg.use_dot and cfg.row_parts and not rows2_dot):
         # No stats or mask (a compiled backward, another out-activation): the entry's tiles were
-        # tuned on column chunks, and whole rows of that many may not fit; the heuristic's do.
+        # tuned on column chunks (or row parts), and whole rows of that many may not fit; the
+        # heuristic's do.
         cfg = configs.heuristic_backward(D, H, x.dtype)
         if cfg is None:
             return None
     chunked = cfg.use_dot and 0 < cfg.block_k < cfg.block_d
     load_mask = cfg.use_dot and has_mask
-    if two_pass:
+    if two_pass or rows2_dot:
         load_stats = norm != 0
     elif cfg.use_dot and not chunked:
         # The whole-row tl.dot backward recomputes the row stats: reading them was slower at 5 of
@@ -710,14 +718,14 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
         BLOCK_J=configs.REDUCE_BLOCK_J, BLOCK_K=block_k,
     )
     launcher = _launch_bwd_chunked if chunked else _launch_bwd
-    parts = configs.row_parts_of(D)
-    if (cfg.row_parts and parts and H == 1 and not cfg.use_dot and not meta.get("UNROLL_H")
-            and (load_stats or norm == 0)):
-        # two unmasked power-of-two parts of each row (`kernels.ln_tanh_linear_relu_bwd_rows2`)
+    if rows2_dot or (cfg.row_parts and parts and H == 1 and not cfg.use_dot and not meta.get("UNROLL_H")
+                     and (load_stats or norm == 0)):
+        # two unmasked power-of-two parts of each row (`kernels.ln_tanh_linear_relu_bwd_rows2`,
+        # and `..._rows2_dot` on the tl.dot path)
         for name in ("PREFETCH", "UNROLL_H", "COL_SUMS", "ROW_SLOTS"):
             meta.pop(name, None)
         meta.update(BLOCK_D=parts[0], BLOCK_D2=parts[1], EVEN_D=True)
-        launcher = _launch_bwd_rows2
+        launcher = _launch_bwd_rows2_dot if rows2_dot else _launch_bwd_rows2
     plan = BackwardPlan(cfg, (P, F), ints, meta, (F * P, K), reduce_grid, (F, P, K, H, D, first_pf_block), reduce_meta,
                         zero_dx=D == 1 and chain.norm == "layer_norm", launcher=launcher,
                         reads_stats=load_stats or load_mask)

@@ -161,6 +161,7 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
                 if c.use_dot and not c.block_k and not c.loop_stages for stages in (2, 3)]
         out += split_weight_candidates(D, H, dtype)
         out += two_pass_candidates(D, H, dtype)
+        out += row_parts_dot_candidates(D, H, dtype)
         # K-chunked tiles (`kernels.ln_tanh_linear_relu_bwd_chunked`): columns at a time, so
         # longer row tiles fit the registers
         for block_k, block_b, warps, pps in itertools.product((32, 64), (16, 32, 64), (4, 8), (2, 4, 8, 16)):
@@ -277,6 +278,34 @@ def two_pass_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
         if cfg is not None and configs.backward_fits(cfg, D, H):
             out.append(cfg)
     return list(dict.fromkeys(out))
+
+
+def row_parts_dot_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.BackwardConfig]:
+    """The tl.dot backward over two unmasked power-of-two parts of each row
+    (`BackwardConfig.row_parts` with `use_dot`, `kernels.ln_tanh_linear_relu_bwd_rows2_dot`) where
+    D is such a sum with a second part of at least `configs.ROW_PARTS_DOT_MIN` columns: tiles of
+    4-24 elements a thread, 8 or 16 programs per SM, a plain or a 2-deep pipelined row loop.
+
+    Example:
+        >>> cands = row_parts_dot_candidates(160, 16, torch.float32)
+        >>> len(cands) > 0 and all(c.use_dot and c.row_parts and not c.block_k for c in cands)
+        True
+        >>> row_parts_dot_candidates(256, 16, torch.float32), row_parts_dot_candidates(48, 16, torch.float32)
+        ([], [])
+    """
+    parts = configs.row_parts_of(D)
+    if parts is None or parts[1] < configs.ROW_PARTS_DOT_MIN or H < 2:
+        return []
+    out = []
+    for block_b, warps, pps, stages in itertools.product((16, 32, 64, 128), (4, 8), (8, 16), (0, 2)):
+        if not 4 <= block_b * D / (32 * warps) <= 24:
+            continue
+        cfg = configs.heuristic_backward(D, H, dtype, use_dot=True, block_b=block_b, num_warps=warps, num_stages=1,
+                                         programs_per_sm=pps, block_k=0, prefetch=0, loop_stages=stages,
+                                         split_dw=0, two_pass=0, row_parts=1)
+        if cfg is not None and configs.backward_fits(cfg, D, H):
+            out.append(cfg)
+    return out
 
 
 def rank_us(row: dict) -> float:
