@@ -63,7 +63,8 @@ def build_plan(kind: str, D: int, H: int, dtype: torch.dtype, *, table: str = "n
     # the planes a CUDA training forward saves: mean, rstd and (`launch._relu_mask_words`) the mask's words
     min_d = configs.relu_mask_min_d(dtype)
     words = (max(1, configs.dot_block_h(H) // 32)  # as `launch._relu_mask_words` counts them
-             if kind == "backward" and cfg.use_dot and min_d is not None and (D >= min_d or cfg.two_pass) and H <= 64
+             if kind == "backward" and cfg.use_dot and min_d is not None and H <= 64
+             and (D >= min_d or cfg.two_pass or (cfg.row_parts and configs.row_parts_dot_fits(D)))
              else 0)
     stats = torch.randn(2 + words, F, B)
     if kind == "forward":

@@ -96,7 +96,7 @@ def test_two_part_dot_rows_are_not_taken_below_the_validated_second_part():
     knobs = dict(DOT, row_parts=1)
     grads, meta = forced_backward(gy, args, case, _forward_stats(args, case, DEFAULT_CHAIN, knobs), DEFAULT_CHAIN,
                                   **knobs)
-    assert "BLOCK_D2" not in meta and configs.row_parts_of(48)[1] < configs.ROW_PARTS_DOT_MIN
+    assert "BLOCK_D2" not in meta and not configs.row_parts_dot_fits(48)
     stats = _forward_stats(args, case, DEFAULT_CHAIN, DOT)
     baseline, _ = forced_backward(gy, args, case, stats, DEFAULT_CHAIN, **DOT)
     assert_backward_close(grads, baseline, gy, args, case, DEFAULT_CHAIN, torch.float32)

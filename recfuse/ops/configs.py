@@ -504,6 +504,18 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
 ROW_PARTS_DOT_MIN = 32
 
 
+def row_parts_dot_fits(D: int) -> bool:
+    """Whether the tl.dot path's two-part rows can take rows of D columns: D a sum of two powers
+    of two whose smaller is at least `ROW_PARTS_DOT_MIN`.
+
+    Example:
+        >>> row_parts_dot_fits(160), row_parts_dot_fits(96), row_parts_dot_fits(48), row_parts_dot_fits(256)
+        (True, True, False, False)
+    """
+    parts = row_parts_of(D)
+    return parts is not None and parts[1] >= ROW_PARTS_DOT_MIN
+
+
 def row_parts_of(D: int) -> Optional[tuple]:
     """(D1, D2): D as two powers of two, the larger first, each at least 8, or None.
 

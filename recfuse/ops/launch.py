@@ -222,7 +222,7 @@ def _relu_mask_words(D: int, H: int, dtype: torch.dtype, device, chain, fwd_bloc
         return 0
     # The two-pass backward has no whole row to recompute z from, and the two-part row backward
     # (`kernels.ln_tanh_linear_relu_bwd_rows2_dot`) takes none: they need the mask at any D.
-    if D < min_d and not bwd.two_pass and not bwd.row_parts:
+    if D < min_d and not bwd.two_pass and not (bwd.row_parts and configs.row_parts_dot_fits(D)):
         return 0
     return max(1, fwd_block_h // 32)
 
@@ -619,9 +619,8 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
     two_pass = (cfg.use_dot and cfg.two_pass > 0 and not cfg.block_k and B > 0 and (has_mask or out_act == 0)
                 and (norm == 0 or stats is not None))
     # The tl.dot path on two unmasked power-of-two parts of each row likewise needs them.
-    parts = configs.row_parts_of(D)
     rows2_dot = (cfg.use_dot and bool(cfg.row_parts) and not cfg.block_k and not cfg.two_pass and not cfg.split_dw
-                 and parts is not None and parts[1] >= configs.ROW_PARTS_DOT_MIN and B > 0 and (has_mask or out_act == 0)
+                 and configs.row_parts_dot_fits(D) and B > 0 and (has_mask or out_act == 0)
                  and (norm == 0 or stats is not None))
     if (cfg.two_pass and not two_pass) or (cfg.use_dot and cfg.row_parts and not rows2_dot):
         # No stats or mask (a compiled backward, another out-activation): the entry's tiles were
@@ -718,6 +717,7 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
         BLOCK_J=configs.REDUCE_BLOCK_J, BLOCK_K=block_k,
     )
     launcher = _launch_bwd_chunked if chunked else _launch_bwd
+    parts = configs.row_parts_of(D)
     if rows2_dot or (cfg.row_parts and parts and H == 1 and not cfg.use_dot and not meta.get("UNROLL_H")
                      and (load_stats or norm == 0)):
         # two unmasked power-of-two parts of each row (`kernels.ln_tanh_linear_relu_bwd_rows2`,

@@ -293,8 +293,7 @@ def row_parts_dot_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs
         >>> row_parts_dot_candidates(256, 16, torch.float32), row_parts_dot_candidates(48, 16, torch.float32)
         ([], [])
     """
-    parts = configs.row_parts_of(D)
-    if parts is None or parts[1] < configs.ROW_PARTS_DOT_MIN or H < 2:
+    if not configs.row_parts_dot_fits(D) or H < 2:
         return []
     out = []
     for block_b, warps, pps, stages in itertools.product((16, 32, 64, 128), (4, 8), (8, 16), (0, 2)):
