@@ -1172,6 +1172,57 @@ def _part_grads(dz, w, a, t, xhat, g, ACT: tl.constexpr, FAST_TANH: tl.constexpr
 
 
 @triton.jit
+def _two_part_rows(X, STATS, LNW, LNB, f, rows64, rmask, cols1, cols2, B, stats_half, stride_x_f, stride_x_b,
+                   stride_x_d, stride_lnw_f, stride_lnb_f, HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr,
+                   FAST_TANH: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr, NORM: tl.constexpr,
+                   ACT: tl.constexpr):
+    """A row tile of the two-part row backwards: the rows' rstd (the forward's saved stats; 1
+    without a norm) and (xhat, a, t, norm weight) of each column part."""
+    x_rows = X + f * stride_x_f + rows64 * stride_x_b
+    mean = tl.zeros([rows64.shape[0]], dtype=tl.float32)
+    rstd = tl.full([rows64.shape[0]], 1.0, tl.float32)
+    if NORM != 0:
+        if EVEN_B:
+            mean = tl.load(STATS + f * B + rows64)
+            rstd = tl.load(STATS + stats_half + f * B + rows64)
+        else:
+            mean = tl.load(STATS + f * B + rows64, mask=rmask, other=0.0)
+            rstd = tl.load(STATS + stats_half + f * B + rows64, mask=rmask, other=0.0)
+    xhat1, a1, t1, g1 = _part_norm_act(X, x_rows, cols1, rmask, f, mean, rstd, LNW, LNB, stride_x_d, stride_lnw_f,
+                                       stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_B, X_EVICT, NORM, ACT)
+    xhat2, a2, t2, g2 = _part_norm_act(X, x_rows, cols2, rmask, f, mean, rstd, LNW, LNB, stride_x_d, stride_lnw_f,
+                                       stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_B, X_EVICT, NORM, ACT)
+    return rstd, xhat1, a1, t1, g1, xhat2, a2, t2, g2
+
+
+@triton.jit
+def _two_part_dx_store(DX, f, rows64, rmask, cols1, cols2, dxhat1, xhat1, dxhat2, xhat2, rstd, inv_d,
+                       stride_dx_f, stride_dx_b, stride_dx_d, NORM: tl.constexpr, EVEN_B: tl.constexpr):
+    """dx of a two-part row tile from each part's dxhat and xhat (dx's two row sums add the
+    parts'), stored in x's strides."""
+    if NORM == 0:
+        dx1 = dxhat1
+        dx2 = dxhat2
+    else:
+        # inv_d = 1/D correctly rounded on the host: a GPU fp32 `/` is approximate (2 ulp).
+        c1 = (tl.sum(dxhat1 * xhat1, axis=1) + tl.sum(dxhat2 * xhat2, axis=1)) * inv_d
+        if NORM == 2:
+            dx1 = (dxhat1 - xhat1 * c1[:, None]) * rstd[:, None]
+            dx2 = (dxhat2 - xhat2 * c1[:, None]) * rstd[:, None]
+        else:
+            c2 = (tl.sum(dxhat1, axis=1) + tl.sum(dxhat2, axis=1)) * inv_d
+            dx1 = (dxhat1 - (xhat1 * c1[:, None] + c2[:, None])) * rstd[:, None]
+            dx2 = (dxhat2 - (xhat2 * c1[:, None] + c2[:, None])) * rstd[:, None]
+    dx_rows = DX + f * stride_dx_f + rows64 * stride_dx_b
+    if EVEN_B:
+        tl.store(dx_rows[:, None] + cols1[None, :] * stride_dx_d, dx1.to(DX.dtype.element_ty))
+        tl.store(dx_rows[:, None] + cols2[None, :] * stride_dx_d, dx2.to(DX.dtype.element_ty))
+    else:
+        tl.store(dx_rows[:, None] + cols1[None, :] * stride_dx_d, dx1.to(DX.dtype.element_ty), mask=rmask[:, None])
+        tl.store(dx_rows[:, None] + cols2[None, :] * stride_dx_d, dx2.to(DX.dtype.element_ty), mask=rmask[:, None])
+
+
+@triton.jit
 def ln_tanh_linear_relu_bwd_rows2(
     GY, X, W, BIAS, LNW, LNB, DX, PARTIAL, STATS, DZ,
     B, D, H, rows_per_program, stats_half,
@@ -1220,22 +1271,9 @@ def ln_tanh_linear_relu_bwd_rows2(
         rows = r0 + tl.arange(0, BLOCK_B)
         rmask = rows < B
         rows64 = rows.to(tl.int64)
-        x_rows = X + f * stride_x_f + rows64 * stride_x_b
-        mean = tl.zeros([BLOCK_B], dtype=tl.float32)
-        rstd = tl.full([BLOCK_B], 1.0, tl.float32)
-        if NORM != 0:
-            if EVEN_B:
-                mean = tl.load(STATS + f * B + rows64)
-                rstd = tl.load(STATS + stats_half + f * B + rows64)
-            else:
-                mean = tl.load(STATS + f * B + rows64, mask=rmask, other=0.0)
-                rstd = tl.load(STATS + stats_half + f * B + rows64, mask=rmask, other=0.0)
-        xhat1, a1, t1, g1 = _part_norm_act(X, x_rows, cols1, rmask, f, mean, rstd, LNW, LNB, stride_x_d,
-                                           stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_B,
-                                           X_EVICT, NORM, ACT)
-        xhat2, a2, t2, g2 = _part_norm_act(X, x_rows, cols2, rmask, f, mean, rstd, LNW, LNB, stride_x_d,
-                                           stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_B,
-                                           X_EVICT, NORM, ACT)
+        rstd, xhat1, a1, t1, g1, xhat2, a2, t2, g2 = _two_part_rows(
+            X, STATS, LNW, LNB, f, rows64, rmask, cols1, cols2, B, stats_half, stride_x_f, stride_x_b, stride_x_d,
+            stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_B, X_EVICT, NORM, ACT)
         gy_ptrs = GY + f * stride_gy_f + rows64 * stride_gy_b
         if EVEN_B:
             gy = tl.load(gy_ptrs).to(tl.float32)
@@ -1260,27 +1298,8 @@ def ln_tanh_linear_relu_bwd_rows2(
         if HAS_LNB:
             acc_lnb1 += slb1
             acc_lnb2 += slb2
-        if NORM == 0:
-            dx1 = dxhat1
-            dx2 = dxhat2
-        else:
-            c1 = (tl.sum(dxhat1 * xhat1, axis=1) + tl.sum(dxhat2 * xhat2, axis=1)) * inv_d
-            if NORM == 2:
-                dx1 = (dxhat1 - xhat1 * c1[:, None]) * rstd[:, None]
-                dx2 = (dxhat2 - xhat2 * c1[:, None]) * rstd[:, None]
-            else:
-                c2 = (tl.sum(dxhat1, axis=1) + tl.sum(dxhat2, axis=1)) * inv_d
-                dx1 = (dxhat1 - (xhat1 * c1[:, None] + c2[:, None])) * rstd[:, None]
-                dx2 = (dxhat2 - (xhat2 * c1[:, None] + c2[:, None])) * rstd[:, None]
-        dx_rows = DX + f * stride_dx_f + rows64 * stride_dx_b
-        if EVEN_B:
-            tl.store(dx_rows[:, None] + cols1[None, :] * stride_dx_d, dx1.to(DX.dtype.element_ty))
-            tl.store(dx_rows[:, None] + cols2[None, :] * stride_dx_d, dx2.to(DX.dtype.element_ty))
-        else:
-            tl.store(dx_rows[:, None] + cols1[None, :] * stride_dx_d, dx1.to(DX.dtype.element_ty),
-                     mask=rmask[:, None])
-            tl.store(dx_rows[:, None] + cols2[None, :] * stride_dx_d, dx2.to(DX.dtype.element_ty),
-                     mask=rmask[:, None])
+        _two_part_dx_store(DX, f, rows64, rmask, cols1, cols2, dxhat1, xhat1, dxhat2, xhat2, rstd, inv_d,
+                           stride_dx_f, stride_dx_b, stride_dx_d, NORM, EVEN_B)
     # PARTIAL row: [D weight | 1 bias | D ln_weight | D ln_bias] (H = 1)
     part = PARTIAL + (f * n_prog + pid_p) * stride_part_prog
     tl.store(part + cols1, acc_w1)
@@ -1371,22 +1390,9 @@ def ln_tanh_linear_relu_bwd_rows2_dot(
         rows = r0 + tl.arange(0, BLOCK_B)
         rmask = rows < B
         rows64 = rows.to(tl.int64)
-        x_rows = X + f * stride_x_f + rows64 * stride_x_b
-        mean = tl.zeros([BLOCK_B], dtype=tl.float32)
-        rstd = tl.full([BLOCK_B], 1.0, tl.float32)
-        if NORM != 0:
-            if EVEN_B:
-                mean = tl.load(STATS + f * B + rows64)
-                rstd = tl.load(STATS + stats_half + f * B + rows64)
-            else:
-                mean = tl.load(STATS + f * B + rows64, mask=rmask, other=0.0)
-                rstd = tl.load(STATS + stats_half + f * B + rows64, mask=rmask, other=0.0)
-        xhat_a, a_a, t_a, g_a = _part_norm_act(X, x_rows, cols1, rmask, f, mean, rstd, LNW, LNB, stride_x_d,
-                                               stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_B,
-                                               X_EVICT, NORM, ACT)
-        xhat_b, a_b, t_b, g_b = _part_norm_act(X, x_rows, cols2, rmask, f, mean, rstd, LNW, LNB, stride_x_d,
-                                               stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_B,
-                                               X_EVICT, NORM, ACT)
+        rstd, xhat_a, a_a, t_a, g_a, xhat_b, a_b, t_b, g_b = _two_part_rows(
+            X, STATS, LNW, LNB, f, rows64, rmask, cols1, cols2, B, stats_half, stride_x_f, stride_x_b, stride_x_d,
+            stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_B, X_EVICT, NORM, ACT)
         # Any strides: the gradient of `y.sum()` is an expanded scalar (all strides 0), read as it is.
         gy = tl.load(GY + f * stride_gy_f + rows64[:, None] * stride_gy_b + hs[None, :] * stride_gy_h,
                      mask=rmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
@@ -1412,28 +1418,8 @@ def ln_tanh_linear_relu_bwd_rows2_dot(
             acc_lnbb += tl.sum(da_b, axis=0)
         dxhat_a = da_a * g_a[None, :]
         dxhat_b = da_b * g_b[None, :]
-        if NORM == 0:
-            dx_a = dxhat_a
-            dx_b = dxhat_b
-        else:
-            # inv_d = 1/D correctly rounded on the host: a GPU fp32 `/` is approximate (2 ulp).
-            c1 = (tl.sum(dxhat_a * xhat_a, axis=1) + tl.sum(dxhat_b * xhat_b, axis=1)) * inv_d
-            if NORM == 2:
-                dx_a = (dxhat_a - xhat_a * c1[:, None]) * rstd[:, None]
-                dx_b = (dxhat_b - xhat_b * c1[:, None]) * rstd[:, None]
-            else:
-                c2 = (tl.sum(dxhat_a, axis=1) + tl.sum(dxhat_b, axis=1)) * inv_d
-                dx_a = (dxhat_a - (xhat_a * c1[:, None] + c2[:, None])) * rstd[:, None]
-                dx_b = (dxhat_b - (xhat_b * c1[:, None] + c2[:, None])) * rstd[:, None]
-        dx_rows = DX + f * stride_dx_f + rows64 * stride_dx_b
-        if EVEN_B:
-            tl.store(dx_rows[:, None] + cols1[None, :] * stride_dx_d, dx_a.to(DX.dtype.element_ty))
-            tl.store(dx_rows[:, None] + cols2[None, :] * stride_dx_d, dx_b.to(DX.dtype.element_ty))
-        else:
-            tl.store(dx_rows[:, None] + cols1[None, :] * stride_dx_d, dx_a.to(DX.dtype.element_ty),
-                     mask=rmask[:, None])
-            tl.store(dx_rows[:, None] + cols2[None, :] * stride_dx_d, dx_b.to(DX.dtype.element_ty),
-                     mask=rmask[:, None])
+        _two_part_dx_store(DX, f, rows64, rmask, cols1, cols2, dxhat_a, xhat_a, dxhat_b, xhat_b, rstd, inv_d,
+                           stride_dx_f, stride_dx_b, stride_dx_d, NORM, EVEN_B)
     # PARTIAL row of this program: [H*D weight | H bias | D ln_weight | D ln_bias], fp32.
     part = PARTIAL + (f * n_prog + pid_p) * stride_part_prog
     tl.store(part + hs[:, None] * D + cols1[None, :], acc_wa, mask=hmask[:, None])
