@@ -7,7 +7,10 @@ parameter forms, chains, dtypes and knobs, through the op (forward, autograd bac
   use_dot: `kernels._chunked_norm_act_linear`, USE_DOT False), its saved row stats read by the
   backward that follows;
 * the H = 1 backward over two unmasked power-of-two parts of each row (`BackwardConfig.row_parts`,
-  `kernels.ln_tanh_linear_relu_bwd_rows2`), on the forward's saved row stats.
+  `kernels.ln_tanh_linear_relu_bwd_rows2`), on the forward's saved row stats;
+* its tl.dot path (`row_parts` with `use_dot`, `kernels.ln_tanh_linear_relu_bwd_rows2_dot`) at H >= 2,
+  on the forward's saved row stats and relu mask, where D's second part is 32+ columns
+  (`configs.row_parts_dot_fits`), and the fallback elsewhere.
 
 Each example asserts the forced path ran (`launch.trace_launches` meta), y within `TOLERANCE` of
 the float64 per-slice reference, and every gradient within `BACKWARD_TOLERANCE` of the float64
@@ -348,3 +351,45 @@ def test_two_part_row_backward(draw):
         assert not {"PREFETCH", "UNROLL_H", "COL_SUMS"} & set(meta), what
     else:
         assert "BLOCK_D2" not in meta and meta["BLOCK_D"] == triton.next_power_of_2(case.D), what
+
+
+# 2^a + 2^b with a second part of 32+ columns, and controls that fall back (48 = 32 + 16, 64)
+ROW_PARTS_DOT_D = st.sampled_from([96, 160, 192, 48, 64])
+_DOT_PARTS = dict(use_dot=True, row_parts=1, block_k=0, prefetch=0, split_dw=0, two_pass=0, num_warps=4,
+                  programs_per_sm=1, loop_stages=2, block_b=16)
+
+
+@st.composite
+def row_parts_dot_draws(draw):
+    inp = draw(cases(ROW_PARTS_DOT_D, st.sampled_from([2, 4, 16, 33, 64])))
+    case = inp.case
+    knobs = dict(_DOT_PARTS,
+                 block_b=draw(st.sampled_from([b for b in (16, 32) if triton.cdiv(case.B, b) * case.F <= ROW_TILE_BUDGET])),
+                 programs_per_sm=draw(st.sampled_from([1, 2])),
+                 loop_stages=draw(st.sampled_from([0, 2])))
+    return inp, knobs
+
+
+@_settings(6)
+@given(draw=row_parts_dot_draws())
+@example(draw=(Inputs(Case(3, 40, 160, 16, feature_dim=1, strided_view=True, per_feature_weight=True,
+                           bias="per_feature", ln="per_feature"), DEFAULT_CHAIN, torch.float32, 4), _DOT_PARTS))
+@example(draw=(Inputs(Case(2, 33, 96, 64, ln="shared", eps=0.0), DEFAULT_CHAIN, torch.bfloat16, 5, d_outer=True),
+               dict(_DOT_PARTS, block_b=32)))
+def test_two_part_dot_row_backward(draw):
+    inp, knobs = draw
+    case, chain, dtype = inp.case, inp.chain, inp.dtype
+    cfg = configs.heuristic_backward(case.D, case.H, dtype, **knobs)
+    what = _describe(inp, knobs)
+    _, meta = check_forced(inp, backward=cfg)
+    # z is not recomputed here: dz needs grad_y alone or the forward's relu mask, which a training
+    # forward with a norm saves (fp16 saves none)
+    dz_known = chain.out_activation is None or (chain.out_activation == "relu" and chain.norm is not None
+                                                and dtype != torch.float16)
+    if configs.row_parts_dot_fits(case.D) and dz_known:
+        assert (meta["BLOCK_D"], meta["BLOCK_D2"]) == configs.row_parts_of(case.D) and meta["USE_DOT"], what
+        assert meta["LOAD_STATS"] == (chain.norm is not None), what
+        assert meta.get("LOAD_MASK", False) == (chain.out_activation == "relu"), what
+    else:
+        assert "BLOCK_D2" not in meta, what
+
