@@ -1,6 +1,6 @@
 # `make bench`: set up .venv and run the benchmark (GPU if there is one, else a small CPU run).
-# `make test`:  set up .venv and run the whole test suite (CPU, then the Triton kernels under the
-#               Triton interpreter).
+# `make test`:  set up .venv and run the whole test suite (CPU, and the Triton kernels under the
+#               Triton interpreter, as two concurrent processes: tools/run_tests.sh).
 PY := .venv/bin/python
 .PHONY: setup bench test test-fast test-interpret clean
 
@@ -14,8 +14,7 @@ bench: setup
 	$(PY) benchmarks/split_stack_vs_combined.py $(BENCH_ARGS)
 
 test: setup
-	$(PY) -m pytest -q -m "not interpret" $(PYTEST_ARGS)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m interpret $(PYTEST_ARGS)
+	PY=$(PY) bash tools/run_tests.sh $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not interpret and not slow" -x $(PYTEST_ARGS)
