@@ -499,8 +499,11 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
 # The tl.dot path's two-part rows (`kernels.ln_tanh_linear_relu_bwd_rows2_dot`) need a second part
 # at least this wide. On the H200 (triton 3.6) the kernel faulted with an illegal address at D = 48
 # (32 + 16) and H = 64 for 64-row tiles (bf16) and most fp32 tiles, while every D = 160 (128 + 32)
-# candidate and every H = 16 one ran clean and matched float64 (benchmarks/NOTES.md, twenty-first
-# session; not diagnosed): only the validated widths take it.
+# candidate and every H = 16 one ran clean and matched float64. compute-sanitizer (twenty-second
+# session) puts the fault in a tl.dot of 16-bit parts: an out-of-bounds 512-byte shared-memory read
+# (a fp32 64-row, 4-warp tile faults at B = 256 too), while the same config matches float64 under
+# the interpreter: what Triton 3.6 compiled for a 16-column part, not the kernel's indexing
+# (benchmarks/NOTES.md, twenty-first and twenty-second sessions). Only the validated widths take it.
 ROW_PARTS_DOT_MIN = 32
 
 
