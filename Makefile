@@ -1,6 +1,6 @@
 # `make bench`: set up .venv and run the benchmark (GPU if there is one, else a small CPU run).
 # `make test`:  set up .venv and run the whole test suite (CPU, and the Triton kernels under the
-#               Triton interpreter, as two concurrent processes: tools/run_tests.sh).
+#               Triton interpreter in two round-robin shards, as three concurrent processes: tools/run_tests.sh).
 PY := .venv/bin/python
 .PHONY: setup bench test test-fast test-interpret clean
 

@@ -20,6 +20,9 @@ import recfuse  # noqa: E402
 recfuse.ops.set_cpu_backend(os.environ["RECFUSE_CPU_BACKEND"])
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# "i/n": this process runs the i-th of n round-robin shards of the selected tests (tools/run_tests.sh
+# splits the interpreter suite over concurrent processes this way; every test lands in one shard).
+SHARD = os.environ.get("RECFUSE_TEST_SHARD", "")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -34,3 +37,27 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+class _Shard:
+    """RECFUSE_TEST_SHARD="i/n": keep every n-th selected test from the i-th (0-based)."""
+
+    def __init__(self, spec: str):
+        try:
+            self.index, self.count = (int(v) for v in spec.split("/"))
+        except ValueError:
+            raise pytest.UsageError(f"RECFUSE_TEST_SHARD must be 'i/n', got {spec!r}") from None
+        if not 0 <= self.index < self.count:
+            raise pytest.UsageError(f"RECFUSE_TEST_SHARD={spec!r}: need 0 <= i < n")
+
+    @pytest.hookimpl(trylast=True)  # after `-m` and `-k` have deselected: the shards split what runs
+    def pytest_collection_modifyitems(self, config, items):
+        dropped = [item for k, item in enumerate(items) if k % self.count != self.index]
+        items[:] = items[self.index::self.count]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+
+
+def pytest_configure(config):
+    if SHARD:
+        config.pluginmanager.register(_Shard(SHARD), "recfuse-test-shard")

@@ -1,26 +1,37 @@
 #!/usr/bin/env bash
-# `make test`: the CPU suite and the Triton-interpreter suite as two concurrent pytest processes.
-# Each is single-threaded for most of its time (the interpreter suite runs ~2x the CPU one), so on a
-# 2-core machine the wall time is about the interpreter suite's alone instead of the two summed.
-# Each suite's output is printed whole, CPU suite first, once both have finished; the exit status is
-# non-zero if either failed. RECFUSE_TEST_SERIAL=1 runs them one after the other instead.
+# `make test`: the CPU suite and the Triton-interpreter suite as concurrent pytest processes, the
+# interpreter suite split into RECFUSE_INTERPRET_SHARDS round-robin shards (default 2; tests/conftest.py,
+# RECFUSE_TEST_SHARD). Each process is single-threaded for most of its time and the interpreter suite
+# runs ~2.5x the CPU one, so on a 2-core machine three processes keep both cores busy to the end,
+# where two left one idle for the interpreter suite's last ~8 minutes.
+# Each process's output is printed whole, CPU suite first, once all have finished; the exit status is
+# non-zero if any failed. RECFUSE_TEST_SERIAL=1 runs the two suites one after the other instead.
 set -uo pipefail
 PY=${PY:-.venv/bin/python}
 if [ "${RECFUSE_TEST_SERIAL:-0}" = "1" ]; then
     "$PY" -m pytest -q -m "not interpret" "$@" && TRITON_INTERPRET=1 "$PY" -m pytest -q -m interpret "$@"
     exit $?
 fi
+shards=${RECFUSE_INTERPRET_SHARDS:-2}
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 "$PY" -m pytest -q -m "not interpret" "$@" > "$logs/cpu.log" 2>&1 &
-cpu_pid=$!
-TRITON_INTERPRET=1 "$PY" -m pytest -q -m interpret "$@" > "$logs/interpret.log" 2>&1 &
-interpret_pid=$!
-echo "make test: CPU suite (pid $cpu_pid) and interpreter suite (pid $interpret_pid) running; output when both end"
-wait "$cpu_pid"; cpu_status=$?
-echo "=== pytest -m 'not interpret' (exit $cpu_status)"
-cat "$logs/cpu.log"
-wait "$interpret_pid"; interpret_status=$?
-echo "=== TRITON_INTERPRET=1 pytest -m interpret (exit $interpret_status)"
-cat "$logs/interpret.log"
-[ "$cpu_status" -eq 0 ] && [ "$interpret_status" -eq 0 ]
+pids=($!)
+names=("pytest -m 'not interpret'")
+for ((i = 0; i < shards; i++)); do
+    RECFUSE_TEST_SHARD="$i/$shards" TRITON_INTERPRET=1 "$PY" -m pytest -q -m interpret "$@" \
+        > "$logs/interpret$i.log" 2>&1 &
+    pids+=($!)
+    names+=("TRITON_INTERPRET=1 RECFUSE_TEST_SHARD=$i/$shards pytest -m interpret")
+done
+echo "make test: CPU suite and $shards interpreter shard(s) running (pids ${pids[*]}); output when all end"
+status=0
+logs_in_order=("$logs/cpu.log")
+for ((i = 0; i < shards; i++)); do logs_in_order+=("$logs/interpret$i.log"); done
+for k in "${!pids[@]}"; do
+    wait "${pids[$k]}"; rc=$?
+    echo "=== ${names[$k]} (exit $rc)"
+    cat "${logs_in_order[$k]}"
+    [ "$rc" -eq 0 ] || status=1
+done
+exit "$status"
