@@ -13,6 +13,10 @@ if [ "${RECFUSE_TEST_SERIAL:-0}" = "1" ]; then
     exit $?
 fi
 shards=${RECFUSE_INTERPRET_SHARDS:-2}
+if ! [[ "$shards" =~ ^[1-9][0-9]*$ ]]; then
+    echo "RECFUSE_INTERPRET_SHARDS must be a positive integer, got '$shards'" >&2
+    exit 2
+fi
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 "$PY" -m pytest -q -m "not interpret" "$@" > "$logs/cpu.log" 2>&1 &
