@@ -57,6 +57,9 @@ def smoke_commands(out: Path) -> dict[str, list[str]]:
                                  "--x-mb", "0.05", "--device", "cpu"],
         "profile_points_dry": ["profile_points.py", "--from-grid", str(BENCH / "results" / "grid_h100.json"),
                                "--worst", "2", "--dry-run"],
+        # The shipped configs' float64 check (sets TRITON_INTERPRET=1 itself): a masked last row tile
+        "config_memcheck": ["config_memcheck.py", "--device", "cpu", "--shapes", "48x16", "32x4", "--B", "16", "20",
+                            "--json", str(out / "config_memcheck.json")],
         # The committed H100 result, read by its stable name.
         "render_results": ["render_results.py", "--plot", str(out / "render.png"),
                            "--update-readme", str(out / "README.md")],
@@ -301,3 +304,16 @@ def test_profile_points_parsers_doctests():
     proc = subprocess.run([sys.executable, "-m", "doctest", "profile_points.py"], cwd=BENCH, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_config_memcheck_rows_match_float64(smoke):
+    """Each shape ran in both layouts with every gradient, within the fp32 / bf16 bounds."""
+    out, stdout = smoke("config_memcheck")
+    rows = json.loads((out / "config_memcheck.json").read_text())["rows"]
+    assert sorted((r["D"], r["H"], r["dtype"], r["B"]) for r in rows) == sorted(
+        (D, H, dt, B) for D, H in ((48, 16), (32, 4)) for dt in ("fp32", "bf16") for B in (16, 20))
+    for r in rows:
+        assert len(r["errors"]) == 2 * 6, r["errors"]  # y and five gradients, per layout
+        bound = 1e-4 if r["dtype"] == "fp32" else 2e-2
+        assert r["ok"] and all(math.isfinite(e) and e <= bound for e in r["errors"].values()), r
+    assert "8 runs (shape x batch), 0 over the bound" in stdout
