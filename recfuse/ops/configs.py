@@ -237,8 +237,10 @@ def heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool = Tru
 
     The row-reduction path (small H) wants small tiles, one warp per 2048 elements; masked tiles
     two. The tl.dot path normalises and multiplies 32-64 columns at a time when the weight block
-    fits one tile (whole 3xTF32 rows spill registers); 16-bit inputs take persistent programs with
-    tiles of x in flight. Measurements behind these rules: benchmarks/NOTES.md.
+    fits one tile (whole 3xTF32 rows spill registers); 16-bit rows of 1-3 chunks take one program
+    per 64-row tile (whole rows at H <= 16), wider ones a runtime chunk loop; persistent programs
+    with tiles of x in flight only at 17 <= H <= 32. Measurements behind these rules:
+    benchmarks/NOTES.md.
 
     Example:
         >>> heuristic_forward(256, 1, torch.float32).num_warps
@@ -294,8 +296,11 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
         # A D that is not a power of two but a whole number of chunks (48, 96, 160, ...) takes the
         # chunked path too, masked rows or not: whole-row tiles padded it to BLOCK_D (160 -> 256),
         # and ran at 14-25% of the floor on the H100 where D = 128 and 256 ran at 50-80%.
-        # 16-bit rows in 16-column chunks ran slower than padded whole rows (bf16 D=48: 289 vs
-        # 217 us at H=16; fp32 D=48 173 vs 321 us): 16-bit chunks are at least 32 wide.
+        # 16-bit masked rows take 16-column chunks where the row is at most 64 wide (D=48): both
+        # GPUs' tuners chose them at H=64 (H100 300 us, the whole padded row 446; H200 255 vs 523)
+        # and the H200's at H=16 (160 vs 375); the H100's H=16 entry stays a whole row (243 us; an
+        # early H100 measurement had 16-column chunks at 289 vs 217 there). Wider masked rows keep
+        # chunks of at least 32 columns.
         # fp32 masked rows (B not a multiple of the tile) take chunks at any D: 1.3-8x faster than
         # whole masked rows on the H100 (D=256 H=16 419 -> 223 us, D=512 H=16 5905 -> 710);
         # bf16 ones at power-of-two D were as often slower (D=512 H=16 227 -> 325) as faster
@@ -303,7 +308,7 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
         if dtype == torch.float32:
             chunkable = full_tiles or chunk_width(D, 64) >= 16
         else:
-            chunkable = full_tiles or (D != block_d and chunk_width(D, 64) >= 32)
+            chunkable = full_tiles or (D != block_d and chunk_width(D, 64) >= (16 if block_d <= 64 else 32))
         if chunkable and H <= block_h:
             # Rows of many chunks walk them in a runtime loop (`ForwardConfig.k_loop`): unrolled,
             # every chunk's loads held registers (bf16 D=512 H=16: 255 with spills and 192 KB of
@@ -320,9 +325,21 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
             if block_k and D // block_k >= 4 and (block_h <= 16 or block_h > 32):
                 return ForwardConfig(32 if block_h <= 16 and D >= 256 else 64, block_d, block_h, True, 4,
                                      block_k=block_k, k_loop=1)
+            # Rows of 1-3 chunks: one program per tile of 64+ rows, 4 warps. Every bf16 H = 16/64
+            # entry at D = 32-128 of both shipped tables is such a tile: whole rows at H = 16 where
+            # D is a power of two (128 rows at D=32 on both GPUs; the H200's 16-64-column chunks
+            # there were within 2% at D = 32/64 and 9% slower at D=128), chunks of half the row
+            # (16-64 columns) at H = 64 and for masked rows. The persistent programs with 2-3
+            # tiles in flight that this rule gave before were 1.3-2.3x slower in the same tuner
+            # runs (H200, forward + training forward: H=16 D=32 577 -> 353 us, D=64 423 -> 266,
+            # D=128 370 -> 268, D=48 H=16 whole 32-row tiles 375 -> 160 forward alone; H100
+            # forward, its table's heuristic_us against us: H=16 D=32/64/128 273/195/186 ->
+            # 206/141/143, H=64 648/356/287 -> 365/231/189; benchmarks/NOTES.md, twenty-second
+            # session).
+            if block_h <= 16 and full_tiles and D == block_d:
+                return ForwardConfig(max(64, 4096 // block_d), block_d, block_h, True, 4)
             if block_h <= 16 or block_h > 32:
-                return ForwardConfig(64, block_d, block_h, True, 4, persistent=1,
-                                     tile_stages=3 if block_h <= 16 else 2, block_k=chunk_width(D, 64))
+                return ForwardConfig(64, block_d, block_h, True, 4, block_k=min(block_k, max(16, D // 2)))
             # Tiles in flight live in shared memory beside the dot's operands.
             return ForwardConfig(min(64, X_STAGE_BYTES // (2 * block_d)), block_d, block_h, True, 8,
                                  persistent=1, tile_stages=3 if block_d <= 256 else 2)

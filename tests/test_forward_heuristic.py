@@ -1,0 +1,27 @@
+"""The 16-bit tl.dot forward's heuristic configs (a GPU without a table entry for the shape; the
+interpreter always): one program per 64+-row tile, whole rows at H <= 16 for power-of-two D and
+chunks of half the row at H = 64 and for masked rows (`configs._heuristic_forward`). Each shape
+runs the op as a caller does, on a batch that fills the tiles (the full-tile config) and one that
+does not (the masked-tile config), forward and backward against the float64 per-slice reference."""
+import pytest
+import torch
+
+from op_cases import Case, check_against_float64
+from recfuse.ops import configs
+
+pytestmark = pytest.mark.interpret
+
+SHAPES = [(32, 16), (64, 16), (128, 16), (48, 16), (32, 64), (48, 64), (64, 64)]
+
+
+@pytest.mark.parametrize("D,H", SHAPES)
+def test_16bit_heuristic_forward_tiles_match_float64(D, H):
+    full = configs.heuristic_forward(D, H, torch.bfloat16)
+    masked = configs.heuristic_forward(D, H, torch.bfloat16, False)
+    assert full.use_dot and not full.persistent and not masked.persistent
+    if D == full.block_d:
+        assert full.block_k == (0 if H <= 16 else D // 2)
+    # B = the full-tile config's rows (its tiles all full where D is a power of two), then B + 8
+    for B in (full.block_b, full.block_b + 8):
+        case = Case(2, B, D, H, feature_dim=1, strided_view=True, ln="per_feature")
+        check_against_float64(case, torch.bfloat16)
