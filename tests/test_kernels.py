@@ -33,10 +33,10 @@ CASES = [
     EVEN_DOT_CASE := Case(2, 128, 16, 16, ln="shared", eps=0.0),  # B: a whole 128-row backward tile
     # Default configs of the tl.dot forward with full tiles (the interpreter counts 2 SMs):
     # 16-bit H in (16, 32]: persistent whole rows, 3 tiles of 64 rows in one program;
-    # 16-bit H > 32: persistent and K-chunked (64 of 128 columns), 3 tiles over 2 programs;
+    # 16-bit H > 32: one program per 64-row tile, K-chunked (64 of 128 columns: half the row);
     # fp32: one program per 64-row tile, K-chunked (32 of 64 columns).
     PERSISTENT_16BIT_CASE := Case(2, 192, 16, 20, ln="shared"),
-    PERSISTENT_CHUNKED_CASE := Case(1, 192, 128, 40, feature_dim=1, per_feature_weight=True, bias="per_feature"),
+    CHUNKED_16BIT_CASE := Case(1, 192, 128, 40, feature_dim=1, per_feature_weight=True, bias="per_feature"),
     CHUNKED_FP32_CASE := Case(2, 64, 64, 16, ln="per_feature", eps=0.0),
 ]
 
@@ -56,19 +56,21 @@ def test_full_tiles_take_the_maskless_kernels(case, even):
     assert len(seen) == 2 and all(flags == (even, even) for flags in seen), seen
 
 
-@pytest.mark.parametrize("case, dtype, programs, block_k", [
-    (PERSISTENT_16BIT_CASE, torch.bfloat16, 1, 16), (PERSISTENT_CHUNKED_CASE, torch.bfloat16, 2, 64),
-    (CHUNKED_FP32_CASE, torch.float32, 1, 32)], ids=str)
-def test_dot_forward_defaults_take_the_persistent_and_chunked_paths(case, dtype, programs, block_k):
+@pytest.mark.parametrize("case, dtype, programs, block_k, persistent", [
+    (PERSISTENT_16BIT_CASE, torch.bfloat16, 1, 16, True), (CHUNKED_16BIT_CASE, torch.bfloat16, 3, 64, False),
+    (CHUNKED_FP32_CASE, torch.float32, 1, 32, False)], ids=str)
+def test_dot_forward_defaults_take_the_persistent_and_chunked_paths(case, dtype, programs, block_k, persistent):
     # The float64 comparison above checks the numbers; this checks which paths those cases take:
-    # the grid (several tiles per persistent program) and the columns per chunk.
+    # the grid (several tiles per persistent program, else one program a tile) and the columns
+    # per chunk. The persistent K-chunked forward runs forced in CHUNKED_CASES below.
     with launch.trace_launches() as launches:
         run_op(recfuse.ln_tanh_linear_relu, make_inputs(case), dtype, case)
     seen = [(grid, meta["PERSISTENT"], meta["BLOCK_B"], meta["BLOCK_K"])
             for kind, grid, meta, _ in launches if kind == "forward"]
-    (grid, persistent, block_b, k), = seen
-    assert grid[0] == programs and k == block_k, seen
-    assert persistent == (dtype != torch.float32) and (case.B // block_b == 3 or not persistent), seen
+    (grid, is_persistent, block_b, k), = seen
+    assert grid[0] == programs and k == block_k and is_persistent == persistent, seen
+    tiles = case.B // block_b
+    assert tiles == (3 if is_persistent else grid[0]), seen  # persistent: 3 tiles in its one program
 
 
 # Small H and narrow rows (defaults from the H100 tuner): the forward of H=2-4 on the 16-wide
