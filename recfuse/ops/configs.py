@@ -337,7 +337,7 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
             # 206/141/143, H=64 648/356/287 -> 365/231/189; benchmarks/NOTES.md, twenty-second
             # session).
             if block_h <= 16 and full_tiles and D == block_d:
-                return ForwardConfig(max(64, 4096 // block_d), block_d, block_h, True, 4)
+                return ForwardConfig(min(128, max(64, 4096 // block_d)), block_d, block_h, True, 4)
             if block_h <= 16 or block_h > 32:
                 return ForwardConfig(64, block_d, block_h, True, 4, block_k=min(block_k, max(16, D // 2)))
             # Tiles in flight live in shared memory beside the dot's operands.
