@@ -67,13 +67,17 @@ def shapes(args) -> list[dict]:
 
 def shape_candidates(kind: str, p: dict, only: str, saved: dict) -> list:
     """The candidates `tune_shape` times for one shape: all of them, or (``only``) the heuristic's
-    config, the incumbents (the saved table's entry for the shape, and on a GPU the config this GPU
-    runs now: another table's beneath a partial own table, `configs.device_entries`) and the
-    candidates that set that knob: a run that tries one new kernel path against what runs now."""
+    config and the candidates that set that knob (a run that tries one new kernel path against what
+    runs now); either way with the incumbents: the saved table's entry for the shape, and on a GPU
+    the config this GPU runs now (another table's beneath a partial own table,
+    `configs.device_entries`). Without them a full run could file an entry slower than the config
+    it replaces, and could not say how its winner compares with what runs now (the twenty-second
+    session compared with the grid by hand: at fp32 D=32 H=16 the full list's best, 165 us, was no
+    faster than the H100 entry the H200 ran, 164 at the same point; benchmarks/NOTES.md)."""
     D, H, dtype = p["D"], p["H"], DTYPES[p["dtype"]]
     full = D == triton.next_power_of_2(D)
     cands = forward_candidates(D, H, dtype) if kind == "forward" else backward_candidates(D, H, dtype)
-    if only == "all" or not cands:
+    if not cands:
         return cands
     dtype_name = str(dtype).replace("torch.", "")
     incumbent = [configs.config_from_entry(kind, e["config"], D, H, dtype, full)
@@ -83,6 +87,8 @@ def shape_candidates(kind: str, p: dict, only: str, saved: dict) -> list:
         incumbent.append(configs.table_forward_config(D, H, dtype, 0, full) if kind == "forward"
                          else configs.table_backward_config(D, H, dtype, 0))
     incumbent = [c for c in incumbent if c is not None]
+    if only == "all":
+        return list(dict.fromkeys(cands + incumbent))
     if only == "row_slots" and kind == "backward":
         # the incumbents' own tiles and longer ones with folded column sums (`row_slots_neighbours`)
         knob = [n for c in incumbent for n in tuning.row_slots_neighbours(c, D, H, dtype)]
