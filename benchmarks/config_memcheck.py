@@ -58,7 +58,7 @@ import torch  # noqa: E402
 
 import _common as C  # noqa: E402
 import recfuse  # noqa: E402
-from recfuse.ops import configs  # noqa: E402
+from recfuse.ops import configs, launch  # noqa: E402
 from recfuse.reference import batched_ln_tanh_linear_relu  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -75,28 +75,20 @@ def shapes_of(args) -> list[tuple[int, int, str]]:
     return [(D, H, dt) for dt in args.dtypes for D in DIMS for H in HS if H <= 16 or dt != "fp32"]
 
 
-def forward_config_of_call(D: int, H: int, B: int, dtype, device):
-    """The forward config a call of B rows takes (`launch._build_forward_plan`'s rule): the
-    full-tile config, or the masked-tile one where D or B leave a tile partly outside."""
-    cfg = configs.forward_config(D, H, dtype, device)
-    if D == cfg.block_d and B % cfg.block_b == 0:
-        return cfg
-    return configs.forward_config(D, H, dtype, device, full_tiles=False)
-
-
 def check_shape(D: int, H: int, B: int, dtype_name: str, args) -> dict:
     """One shape in both layouts: errors against float64 and the configs the lookup gave."""
     dtype = DTYPES[dtype_name]
     row = {"D": D, "H": H, "dtype": dtype_name, "F": args.F, "B": B, "errors": {}}
     dev = torch.device(args.device)
-    index = (dev.index or 0) if dev.type == "cuda" else "cpu"
-    row["forward_config"] = configs.config_to_entry(forward_config_of_call(D, H, B, dtype, index))
-    bwd = configs.backward_config(D, H, dtype, index)
+    bwd = configs.backward_config(D, H, dtype, (dev.index or 0) if dev.type == "cuda" else "cpu")
     row["backward_config"] = None if bwd is None else configs.config_to_entry(bwd)
     for layout in ("BFD", "FBD"):
         inp = C.op_inputs(args.F, B, D, H, dtype, args.device, layout=layout, ln="per_feature", seed=D + H)
         tensors = [t.detach().requires_grad_() for t in (inp.x, inp.weight, inp.bias, inp.ln_weight, inp.ln_bias)]
         x, w, b, lw, lb = tensors
+        # the training forward's plan, which the call below takes (full- or masked-tile config)
+        plan = launch.forward_plan(x, w, b, lw, lb, 1e-5, inp.feature_dim, save_stats=True)
+        row.setdefault("forward_config", configs.config_to_entry(plan.cfg))
         y = recfuse.ln_tanh_linear_relu(x, w, b, ln_weight=lw, ln_bias=lb, feature_dim=inp.feature_dim)
         y.float().square().sum().backward()
         ref_in = [t.detach().double().requires_grad_() for t in tensors]
