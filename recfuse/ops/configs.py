@@ -265,6 +265,11 @@ def chunk_width(D: int, widest: int) -> int:
     return width if width >= 16 else 0
 
 
+def _narrow_masked_rows(block_d: int, block_h: int) -> int:
+    """Rows of a 16-bit tl.dot tile over masked narrow rows (no 16-column chunk of D)."""
+    return min(128 if block_h <= 16 else 64, max(32, 4096 // block_d))
+
+
 def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> ForwardConfig:
     block_d = triton.next_power_of_2(D)
     # tl.dot needs K >= 16 on the GPU (D < 16 failed to compile on the H100): rows below that.
@@ -274,15 +279,27 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
     # (366 us at H=4 against 179 for the chunked dot at H=16, H100 grid).
     # bf16 wide rows (D >= 256 in 64-column chunks) too: H200 tuner, H=4, the row path 198-223 us
     # against 132-141 for the chunk loop below (results/checks/tune_fwd_k_loop_h200.txt).
+    # Rows of 4+ 64-column chunks whose D is not a power of two (D=384): bf16 takes the chunk loop
+    # as full tiles do (H200 tuner, D=384 H=2: 136 us against 263 for the row path), fp32 the row
+    # path in 64-column chunks (151 us against 210 for the chunked dot) (NOTES, twenty-third
+    # session).
+    wide_masked = D != block_d and chunk_width(D, 64) == 64 and D >= 256
     small_h_dot = 2 <= H < DOT_MIN_H and (
-        (dtype == torch.float32 and (D <= 64 or (D != block_d and chunk_width(D, 32) >= 16)))
-        or (dtype == torch.bfloat16 and (D <= 160 or (full_tiles and chunk_width(D, 64) == 64))))
+        (dtype == torch.float32 and (D <= 64 or (D != block_d and chunk_width(D, 32) >= 16 and not wide_masked)))
+        or (dtype == torch.bfloat16 and (D <= 160 or ((full_tiles or wide_masked) and chunk_width(D, 64) == 64))))
     use_dot = (H >= DOT_MIN_H or small_h_dot) and 16 <= block_d and 16 * block_d <= TILE_BUDGET
     if use_dot and small_h_dot:
         if dtype == torch.float32 or full_tiles:
             block_k = chunk_width(D, 32 if dtype == torch.float32 or D < 256 else 64)
         else:  # 16-bit chunks narrower than 32 columns were slower than padded whole rows
             block_k = chunk_width(D, 64) if D != block_d and chunk_width(D, 64) >= 32 else 0
+        if not block_k and D != block_d:
+            # Masked rows of no 16-column chunk (D=24): fp32 one output column at a time, bf16 the
+            # dot on longer tiles (H200 tuner after the masked columns vectorised, D=24 H=2: fp32
+            # 288 -> 178 us, bf16 311 -> 274; NOTES, twenty-third session).
+            if dtype == torch.float32:
+                return ForwardConfig(32, block_d, 1, False, 2, unroll_h=1)
+            return ForwardConfig(_narrow_masked_rows(block_d, dot_block_h(H)), block_d, dot_block_h(H), True, 4)
         if dtype == torch.bfloat16 and block_k and D // block_k >= 4:
             # 16-bit rows of 4+ chunks walk them in a runtime loop, as at H >= 16 below: the H200's
             # tuned H=4 forwards all took it (bf16 D=512 217 -> 141 us, D=256 149 -> 132, D=160
@@ -322,7 +339,11 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
                     return ForwardConfig(32, block_d, block_h, True, 4, block_k=block_k, k_loop=1)
                 return ForwardConfig(64, block_d, block_h, True, 4, block_k=block_k)
             block_k = chunk_width(D, 64)
-            if block_k and D // block_k >= 4 and (block_h <= 16 or block_h > 32):
+            # Persistent programs (block_h = 32 below) only for full power-of-two rows: masked ones
+            # ran 2-2.5x slower than the chunked tiles (H200 tuner, bf16 H=32: D=96 318 -> 154 us,
+            # D=384 402 -> 158; NOTES, twenty-third session).
+            pow2_rows = full_tiles and D == block_d
+            if block_k and D // block_k >= 4 and (block_h <= 16 or block_h > 32 or not pow2_rows):
                 return ForwardConfig(32 if block_h <= 16 and D >= 256 else 64, block_d, block_h, True, 4,
                                      block_k=block_k, k_loop=1)
             # Rows of 1-3 chunks: one program per tile of 64+ rows, 4 warps. Every bf16 H = 16/64
@@ -338,15 +359,23 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
             # session).
             if block_h <= 16 and full_tiles and D == block_d:
                 return ForwardConfig(min(128, max(64, 4096 // block_d)), block_d, block_h, True, 4)
-            if block_h <= 16 or block_h > 32:
+            if block_h <= 16 or block_h > 32 or not pow2_rows:
                 return ForwardConfig(64, block_d, block_h, True, 4, block_k=min(block_k, max(16, D // 2)))
             # Tiles in flight live in shared memory beside the dot's operands.
             return ForwardConfig(min(64, X_STAGE_BYTES // (2 * block_d)), block_d, block_h, True, 8,
                                  persistent=1, tile_stages=3 if block_d <= 256 else 2)
         if dtype == torch.float32 and block_h == 32:
             return ForwardConfig(16, block_d, block_h, True, 4)  # 3xTF32 spills with 32 rows
+        if D != block_d and block_d <= 64:
+            # Narrow masked rows of no 16-column chunk (D = 24, 40, 56): longer tiles, 4 warps
+            # (H200 tuner, D=24 H=8: fp32 64 rows 364 -> 288 us, bf16 128 rows 666 -> 327; H=32
+            # bf16 64 rows 624 -> 408; NOTES, twenty-third session).
+            rows = 64 if dtype == torch.float32 else _narrow_masked_rows(block_d, block_h)
+            return ForwardConfig(rows, block_d, block_h, True, 4)
         return ForwardConfig(block_b, block_d, block_h, True, num_warps)
     block_h = min(triton.next_power_of_2(H), 4)
+    if wide_masked and dtype == torch.float32 and H <= 4:
+        return ForwardConfig(4, block_d, block_h, False, 1, block_k=64)
     if H == 1 and D != block_d and chunk_width(D, 32):
         # A D that is not a power of two in whole chunks: the row path padded D=160 to 256 lanes.
         # H100 tuner (recfuse/ops/tuned/; benchmarks/results/checks/tune_fwd_chunked_rows_h100.txt),
@@ -1047,10 +1076,16 @@ def table_forward_config(D: int, H: int, dtype: torch.dtype, device: Union[str, 
     """The forward config from the shipped tables (`device_entries`' nearest entry, or the named
     ``table``'s), else the heuristic: the lookup without the tuning cache."""
     heuristic = heuristic_forward(D, H, dtype, full_tiles)
-    entry = _nearest_entry(device_entries(device, table), "forward", D, H, _DTYPE_NAMES.get(dtype, ""), full_tiles)
+    entries = device_entries(device, table)
+    entry = _nearest_entry(entries, "forward", D, H, _DTYPE_NAMES.get(dtype, ""), full_tiles)
+    table_entry = entries.get(("forward", D, H, _DTYPE_NAMES.get(dtype, ""), full_tiles))
     if entry is not None and heuristic.block_k and not full_tiles and not entry.get("block_k"):
         # Masked entries were tuned before masked tiles could be chunked: their whole-row tiles
         # are the padded path (D=160 -> 256 columns) the chunked kernel replaces.
+        entry = None
+    elif entry is not None and entry is not table_entry and entry.get("block_k") and D % entry["block_k"]:
+        # A neighbour's chunks that do not divide this D (D=48's 16 for D=40) would run its
+        # chunk-tuned tiles over whole masked rows.
         entry = None
     cfg = config_from_entry("forward", entry, D, H, dtype, full_tiles) if entry is not None else None
     return cfg if cfg is not None else heuristic

@@ -386,6 +386,17 @@ def _output_store(z, z_lo, bias, y_ptrs, ymask, STATS, stats_half, f, B, rows, r
 
 
 @triton.jit
+def _multiple_of(n, ALIGN: tl.constexpr):
+    """n, stated to be a multiple of ALIGN (the launcher's word: `launch.column_alignment`). The
+    masks `cols < D` of a D that is not a power of two are then constant over ALIGN columns and the
+    row offsets ALIGN-aligned, so masked column loads and stores vectorise (a runtime D is otherwise
+    divisible by 1 to Triton's analysis: one scalar load per element)."""
+    if ALIGN > 1:
+        n = (n // ALIGN) * ALIGN
+    return n
+
+
+@triton.jit
 def _load_rows(ptrs, rmask, EVEN_B: tl.constexpr, EVICT: tl.constexpr):
     """A [rows, cols] block as fp32; padded rows (not EVEN_B) read as zeros."""
     if EVEN_B:
@@ -678,7 +689,7 @@ def ln_tanh_linear_relu_fwd(
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
     PERSISTENT: tl.constexpr, TILE_STAGES: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_CHUNKS: tl.constexpr, SAVE_MASK: tl.constexpr = False, K_LOOP: tl.constexpr = 0,
+    K_CHUNKS: tl.constexpr, SAVE_MASK: tl.constexpr = False, K_LOOP: tl.constexpr = 0, D_ALIGN: tl.constexpr = 1,
 ):
     # STATS (SAVE_STATS, for a backward that follows): [2, F, B] fp32, mean then rstd; with
     # SAVE_MASK (relu, H <= BLOCK_H <= 64) also z's relu mask as bits in the planes after them
@@ -691,6 +702,15 @@ def ln_tanh_linear_relu_fwd(
     # pid, pid + P, ... with TILE_STAGES tiles of x in flight, so that the loads of the next
     # tiles overlap this tile's LayerNorm, tanh and dot instead of taking turns with them
     # (measured on the H100: one program per tile leaves DRAM idle ~half the time at bf16 H=64).
+    # D_ALIGN: D and the strides of x's rows and of the [D]-wide parameter rows are multiples of
+    # it (masked columns vectorise, `_multiple_of`).
+    D = _multiple_of(D, D_ALIGN)
+    stride_x_f = _multiple_of(stride_x_f, D_ALIGN)
+    stride_x_b = _multiple_of(stride_x_b, D_ALIGN)
+    stride_w_f = _multiple_of(stride_w_f, D_ALIGN)
+    stride_w_h = _multiple_of(stride_w_h, D_ALIGN)
+    stride_lnw_f = _multiple_of(stride_lnw_f, D_ALIGN)
+    stride_lnb_f = _multiple_of(stride_lnb_f, D_ALIGN)
     pid_b = tl.program_id(0)
     f = tl.program_id(1).to(tl.int64)
     w1 = 0.0
@@ -855,7 +875,7 @@ def ln_tanh_linear_relu_bwd(
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PREFETCH: tl.constexpr = False,
     UNROLL_H: tl.constexpr = False, LOOP_STAGES: tl.constexpr = None, COL_SUMS: tl.constexpr = False,
     DZ_OUT: tl.constexpr = False, LOAD_MASK: tl.constexpr = False, LN_IN_WEIGHT: tl.constexpr = False,
-    ROW_SLOTS: tl.constexpr = 0,
+    ROW_SLOTS: tl.constexpr = 0, D_ALIGN: tl.constexpr = 1,
 ):
     # EVEN_B: every program's rows are all < B (B is a multiple of rows_per_program).
     # LOAD_STATS: STATS holds the forward's per-row mean and rstd ([2, F, B] fp32).
@@ -884,6 +904,17 @@ def ln_tanh_linear_relu_bwd(
     # LN_IN_WEIGHT (with DZ_OUT): the LayerNorm affine's gradients are the weight kernel's too
     # (its LN_GRADS); this kernel neither sums nor writes them.
     # PARTIAL row of this program: [H*D weight | H bias | D ln_weight | D ln_bias], fp32.
+    # D_ALIGN: D and the strides of x's and dx's rows and of the [D]-wide parameter rows are
+    # multiples of it (masked columns vectorise, `_multiple_of`).
+    D = _multiple_of(D, D_ALIGN)
+    stride_x_f = _multiple_of(stride_x_f, D_ALIGN)
+    stride_x_b = _multiple_of(stride_x_b, D_ALIGN)
+    stride_dx_f = _multiple_of(stride_dx_f, D_ALIGN)
+    stride_dx_b = _multiple_of(stride_dx_b, D_ALIGN)
+    stride_w_f = _multiple_of(stride_w_f, D_ALIGN)
+    stride_w_h = _multiple_of(stride_w_h, D_ALIGN)
+    stride_lnw_f = _multiple_of(stride_lnw_f, D_ALIGN)
+    stride_lnb_f = _multiple_of(stride_lnb_f, D_ALIGN)
     pid_p = tl.program_id(0)
     f = tl.program_id(1).to(tl.int64)
     n_prog = tl.num_programs(0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 from typing import Callable, Optional
 
 import torch
@@ -204,6 +205,20 @@ def _param_stride(p: Optional[torch.Tensor], per_feature_ndim: int) -> int:
     return p.stride(0)
 
 
+def column_alignment(D: int, *strides: int) -> int:
+    """The power of two (at most 16) that D and every given stride are multiples of: what a kernel
+    with masked columns may state about them (`kernels._multiple_of`) so that its column loads
+    vectorise. A claim that is not true would misalign vector accesses, so every stride the
+    kernel states it for is passed here.
+
+    Example:
+        >>> column_alignment(24, 24, 1536), column_alignment(24, 25, 1536), column_alignment(160, 0, 10240)
+        (8, 1, 16)
+    """
+    g = math.gcd(D, *strides)
+    return min(16, g & -g) if g else 16
+
+
 def _relu_mask_words(D: int, H: int, dtype: torch.dtype, device, chain, fwd_block_h: int) -> int:
     """Words (32 bits) of relu mask a training forward saves per row beside the row stats, 0 for
     none: where the backward would otherwise recompute z with a dot (its tl.dot paths), reading
@@ -377,6 +392,9 @@ def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, s
         BLOCK_K=cfg.block_k if chunked else cfg.block_d, K_CHUNKS=D // cfg.block_k if chunked else 1,
         K_LOOP=cfg.k_loop if chunked else 0,
     )
+    if not (even_d or chunked):
+        meta["D_ALIGN"] = column_alignment(D, sxf, sxb, *_weight_strides(weight), _param_stride(ln_weight, 2),
+                                           _param_stride(ln_bias, 2))
     if cfg.use_dot and _FWD_PRECISION.get(_forward_unfit_key(x, weight, chain, even_d and even_b)) == "ieee":
         meta["DOT_PRECISION"] = "ieee"
     mask_words = _relu_mask_words(D, H, x.dtype, dev, chain, cfg.block_h) if save_stats else 0
@@ -726,6 +744,9 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
             meta.pop(name, None)
         meta.update(BLOCK_D=parts[0], BLOCK_D2=parts[1], EVEN_D=True)
         launcher = _launch_bwd_rows2_dot if rows2_dot else _launch_bwd_rows2
+    elif not (chunked or meta["EVEN_D"]):
+        meta["D_ALIGN"] = column_alignment(D, sxf, sxb, sdf, sdb, swf, swh, _param_stride(ln_weight, 2),
+                                           _param_stride(ln_bias, 2))
     plan = BackwardPlan(cfg, (P, F), ints, meta, (F * P, K), reduce_grid, (F, P, K, H, D, first_pf_block), reduce_meta,
                         zero_dx=D == 1 and chain.norm == "layer_norm", launcher=launcher,
                         reads_stats=load_stats or load_mask)

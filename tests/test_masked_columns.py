@@ -1,0 +1,74 @@
+"""Masked columns (D not a power of two, no 16-column chunk): the kernels are told the power of two
+that D and the row strides are multiples of (`launch.column_alignment`, `kernels._multiple_of`) so
+that masked column loads vectorise. A claim that is not true would misalign vector accesses on a
+GPU, so the value is checked against the strides here, and the kernels are compared with float64
+on layouts whose alignment is 8, 4, 2 and 1 (a buffer with a padded row)."""
+import pytest
+import torch
+
+import recfuse
+from op_cases import Case, check_against_float64
+from recfuse.ops import launch
+from recfuse.reference import batched_ln_tanh_linear_relu
+
+
+@pytest.mark.parametrize("D,strides,expected", [
+    (24, (24, 1536), 8),      # torchrec [B, F*D] view, F=64
+    (24, (25, 1600), 1),      # rows padded to 25 columns
+    (100, (100, 6400), 4),
+    (160, (0, 10240), 16),    # a shared parameter's stride 0 says nothing
+    (48, (48 * 300, 48), 16),  # [F, B, D]
+    (20, (20, 60, 40), 4),
+    (0, (), 16),
+])
+def test_column_alignment_divides_D_and_every_stride(D, strides, expected):
+    align = launch.column_alignment(D, *strides)
+    assert align == expected
+    assert all(v % align == 0 for v in (D, *strides))
+
+
+def _inputs(F, B, D, H, pad, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # x sliced after the cast: a cast of a non-dense slice would come back contiguous
+    x = torch.randn(B, F, D + pad, generator=g, dtype=torch.float64).to(dtype)[:, :, :D]
+    assert x.stride() == (F * (D + pad), D + pad, 1)  # feature_dim=1
+    w = torch.randn(F, H, D, generator=g, dtype=torch.float64) / D ** 0.5
+    b = 0.1 + 0.1 * torch.randn(F, H, generator=g, dtype=torch.float64)
+    lw = 1 + 0.2 * torch.randn(F, D, generator=g, dtype=torch.float64)
+    lb = 0.2 * torch.randn(F, D, generator=g, dtype=torch.float64)
+    return [x] + [t.to(dtype) for t in (w, b, lw, lb)]
+
+
+def test_plans_state_the_alignment_of_masked_columns_only():
+    x, w, b, lw, lb = _inputs(3, 20, 24, 8, 0, torch.float32)
+    assert launch.forward_plan(x, w, b, lw, lb, 1e-5, 1, save_stats=False).meta["D_ALIGN"] == 8
+    x, w, b, lw, lb = _inputs(3, 20, 24, 8, 1, torch.float32)
+    assert launch.forward_plan(x, w, b, lw, lb, 1e-5, 1, save_stats=False).meta["D_ALIGN"] == 1
+    x, w, b, lw, lb = _inputs(3, 20, 32, 8, 0, torch.float32)  # full rows: no masks to state it for
+    assert "D_ALIGN" not in launch.forward_plan(x, w, b, lw, lb, 1e-5, 1, save_stats=False).meta
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D,H,pad", [(24, 2, 0), (24, 8, 0), (24, 8, 1), (40, 16, 0), (100, 4, 0), (24, 32, 2)])
+def test_masked_columns_match_float64(D, H, pad, dtype):
+    """Forward and every gradient against the float64 composite, alignment 8/4/2/1 (pad 0/1/2)."""
+    tensors = [t.requires_grad_() for t in _inputs(3, 37, D, H, pad, dtype, seed=D + H + pad)]
+    assert tensors[0].stride(1) == D + pad
+    y = recfuse.ln_tanh_linear_relu(tensors[0], tensors[1], tensors[2], ln_weight=tensors[3], ln_bias=tensors[4],
+                                    feature_dim=1)
+    gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y.backward(gy.to(dtype))
+    ref_in = [t.detach().double().requires_grad_() for t in tensors]
+    ref = batched_ln_tanh_linear_relu(*ref_in, 1e-5, 1)
+    ref.backward(gy)
+    y_tol, g_tol = (1e-5, 1e-4) if dtype == torch.float32 else (2e-2, 3e-2)
+    assert (y.double() - ref).abs().max().item() <= y_tol * ref.abs().max().item()
+    for t, r in zip(tensors, ref_in):
+        err = ((t.grad.double() - r.grad).norm() / r.grad.norm()).item()
+        assert err <= g_tol, (t.shape, err)
+
+
+@pytest.mark.interpret
+def test_torchrec_view_at_D24_matches_float64():
+    check_against_float64(Case(3, 40, 24, 8, feature_dim=1, strided_view=True, ln="per_feature"), torch.float32)
