@@ -47,6 +47,7 @@ Example:
     $ python benchmarks/grid.py --dims 64 256 --hs 1 16 --dtypes bf16 --peer-every 0 --x-mb 128
     $ python benchmarks/grid.py --device cpu --x-mb 0.5 --dims 32 48 --hs 1 4 --dtypes fp32 --save /tmp/gridtest
     $ python benchmarks/grid.py --chains rms_norm,silu,none none,none,relu --dims 64 256 --hs 1 16
+    $ python benchmarks/grid.py --off-grid --peer-every 4 --save benchmarks/results  # shapes the tables lack
 """
 from __future__ import annotations
 
@@ -91,6 +92,16 @@ def parse_chain(text: str) -> Chain:
 
 def chain_text(chain: Chain) -> str:
     return ",".join("none" if v is None else v for v in chain)
+
+
+# The grid of the targets (DESIGN.md), which the tuned tables cover, and shapes off it that users
+# have too: D with no 16-column chunk (24, 40: masked narrow rows) or not a power of two (96, 100,
+# 192, 384), H between the tuned ones. The twenty-third session found these 1.4-4.8x slower than
+# they needed to be (results/checks/offgrid_h200.txt).
+GRID_DIMS = (32, 48, 64, 128, 160, 256, 512)
+GRID_HS = (1, 4, 16, 64)
+OFF_GRID_DIMS = (24, 40, 96, 100, 192, 384)
+OFF_GRID_HS = (2, 8, 32)
 
 
 def grid_points(args) -> list[dict]:
@@ -373,8 +384,11 @@ def heatmap(points: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def result_stem(save: str, slug: str, chains) -> str:
-    """grid_<gpu> for the default chain alone, grid_chains_<gpu> when other chains are in the run."""
+def result_stem(save: str, slug: str, chains, off_grid: bool = False) -> str:
+    """grid_<gpu> for the default chain alone, grid_chains_<gpu> when other chains are in the run,
+    grid_offgrid_<gpu> for an ``--off-grid`` run (the default chain)."""
+    if off_grid:
+        return os.path.join(save, f"grid_offgrid_{slug}")
     return os.path.join(save, f"grid_{slug}" if list(chains) == [DEFAULT] else f"grid_chains_{slug}")
 
 
@@ -425,9 +439,10 @@ def merge_points(saved: list[dict], points: list[dict], date: str) -> list[dict]
     return kept + [p for p in points if "skipped" not in p or key(p) not in kept_keys]
 
 
-def write_outputs(save: str, slug: str, env: dict, points: list[dict], final: bool, merge: bool = False) -> None:
+def write_outputs(save: str, slug: str, env: dict, points: list[dict], final: bool, merge: bool = False,
+                  off_grid: bool = False) -> None:
     os.makedirs(save, exist_ok=True)
-    stem = result_stem(save, slug, {parse_chain(p.get("chain", chain_text(DEFAULT))) for p in points})
+    stem = result_stem(save, slug, {parse_chain(p.get("chain", chain_text(DEFAULT))) for p in points}, off_grid)
     if merge and os.path.exists(stem + ".json"):
         with open(stem + ".json") as fh:
             saved = json.load(fh)
@@ -446,11 +461,16 @@ def write_outputs(save: str, slug: str, env: dict, points: list[dict], final: bo
 # -------------------------------------------------------------------------------------------- main
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
-    ap.add_argument("--dims", nargs="+", type=int, default=[32, 48, 64, 128, 160, 256, 512])
-    ap.add_argument("--hs", nargs="+", type=int, default=[1, 4, 16, 64])
+    ap.add_argument("--off-grid", action="store_true",
+                    help="shapes the tuned tables do not hold (D %s, H %s; BFD, per-feature affine unless "
+                         "given), where configs come from nearest entries and the heuristic; saves "
+                         "grid_offgrid_<gpu>.*" % (list(OFF_GRID_DIMS), list(OFF_GRID_HS)))
+    ap.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=None, help="default: both (--off-grid: BFD)")
+    ap.add_argument("--dims", nargs="+", type=int, default=None, help=f"default: {list(GRID_DIMS)}")
+    ap.add_argument("--hs", nargs="+", type=int, default=None, help=f"default: {list(GRID_HS)}")
     ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["fp32", "bf16"])
-    ap.add_argument("--affine", nargs="+", choices=AFFINES, default=list(AFFINES))
+    ap.add_argument("--affine", nargs="+", choices=AFFINES, default=None,
+                    help="default: both (--off-grid: per_feature)")
     ap.add_argument("--chains", nargs="+", type=parse_chain, default=[DEFAULT],
                     help="norm,activation,out_activation per chain (e.g. rms_norm,silu,none); default "
                          "layer_norm,tanh,relu")
@@ -466,7 +486,13 @@ def parse_args(argv=None):
                          "'run_date'); the table and heatmap show the union")
     ap.add_argument("--max-seconds", type=float, default=None, help="stop between points after this long")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    off = args.off_grid
+    args.layouts = args.layouts or (["BFD"] if off else list(LAYOUTS))
+    args.dims = args.dims or list(OFF_GRID_DIMS if off else GRID_DIMS)
+    args.hs = args.hs or list(OFF_GRID_HS if off else GRID_HS)
+    args.affine = args.affine or (["per_feature"] if off else list(AFFINES))
+    return args
 
 
 def main(argv=None) -> int:
@@ -516,7 +542,7 @@ def main(argv=None) -> int:
         if dev == "cuda":
             torch.cuda.empty_cache()
         if args.save and not args.merge:
-            write_outputs(args.save, slug, env, points, final=False)
+            write_outputs(args.save, slug, env, points, final=False, off_grid=args.off_grid)
     bar.close()
 
     if dev == "cuda" and not stop:
@@ -525,7 +551,7 @@ def main(argv=None) -> int:
     print(table(points, env))
     print(f"total {env['total_s']:.0f} s", file=sys.stderr)
     if args.save:
-        write_outputs(args.save, slug, env, points, final=True, merge=args.merge)
+        write_outputs(args.save, slug, env, points, final=True, merge=args.merge, off_grid=args.off_grid)
         print(f"wrote {result_stem(args.save, slug, args.chains)}.json/.txt/.png", file=sys.stderr)
     return 0
 

@@ -34,6 +34,8 @@ def smoke_commands(out: Path) -> dict[str, list[str]]:
                     "--save", str(out / "puzzler")],
         "grid": ["grid.py", "--device", "cpu", "--x-mb", "0.25", "--dims", "32", "--hs", "1", "4", "--dtypes",
                  "fp32", "--peer-every", "0", "--warmup", "1", "--rep", "5", "--save", str(out / "grid")],
+        "grid_offgrid": ["grid.py", "--device", "cpu", "--off-grid", "--x-mb", "0.25", "--dims", "24", "--hs", "2",
+                         "--peer-every", "0", "--warmup", "1", "--rep", "5", "--save", str(out / "grid")],
         "host_overhead": ["host_overhead.py", "--device", "cpu", "--F", "4", "--B", "8", "--D", "16", "--calls", "5",
                           "--json", str(out / "host_overhead.json")],
         "gpu_kernels": ["gpu_kernels.py", "--device", "cpu", "--checks-only", "--json", str(out / "gpu_kernels.json")],
@@ -177,6 +179,17 @@ def test_grid_smoke_run_matches_float64(smoke):
     assert data["env"]["copy_GBps"] > 0
     assert (out / "grid" / "grid_cpu.txt").read_text().startswith("recfuse grid on")
     assert (out / "grid" / "grid_cpu.png").stat().st_size > 0
+
+
+def test_grid_off_grid_run_has_its_own_file_and_defaults(smoke):
+    """--off-grid: BFD with per-feature affine by default, both dtypes, saved beside (not over) the grid."""
+    out, _ = smoke("grid_offgrid")
+    data = json.loads((out / "grid" / "grid_offgrid_cpu.json").read_text())
+    assert {(p["layout"], p["affine"], p["dtype"], p["D"], p["H"]) for p in data["points"]} == {
+        ("BFD", "per_feature", dt, 24, 2) for dt in ("fp32", "bf16")}
+    for p in data["points"]:
+        assert not p.get("errors"), p
+        assert p["max_rel_err"] < (1e-5 if p["dtype"] == "fp32" else 2e-2)
 
 
 # Run in a subprocess with benchmarks/ on the path (this file imports nothing from benchmarks/).
