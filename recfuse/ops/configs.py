@@ -239,8 +239,9 @@ def heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool = Tru
     two. The tl.dot path normalises and multiplies 32-64 columns at a time when the weight block
     fits one tile (whole 3xTF32 rows spill registers); 16-bit rows of 1-3 chunks take one program
     per 64-row tile (whole rows at H <= 16), wider ones a runtime chunk loop; persistent programs
-    with tiles of x in flight only at 17 <= H <= 32. Measurements behind these rules:
-    benchmarks/NOTES.md.
+    with tiles of x in flight only at 17 <= H <= 32 over full power-of-two rows. Masked rows of no
+    16-column chunk (D = 24, 40, 100) take longer tiles of 4 warps. Measurements behind these
+    rules: benchmarks/NOTES.md.
 
     Example:
         >>> heuristic_forward(256, 1, torch.float32).num_warps
@@ -266,8 +267,11 @@ def chunk_width(D: int, widest: int) -> int:
 
 
 def _narrow_masked_rows(block_d: int, block_h: int) -> int:
-    """Rows of a 16-bit tl.dot tile over masked narrow rows (no 16-column chunk of D)."""
-    return min(128 if block_h <= 16 else 64, max(32, 4096 // block_d))
+    """Rows of a 16-bit tl.dot tile (4 warps) over masked rows of no 16-column chunk (D = 24, 40,
+    100): 128 at 32-64 columns, 64 at 128. Measured at D=24 (H200 tuner: H=2/8 128 rows, H=32 64);
+    at D = 40/100 the offline sm_90 compiles agree (bf16 D=100 H=16: 55 SASS instructions an
+    element on 32-row 8-warp tiles, 35 on 64-row 4-warp ones; H=64 65 -> 41), not yet timed."""
+    return min(128 if block_h <= 16 else 64, max(32, 8192 // block_d))
 
 
 def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> ForwardConfig:
@@ -366,10 +370,10 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
                                  persistent=1, tile_stages=3 if block_d <= 256 else 2)
         if dtype == torch.float32 and block_h == 32:
             return ForwardConfig(16, block_d, block_h, True, 4)  # 3xTF32 spills with 32 rows
-        if D != block_d and block_d <= 64:
-            # Narrow masked rows of no 16-column chunk (D = 24, 40, 56): longer tiles, 4 warps
-            # (H200 tuner, D=24 H=8: fp32 64 rows 364 -> 288 us, bf16 128 rows 666 -> 327; H=32
-            # bf16 64 rows 624 -> 408; NOTES, twenty-third session).
+        if D != block_d and block_d <= (64 if dtype == torch.float32 else 128):
+            # Masked rows of no 16-column chunk (D = 24, 40, 100): longer tiles, 4 warps (H200
+            # tuner, D=24 H=8: fp32 64 rows 364 -> 288 us, bf16 128 rows 666 -> 327; H=32 bf16 64
+            # rows 624 -> 408; NOTES, twenty-third session).
             rows = 64 if dtype == torch.float32 else _narrow_masked_rows(block_d, block_h)
             return ForwardConfig(rows, block_d, block_h, True, 4)
         return ForwardConfig(block_b, block_d, block_h, True, num_warps)
