@@ -8,7 +8,7 @@ import torch
 
 import recfuse
 from op_cases import Case, check_against_float64
-from recfuse.ops import launch
+from recfuse.ops import configs, launch
 from recfuse.reference import batched_ln_tanh_linear_relu
 
 
@@ -72,3 +72,55 @@ def test_masked_columns_match_float64(D, H, pad, dtype):
 @pytest.mark.interpret
 def test_torchrec_view_at_D24_matches_float64():
     check_against_float64(Case(3, 40, 24, 8, feature_dim=1, strided_view=True, ln="per_feature"), torch.float32)
+
+
+# Column-chunked backwards with a masked last chunk (D not a whole number of chunks): the K-chunked
+# kernel, the two-pass kernel (both passes) and the split weight-gradient kernel state D_ALIGN too.
+CHUNKED_BACKWARDS = {
+    "k_chunked": dict(use_dot=True, block_b=16, block_k=32, prefetch=0, programs_per_sm=1),
+    "two_pass": dict(use_dot=True, block_b=16, block_k=0, prefetch=0, programs_per_sm=1, two_pass=32, dw_block_b=16),
+    "split_dw": dict(use_dot=True, block_b=16, block_k=0, prefetch=0, programs_per_sm=1, split_dw=32, dw_block_b=16),
+}
+
+
+def _forced_backward(knobs):
+    return configs.override(backward=lambda D, H, dt: configs.heuristic_backward(D, H, dt, **knobs))
+
+
+@pytest.mark.parametrize("path", sorted(CHUNKED_BACKWARDS))
+def test_chunked_backward_plans_state_the_alignment(path):
+    x, w, b, lw, lb = _inputs(3, 20, 100, 16, 0, torch.float32)
+    gy = torch.zeros(20, 3, 16)
+    stats = torch.zeros(4, 3, 20)
+    with _forced_backward(CHUNKED_BACKWARDS[path]):
+        plan = launch.backward_plan(gy, x, w, b, lw, lb, 1e-5, 1, stats)
+    metas = [plan.meta] + ([plan.weight_meta] if plan.weight_meta is not None else [])
+    assert any(m.get("D_ALIGN") == 4 for m in metas)
+    assert all(m.get("D_ALIGN") in (None, 4) for m in metas)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", sorted(CHUNKED_BACKWARDS))
+@pytest.mark.parametrize("D,pad", [(100, 0), (72, 1)])
+def test_chunked_backward_with_a_masked_last_chunk_matches_float64(path, D, pad, dtype):
+    H = 16
+    tensors = [t.requires_grad_() for t in _inputs(3, 37, D, H, pad, dtype, seed=D + pad)]
+    gy = torch.randn(37, 3, H, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    with _forced_backward(CHUNKED_BACKWARDS[path]), launch.trace_launches() as seen:
+        y = recfuse.ln_tanh_linear_relu(tensors[0], tensors[1], tensors[2], ln_weight=tensors[3],
+                                        ln_bias=tensors[4], feature_dim=1)
+        y.backward(gy.to(dtype))
+    # the forced path ran, told its alignment (8 at D=100 is 4; a padded row of 73 columns is 1)
+    backward_metas = [m for kind, _, m, _ in seen if kind == "backward"]
+    assert backward_metas and all(m.get("D_ALIGN", 1) == (4 if pad == 0 else 1) for m in backward_metas)
+    if path == "two_pass":
+        assert [m.get("DX_PASS") for m in backward_metas] == [False]
+    if path == "k_chunked":
+        assert backward_metas[0]["BLOCK_K"] == 32
+    ref_in = [t.detach().double().requires_grad_() for t in tensors]
+    batched_ln_tanh_linear_relu(*ref_in, 1e-5, 1).backward(gy)
+    g_tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for t, r in zip(tensors, ref_in):
+        err = ((t.grad.double() - r.grad).norm() / r.grad.norm()).item()
+        assert err <= g_tol, (path, t.shape, err)

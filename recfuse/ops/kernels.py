@@ -397,6 +397,15 @@ def _multiple_of(n, ALIGN: tl.constexpr):
 
 
 @triton.jit
+def _aligned_rows(D, stride_x_f, stride_x_b, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f,
+                  ALIGN: tl.constexpr):
+    """`_multiple_of` over D and the strides of x's rows and of the [D]-wide parameter rows."""
+    return (_multiple_of(D, ALIGN), _multiple_of(stride_x_f, ALIGN), _multiple_of(stride_x_b, ALIGN),
+            _multiple_of(stride_w_f, ALIGN), _multiple_of(stride_w_h, ALIGN), _multiple_of(stride_lnw_f, ALIGN),
+            _multiple_of(stride_lnb_f, ALIGN))
+
+
+@triton.jit
 def _load_rows(ptrs, rmask, EVEN_B: tl.constexpr, EVICT: tl.constexpr):
     """A [rows, cols] block as fp32; padded rows (not EVEN_B) read as zeros."""
     if EVEN_B:
@@ -704,13 +713,8 @@ def ln_tanh_linear_relu_fwd(
     # (measured on the H100: one program per tile leaves DRAM idle ~half the time at bf16 H=64).
     # D_ALIGN: D and the strides of x's rows and of the [D]-wide parameter rows are multiples of
     # it (masked columns vectorise, `_multiple_of`).
-    D = _multiple_of(D, D_ALIGN)
-    stride_x_f = _multiple_of(stride_x_f, D_ALIGN)
-    stride_x_b = _multiple_of(stride_x_b, D_ALIGN)
-    stride_w_f = _multiple_of(stride_w_f, D_ALIGN)
-    stride_w_h = _multiple_of(stride_w_h, D_ALIGN)
-    stride_lnw_f = _multiple_of(stride_lnw_f, D_ALIGN)
-    stride_lnb_f = _multiple_of(stride_lnb_f, D_ALIGN)
+    D, stride_x_f, stride_x_b, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f = _aligned_rows(
+        D, stride_x_f, stride_x_b, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f, D_ALIGN)
     pid_b = tl.program_id(0)
     f = tl.program_id(1).to(tl.int64)
     w1 = 0.0
@@ -906,15 +910,10 @@ def ln_tanh_linear_relu_bwd(
     # PARTIAL row of this program: [H*D weight | H bias | D ln_weight | D ln_bias], fp32.
     # D_ALIGN: D and the strides of x's and dx's rows and of the [D]-wide parameter rows are
     # multiples of it (masked columns vectorise, `_multiple_of`).
-    D = _multiple_of(D, D_ALIGN)
-    stride_x_f = _multiple_of(stride_x_f, D_ALIGN)
-    stride_x_b = _multiple_of(stride_x_b, D_ALIGN)
+    D, stride_x_f, stride_x_b, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f = _aligned_rows(
+        D, stride_x_f, stride_x_b, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f, D_ALIGN)
     stride_dx_f = _multiple_of(stride_dx_f, D_ALIGN)
     stride_dx_b = _multiple_of(stride_dx_b, D_ALIGN)
-    stride_w_f = _multiple_of(stride_w_f, D_ALIGN)
-    stride_w_h = _multiple_of(stride_w_h, D_ALIGN)
-    stride_lnw_f = _multiple_of(stride_lnw_f, D_ALIGN)
-    stride_lnb_f = _multiple_of(stride_lnb_f, D_ALIGN)
     pid_p = tl.program_id(0)
     f = tl.program_id(1).to(tl.int64)
     n_prog = tl.num_programs(0)
@@ -1474,7 +1473,7 @@ def ln_tanh_linear_relu_bwd_weight(
     DOT_UPCAST: tl.constexpr, SPLIT_DW: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-    LN_GRADS: tl.constexpr = False, SPLIT_DT: tl.constexpr = 3,
+    LN_GRADS: tl.constexpr = False, SPLIT_DT: tl.constexpr = 3, D_ALIGN: tl.constexpr = 1,
 ):
     """The weight gradient dz^T @ t of `ln_tanh_linear_relu_bwd` with DZ_OUT, as a GEMM over rows.
 
@@ -1491,6 +1490,9 @@ def ln_tanh_linear_relu_bwd_weight(
     fused kernel's cross-warp reduction per row tile and the [D] accumulators leave the row loop.
     EVEN_D: D % BLOCK_K == 0. EVEN_B: every tile's rows are < B.
     """
+    # D_ALIGN: as `ln_tanh_linear_relu_fwd`'s (a masked last column chunk vectorises).
+    D, stride_x_f, stride_x_b, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f = _aligned_rows(
+        D, stride_x_f, stride_x_b, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f, D_ALIGN)
     pid_p = tl.program_id(0)
     f = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -1625,7 +1627,7 @@ def ln_tanh_linear_relu_bwd_two_pass(
     SPLIT_DT: tl.constexpr, SPLIT_DW: tl.constexpr, FAST_TANH: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, DX_PASS: tl.constexpr,
-    LOOP_STAGES: tl.constexpr = None, DW_FIRST: tl.constexpr = False,
+    LOOP_STAGES: tl.constexpr = None, DW_FIRST: tl.constexpr = False, D_ALIGN: tl.constexpr = 1,
 ):
     """The two-pass backward, BLOCK_K columns at a time; launched twice, DX_PASS False then True.
 
@@ -1650,6 +1652,11 @@ def ln_tanh_linear_relu_bwd_two_pass(
     The other arguments are `ln_tanh_linear_relu_bwd`'s (BIAS unused; DX and PARTIAL by the
     second pass only).
     """
+    # D_ALIGN: as `ln_tanh_linear_relu_bwd`'s (a masked last column chunk vectorises).
+    D, stride_x_f, stride_x_b, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f = _aligned_rows(
+        D, stride_x_f, stride_x_b, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f, D_ALIGN)
+    stride_dx_f = _multiple_of(stride_dx_f, D_ALIGN)
+    stride_dx_b = _multiple_of(stride_dx_b, D_ALIGN)
     pid_k = tl.program_id(0)
     pid_p = tl.program_id(1)
     f = tl.program_id(2).to(tl.int64)
@@ -1804,7 +1811,7 @@ def ln_tanh_linear_relu_bwd_chunked(
     FAST_TANH: tl.constexpr,
     LOAD_STATS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    LOAD_MASK: tl.constexpr = False,
+    LOAD_MASK: tl.constexpr = False, D_ALIGN: tl.constexpr = 1,
 ):
     """`ln_tanh_linear_relu_bwd` (tl.dot path) BLOCK_K columns at a time: the same arguments, the
     same partial-sum layout, the same numbers up to summation order.
@@ -1820,6 +1827,11 @@ def ln_tanh_linear_relu_bwd_chunked(
     The chunk loops stop at D, not BLOCK_D: EVEN_D here means D % BLOCK_K == 0, so a D that is not
     a power of two (160 = 5 x 32) walks no padded columns and needs no column masks.
     """
+    # D_ALIGN: as `ln_tanh_linear_relu_bwd`'s (a masked last column chunk vectorises).
+    D, stride_x_f, stride_x_b, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f = _aligned_rows(
+        D, stride_x_f, stride_x_b, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f, D_ALIGN)
+    stride_dx_f = _multiple_of(stride_dx_f, D_ALIGN)
+    stride_dx_b = _multiple_of(stride_dx_b, D_ALIGN)
     pid_p = tl.program_id(0)
     f = tl.program_id(1).to(tl.int64)
     n_prog = tl.num_programs(0)

@@ -675,6 +675,8 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
     dx_strides = torch.empty_like(x, device="meta").stride()
     sdf, sdb = (dx_strides[0], dx_strides[1]) if feature_dim == 0 else (dx_strides[1], dx_strides[0])
     swf, swh = _weight_strides(weight)
+    # What a kernel with masked columns may state about D and the row strides (`column_alignment`).
+    d_align = column_alignment(D, sxf, sxb, sdf, sdb, swf, swh, _param_stride(ln_weight, 2), _param_stride(ln_bias, 2))
     ints = (
         B, D, H, rows_per_program, F * B,
         sxf, sxb, x.stride(2),
@@ -744,20 +746,20 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
             meta.pop(name, None)
         meta.update(BLOCK_D=parts[0], BLOCK_D2=parts[1], EVEN_D=True)
         launcher = _launch_bwd_rows2_dot if rows2_dot else _launch_bwd_rows2
-    elif not (chunked or meta["EVEN_D"]):
-        meta["D_ALIGN"] = column_alignment(D, sxf, sxb, sdf, sdb, swf, swh, _param_stride(ln_weight, 2),
-                                           _param_stride(ln_bias, 2))
+    elif not meta["EVEN_D"]:
+        meta["D_ALIGN"] = d_align
     plan = BackwardPlan(cfg, (P, F), ints, meta, (F * P, K), reduce_grid, (F, P, K, H, D, first_pf_block), reduce_meta,
                         zero_dx=D == 1 and chain.norm == "layer_norm", launcher=launcher,
                         reads_stats=load_stats or load_mask)
     if split:
-        _add_weight_kernel(plan, grad_y, x, weight, ln_weight, ln_bias, F, B, D, H, rows_per_program, sxf, sxb)
+        _add_weight_kernel(plan, grad_y, x, weight, ln_weight, ln_bias, F, B, D, H, rows_per_program, sxf, sxb,
+                           d_align)
     if two_pass:
-        _make_two_pass(plan, F, B, D, P)
+        _make_two_pass(plan, F, B, D, P, d_align)
     return plan
 
 
-def _make_two_pass(plan: BackwardPlan, F: int, B: int, D: int, P: int):
+def _make_two_pass(plan: BackwardPlan, F: int, B: int, D: int, P: int, d_align: int):
     """Make `plan` the two-pass backward (`BackwardConfig.two_pass`): the row-sums pass in the
     fused kernel's slot, the dx-and-partials pass in the weight kernel's, both
     `kernels.ln_tanh_linear_relu_bwd_two_pass` on a grid of (column chunks, row programs,
@@ -768,6 +770,8 @@ def _make_two_pass(plan: BackwardPlan, F: int, B: int, D: int, P: int):
                                    "BWD_DOT_DTYPE", "DOT_UPCAST", "SPLIT_DT", "SPLIT_DW", "FAST_TANH", "EVEN_B",
                                    "X_EVICT", "BLOCK_H")}
     common.update(EVEN_D=D % cfg.two_pass == 0, BLOCK_K=cfg.two_pass, DW_FIRST=bool(cfg.dw_first))
+    if not common["EVEN_D"]:
+        common["D_ALIGN"] = d_align
     plan.meta = dict(common, BLOCK_B=cfg.block_b, DX_PASS=False, LOOP_STAGES=cfg.loop_stages or None)
     plan.launcher = _launch_bwd_two_pass
     plan.grid = (n_chunks, P, F)
@@ -784,7 +788,7 @@ def _make_two_pass(plan: BackwardPlan, F: int, B: int, D: int, P: int):
 
 
 def _add_weight_kernel(plan: BackwardPlan, grad_y, x, weight, ln_weight, ln_bias, F, B, D, H, rows_per_program,
-                       sxf, sxb):
+                       sxf, sxb, d_align):
     """Make `plan` a split backward: the fused kernel writes dz (and the row stats) instead of the
     weight gradient, which `kernels.ln_tanh_linear_relu_bwd_weight` makes from them."""
     cfg, meta = plan.cfg, plan.meta
@@ -811,6 +815,8 @@ def _add_weight_kernel(plan: BackwardPlan, grad_y, x, weight, ln_weight, ln_bias
         EVEN_D=D % block_k == 0, EVEN_B=B > 0 and B % rows_per_program == 0, X_EVICT=cfg.x_evict,
         BLOCK_B=cfg.dw_block_b, BLOCK_K=block_k, BLOCK_H=cfg.block_h,
     )
+    if not plan.weight_meta["EVEN_D"]:
+        plan.weight_meta["D_ALIGN"] = d_align
     if ln_grads:
         plan.weight_meta.update(LN_GRADS=True, SPLIT_DT=meta["SPLIT_DT"])
         meta["LN_IN_WEIGHT"] = True
