@@ -46,6 +46,14 @@ def test_plans_state_the_alignment_of_masked_columns_only():
     assert launch.forward_plan(x, w, b, lw, lb, 1e-5, 1, save_stats=False).meta["D_ALIGN"] == 1
     x, w, b, lw, lb = _inputs(3, 20, 32, 8, 0, torch.float32)  # full rows: no masks to state it for
     assert "D_ALIGN" not in launch.forward_plan(x, w, b, lw, lb, 1e-5, 1, save_stats=False).meta
+    # The whole-row backward over masked columns: D=24 is told 8; at D=48 (a multiple of 16, as
+    # are its strides) Triton's own specialisation says it, and the kernel compiles as without it.
+    whole_rows = dict(use_dot=True, block_b=16, block_k=0, prefetch=0, programs_per_sm=1)
+    for D, expected in ((24, 8), (48, None)):
+        x, w, b, lw, lb = _inputs(3, 20, D, 8, 0, torch.float32)
+        with _forced_backward(whole_rows):
+            plan = launch.backward_plan(torch.zeros(20, 3, 8), x, w, b, lw, lb, 1e-5, 1, torch.zeros(4, 3, 20))
+        assert not plan.meta["EVEN_D"] and plan.meta.get("D_ALIGN") == expected
 
 
 @pytest.mark.interpret

@@ -219,6 +219,13 @@ def column_alignment(D: int, *strides: int) -> int:
     return min(16, g & -g) if g else 16
 
 
+def _aligned_columns(align: int) -> dict:
+    """The ``D_ALIGN`` constexpr of a kernel whose columns are masked, where it says something new:
+    Triton already specialises integer arguments that are multiples of 16 (so the grid's D = 48,
+    160 compile as before)."""
+    return {"D_ALIGN": align} if align < 16 else {}
+
+
 def _relu_mask_words(D: int, H: int, dtype: torch.dtype, device, chain, fwd_block_h: int) -> int:
     """Words (32 bits) of relu mask a training forward saves per row beside the row stats, 0 for
     none: where the backward would otherwise recompute z with a dot (its tl.dot paths), reading
@@ -393,8 +400,8 @@ def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, s
         K_LOOP=cfg.k_loop if chunked else 0,
     )
     if not (even_d or chunked):
-        meta["D_ALIGN"] = column_alignment(D, sxf, sxb, *_weight_strides(weight), _param_stride(ln_weight, 2),
-                                           _param_stride(ln_bias, 2))
+        meta.update(_aligned_columns(column_alignment(D, sxf, sxb, *_weight_strides(weight),
+                                                      _param_stride(ln_weight, 2), _param_stride(ln_bias, 2))))
     if cfg.use_dot and _FWD_PRECISION.get(_forward_unfit_key(x, weight, chain, even_d and even_b)) == "ieee":
         meta["DOT_PRECISION"] = "ieee"
     mask_words = _relu_mask_words(D, H, x.dtype, dev, chain, cfg.block_h) if save_stats else 0
@@ -747,7 +754,7 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
         meta.update(BLOCK_D=parts[0], BLOCK_D2=parts[1], EVEN_D=True)
         launcher = _launch_bwd_rows2_dot if rows2_dot else _launch_bwd_rows2
     elif not meta["EVEN_D"]:
-        meta["D_ALIGN"] = d_align
+        meta.update(_aligned_columns(d_align))
     plan = BackwardPlan(cfg, (P, F), ints, meta, (F * P, K), reduce_grid, (F, P, K, H, D, first_pf_block), reduce_meta,
                         zero_dx=D == 1 and chain.norm == "layer_norm", launcher=launcher,
                         reads_stats=load_stats or load_mask)
@@ -771,7 +778,7 @@ def _make_two_pass(plan: BackwardPlan, F: int, B: int, D: int, P: int, d_align: 
                                    "X_EVICT", "BLOCK_H")}
     common.update(EVEN_D=D % cfg.two_pass == 0, BLOCK_K=cfg.two_pass, DW_FIRST=bool(cfg.dw_first))
     if not common["EVEN_D"]:
-        common["D_ALIGN"] = d_align
+        common.update(_aligned_columns(d_align))
     plan.meta = dict(common, BLOCK_B=cfg.block_b, DX_PASS=False, LOOP_STAGES=cfg.loop_stages or None)
     plan.launcher = _launch_bwd_two_pass
     plan.grid = (n_chunks, P, F)
@@ -816,7 +823,7 @@ def _add_weight_kernel(plan: BackwardPlan, grad_y, x, weight, ln_weight, ln_bias
         BLOCK_B=cfg.dw_block_b, BLOCK_K=block_k, BLOCK_H=cfg.block_h,
     )
     if not plan.weight_meta["EVEN_D"]:
-        plan.weight_meta["D_ALIGN"] = d_align
+        plan.weight_meta.update(_aligned_columns(d_align))
     if ln_grads:
         plan.weight_meta.update(LN_GRADS=True, SPLIT_DT=meta["SPLIT_DT"])
         meta["LN_IN_WEIGHT"] = True
