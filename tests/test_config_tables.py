@@ -205,3 +205,24 @@ def test_an_own_table_lies_over_the_same_architecture_table(monkeypatch, fresh_c
     # the environment variable still names one table alone
     monkeypatch.setenv(configs.TABLE_ENV, H100)
     assert configs.device_entries(0) == h100
+
+
+def test_a_neighbours_chunk_width_that_does_not_divide_D_is_not_borrowed(tmp_path):
+    """D=48's masked entry (16-column chunks) is D=48's own config and the nearest of D = 40 and 56,
+    which 16 does not divide: its tiles, tuned for chunks, would run whole masked rows there, so
+    those take the heuristic. At D=48 H=32 (another H, the same D) the entry is still borrowed."""
+    entry = {"block_b": 32, "num_warps": 8, "use_dot": True, "x_evict": "", "persistent": 0, "tile_stages": 1,
+             "block_k": 16, "unroll_h": 0, "k_loop": 0}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"forward": [{"D": 48, "H": 16, "dtype": "bfloat16", "full_tiles": False,
+                                             "config": entry}]}))
+    try:
+        own = configs.table_forward_config(48, 16, torch.bfloat16, "cpu", False, table=str(path))
+        assert (own.block_b, own.num_warps, own.block_k) == (32, 8, 16)
+        for D in (40, 56):  # nearest entry D=48 (same BLOCK_D), its 16 columns do not divide D
+            cfg = configs.table_forward_config(D, 16, torch.bfloat16, "cpu", False, table=str(path))
+            assert cfg == configs.heuristic_forward(D, 16, torch.bfloat16, False)
+        cfg = configs.table_forward_config(48, 32, torch.bfloat16, "cpu", False, table=str(path))
+        assert (cfg.block_b, cfg.num_warps, cfg.block_k) == (32, 8, 16)
+    finally:
+        configs.load_table.cache_clear()
