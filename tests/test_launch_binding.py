@@ -106,25 +106,26 @@ def test_a_left_out_constexpr_with_a_default_is_filled_and_one_without_is_not():
 
     cache = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
     n = len(cache.arg_names)
-    assert cache.arg_names[-8:] == ["PREFETCH", "UNROLL_H", "LOOP_STAGES", "COL_SUMS", "DZ_OUT", "LOAD_MASK",
-                                    "LN_IN_WEIGHT", "ROW_SLOTS"]
-    defaults = [False, False, None, False, False, False, False, 0]
+    assert cache.arg_names[-9:] == ["PREFETCH", "UNROLL_H", "LOOP_STAGES", "COL_SUMS", "DZ_OUT", "LOAD_MASK",
+                                    "LN_IN_WEIGHT", "ROW_SLOTS", "D_ALIGN"]
+    defaults = [False, False, None, False, False, False, False, 0, 1]
 
     def expect(block_h, **set_):
-        names = cache.arg_names[-8:]
+        names = cache.arg_names[-9:]
         return [block_h] + [set_.get(name, d) for name, d in zip(names, defaults)]
 
-    assert cache.trailing_args(range(n - 9), {"BLOCK_H": 16}) == expect(16)
-    assert cache.trailing_args(range(n - 9), {"BLOCK_H": 16, "PREFETCH": True}) == expect(16, PREFETCH=True)
-    assert cache.trailing_args(range(n - 9), {"BLOCK_H": 4, "UNROLL_H": True}) == expect(4, UNROLL_H=True)
-    assert cache.trailing_args(range(n - 9), {"BLOCK_H": 1, "LOOP_STAGES": 3, "COL_SUMS": True}) == expect(
+    assert cache.trailing_args(range(n - 10), {"BLOCK_H": 16}) == expect(16)
+    assert cache.trailing_args(range(n - 10), {"BLOCK_H": 16, "PREFETCH": True}) == expect(16, PREFETCH=True)
+    assert cache.trailing_args(range(n - 10), {"BLOCK_H": 4, "UNROLL_H": True}) == expect(4, UNROLL_H=True)
+    assert cache.trailing_args(range(n - 10), {"BLOCK_H": 1, "LOOP_STAGES": 3, "COL_SUMS": True}) == expect(
         1, LOOP_STAGES=3, COL_SUMS=True)
-    assert cache.trailing_args(range(n - 9), {"BLOCK_H": 16, "DZ_OUT": True}) == expect(16, DZ_OUT=True)
-    assert cache.trailing_args(range(n - 9), {"BLOCK_H": 16, "LOAD_MASK": True}) == expect(16, LOAD_MASK=True)
-    assert cache.trailing_args(range(n - 9), {"BLOCK_H": 16, "DZ_OUT": True, "LN_IN_WEIGHT": True}) == expect(
+    assert cache.trailing_args(range(n - 10), {"BLOCK_H": 16, "DZ_OUT": True}) == expect(16, DZ_OUT=True)
+    assert cache.trailing_args(range(n - 10), {"BLOCK_H": 16, "LOAD_MASK": True}) == expect(16, LOAD_MASK=True)
+    assert cache.trailing_args(range(n - 10), {"BLOCK_H": 16, "DZ_OUT": True, "LN_IN_WEIGHT": True}) == expect(
         16, DZ_OUT=True, LN_IN_WEIGHT=True)
-    assert cache.trailing_args(range(n - 9), {"BLOCK_H": 1, "ROW_SLOTS": 2}) == expect(1, ROW_SLOTS=2)
-    assert cache.trailing_args(range(n - 9), {"PREFETCH": True}) is None
+    assert cache.trailing_args(range(n - 10), {"BLOCK_H": 1, "ROW_SLOTS": 2}) == expect(1, ROW_SLOTS=2)
+    assert cache.trailing_args(range(n - 10), {"BLOCK_H": 16, "D_ALIGN": 8}) == expect(16, D_ALIGN=8)
+    assert cache.trailing_args(range(n - 10), {"PREFETCH": True}) is None
 
 
 def _float64_grads(x, params, gy):

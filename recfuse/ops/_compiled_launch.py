@@ -44,7 +44,7 @@ class CompiledLaunchCache:
         >>> from recfuse.ops import kernels
         >>> launch = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
         >>> launch.defaults
-        {'PREFETCH': False, 'UNROLL_H': False, 'LOOP_STAGES': None, 'COL_SUMS': False, 'DZ_OUT': False, 'LOAD_MASK': False, 'LN_IN_WEIGHT': False, 'ROW_SLOTS': 0}
+        {'PREFETCH': False, 'UNROLL_H': False, 'LOOP_STAGES': None, 'COL_SUMS': False, 'DZ_OUT': False, 'LOAD_MASK': False, 'LN_IN_WEIGHT': False, 'ROW_SLOTS': 0, 'D_ALIGN': 1}
     """
 
     def __init__(self, jit_fn):
@@ -70,10 +70,10 @@ class CompiledLaunchCache:
         Example:
             >>> from recfuse.ops import kernels
             >>> launch = CompiledLaunchCache(kernels.ln_tanh_linear_relu_bwd)
-            >>> n = len(launch.arg_names)  # the last nine: BLOCK_H, then eight with defaults
-            >>> launch.trailing_args(range(n - 9), {"BLOCK_H": 16})
-            [16, False, False, None, False, False, False, False, 0]
-            >>> launch.trailing_args(range(n - 9), {}) is None  # BLOCK_H has no default
+            >>> n = len(launch.arg_names)  # the last ten: BLOCK_H, then nine with defaults
+            >>> launch.trailing_args(range(n - 10), {"BLOCK_H": 16})
+            [16, False, False, None, False, False, False, False, 0, 1]
+            >>> launch.trailing_args(range(n - 10), {}) is None  # BLOCK_H has no default
             True
         """
         trailing = []
