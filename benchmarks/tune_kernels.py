@@ -22,6 +22,7 @@ Example:
     $ python benchmarks/tune_kernels.py --save                 # whole sweep, writes the table
     $ python benchmarks/tune_kernels.py --dims 256 --hs 1 16 --dtypes bf16 --kinds backward
     $ python benchmarks/tune_kernels.py --device cpu --dims 32 --hs 1 --dtypes fp32   # smoke run (interpreter)
+    $ python benchmarks/tune_kernels.py --kinds backward --only spread --dims 24 100 --hs 8 --merge --save DIR
 """
 from __future__ import annotations
 
@@ -65,6 +66,10 @@ def shapes(args) -> list[dict]:
     return out
 
 
+# Candidates besides the heuristic's in an ``--only spread`` run, per shape and kind.
+SPREAD_LIMIT = 32
+
+
 def shape_candidates(kind: str, p: dict, only: str, saved: dict) -> list:
     """The candidates `tune_shape` times for one shape: all of them, or (``only``) the heuristic's
     config and the candidates that set that knob (a run that tries one new kernel path against what
@@ -95,6 +100,10 @@ def shape_candidates(kind: str, p: dict, only: str, saved: dict) -> list:
     elif only == "maxnreg":
         # the incumbents with their registers capped so that more programs fit an SM
         knob = [n for c in incumbent for n in tuning.maxnreg_neighbours(c, D, H, dtype)]
+    elif only == "spread":
+        # a short list over every kernel path (`tuning.spread`, as tuning on first use takes): for
+        # shapes no table holds, where the full backward lists are 276-496 candidates a shape
+        knob = tuning.spread(cands, SPREAD_LIMIT)
     else:
         knob = [c for c in cands if getattr(c, only, 0)]
     return list(dict.fromkeys([cands[0]] + incumbent + knob))
@@ -371,10 +380,11 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", action="store_true", help="keep the saved table's entries for shapes not in this run")
     ap.add_argument("--resume", action="store_true", help="with --merge: skip shapes the saved table has")
     ap.add_argument("--only", default="all", choices=["all", "unroll_h", "loop_stages", "col_sums", "persistent", "split_dw", "block_k", "row_parts",
-                             "k_loop", "split_ln", "two_pass", "dw_first", "row_slots", "prefetch", "maxnreg"],
+                             "k_loop", "split_ln", "two_pass", "dw_first", "row_slots", "prefetch", "maxnreg", "spread"],
                     help="time only the heuristic, the saved entry (with --merge) and the candidates that set "
                          "this knob (row_slots / maxnreg: the incumbents' neighbours with it, "
-                         "`tuning.row_slots_neighbours` / `tuning.maxnreg_neighbours`)")
+                         "`tuning.row_slots_neighbours` / `tuning.maxnreg_neighbours`; spread: %d "
+                         "candidates over every kernel path, `tuning.spread`)" % SPREAD_LIMIT)
     ap.add_argument("--confirm-scale", type=int, default=4,
                     help="re-time the fastest --finalists at this many times the batch and pick the one best "
                          "at both sizes (1: off)")

@@ -52,3 +52,18 @@ def test_confirm_times_each_affine_mode_and_sums_them(modes):
         for g, r in zip(backwards[i], g64):
             if r is not None and g.numel():
                 assert ((g.double() - r).norm() / r.norm().clamp_min(1e-12)).item() < 1e-4, mode
+
+
+@pytest.mark.parametrize("D,H,dtype", [(24, 8, "bf16"), (100, 16, "fp32"), (384, 2, "bf16")])
+def test_a_spread_run_times_a_short_list_over_every_backward_path(D, H, dtype):
+    """``--only spread``: the heuristic's config first, then at most SPREAD_LIMIT others, every
+    kernel path of the full list among them (the off-grid shapes' full backward lists are long)."""
+    from recfuse.ops import tuning
+
+    p = dict(F=2, B=24, D=D, H=H, dtype=dtype)
+    full = tune_kernels.shape_candidates("backward", p, "all", {})
+    short = tune_kernels.shape_candidates("backward", p, "spread", {})
+    assert short[0] == configs.heuristic_backward(D, H, tune_kernels.DTYPES[dtype])
+    assert len(short) <= 1 + tune_kernels.SPREAD_LIMIT and set(short) <= set(full)
+    paths = {tuning.kernel_path(c) for c in full}
+    assert {tuning.kernel_path(c) for c in short} == paths or len(short) == 1 + tune_kernels.SPREAD_LIMIT
