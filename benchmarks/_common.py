@@ -55,6 +55,15 @@ from torch import nn
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "benchmarks" / "results"
 
+# The grid of the targets (DESIGN.md), which the tuned tables cover, and shapes off it that users
+# have too: D with no 16-column chunk (24, 40: masked narrow rows) or not a power of two (96, 100,
+# 192, 384), H between the tuned ones. The twenty-third session found these 1.4-4.8x slower than
+# they needed to be (results/checks/offgrid_h200.txt).
+GRID_DIMS = (32, 48, 64, 128, 160, 256, 512)
+GRID_HS = (1, 4, 16, 64)
+OFF_GRID_DIMS = (24, 40, 96, 100, 192, 384)
+OFF_GRID_HS = (2, 8, 32)
+
 # ||out - ref|| / ||ref|| bounds against float64, the same as DESIGN.md and the op tests.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 

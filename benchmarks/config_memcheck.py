@@ -29,10 +29,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-DIMS = (32, 48, 64, 128, 160, 256, 512)
-HS = (1, 4, 16, 64)
-
-
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=None,
@@ -72,7 +68,7 @@ def shapes_of(args) -> list[tuple[int, int, str]]:
     if args.shapes:
         pairs = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
         return [(D, H, dt) for (D, H), dt in itertools.product(pairs, args.dtypes)]
-    return [(D, H, dt) for dt in args.dtypes for D in DIMS for H in HS if H <= 16 or dt != "fp32"]
+    return [(D, H, dt) for dt in args.dtypes for D in C.GRID_DIMS for H in C.GRID_HS if H <= 16 or dt != "fp32"]
 
 
 def check_shape(D: int, H: int, B: int, dtype_name: str, args) -> dict:

@@ -69,8 +69,9 @@ from recfuse.chain import DEFAULT, Chain, chain_of
 from recfuse.ops import configs
 from recfuse.reference import batched_feature_mlp
 
-from _common import (command_line, copy_bandwidth, device_activity, device_slug, environment, extra_peak_bytes, floor_us,
-                     forward_bytes, kernels_per_call, make_bench, op_inputs, training_bytes)
+from _common import (GRID_DIMS, GRID_HS, OFF_GRID_DIMS, OFF_GRID_HS, command_line, copy_bandwidth, device_activity,
+                     device_slug, environment, extra_peak_bytes, floor_us, forward_bytes, kernels_per_call, make_bench,
+                     op_inputs, training_bytes)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LAYOUTS = ("BFD", "FBD")
@@ -92,16 +93,6 @@ def parse_chain(text: str) -> Chain:
 
 def chain_text(chain: Chain) -> str:
     return ",".join("none" if v is None else v for v in chain)
-
-
-# The grid of the targets (DESIGN.md), which the tuned tables cover, and shapes off it that users
-# have too: D with no 16-column chunk (24, 40: masked narrow rows) or not a power of two (96, 100,
-# 192, 384), H between the tuned ones. The twenty-third session found these 1.4-4.8x slower than
-# they needed to be (results/checks/offgrid_h200.txt).
-GRID_DIMS = (32, 48, 64, 128, 160, 256, 512)
-GRID_HS = (1, 4, 16, 64)
-OFF_GRID_DIMS = (24, 40, 96, 100, 192, 384)
-OFF_GRID_HS = (2, 8, 32)
 
 
 def grid_points(args) -> list[dict]:

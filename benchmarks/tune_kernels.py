@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 import triton
 
-from _common import copy_bandwidth, do_bench_us, environment, perf_counter_us
+from _common import GRID_DIMS, GRID_HS, copy_bandwidth, do_bench_us, environment, perf_counter_us
 from recfuse.ops import autotune, configs, launch, tuning
 from recfuse.ops.tuning import NARROW_TILE, backward_candidates, forward_candidates  # noqa: F401
 from recfuse.ops.composite import composite_backward
@@ -367,8 +367,8 @@ def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress, only: s
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dims", type=int, nargs="+", default=[32, 48, 64, 128, 160, 256, 512])
-    ap.add_argument("--hs", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--dims", type=int, nargs="+", default=list(GRID_DIMS))
+    ap.add_argument("--hs", type=int, nargs="+", default=list(GRID_HS))
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     ap.add_argument("--kinds", nargs="+", default=["forward", "backward"], choices=["forward", "backward"])
     ap.add_argument("--features", type=int, default=64)
