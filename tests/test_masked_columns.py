@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import recfuse
-from op_cases import Case, check_against_float64
+from op_cases import INTERPRETER_AND_CUDA, Case, check_against_float64
 from recfuse.ops import configs, launch
 from recfuse.reference import batched_ln_tanh_linear_relu
 
@@ -27,16 +27,21 @@ def test_column_alignment_divides_D_and_every_stride(D, strides, expected):
     assert all(v % align == 0 for v in (D, *strides))
 
 
-def _inputs(F, B, D, H, pad, dtype, seed=0):
+# The interpreter runs these in CI; on a GPU the same cases run compiled (vector accesses that a
+# wrong alignment would misalign exist only there).
+DEVICES = INTERPRETER_AND_CUDA
+
+
+def _inputs(F, B, D, H, pad, dtype, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    # x sliced after the cast: a cast of a non-dense slice would come back contiguous
-    x = torch.randn(B, F, D + pad, generator=g, dtype=torch.float64).to(dtype)[:, :, :D]
+    # x sliced after the cast and the move: either, of a non-dense slice, would come back contiguous
+    x = torch.randn(B, F, D + pad, generator=g, dtype=torch.float64).to(dtype).to(device)[:, :, :D]
     assert x.stride() == (F * (D + pad), D + pad, 1)  # feature_dim=1
     w = torch.randn(F, H, D, generator=g, dtype=torch.float64) / D ** 0.5
     b = 0.1 + 0.1 * torch.randn(F, H, generator=g, dtype=torch.float64)
     lw = 1 + 0.2 * torch.randn(F, D, generator=g, dtype=torch.float64)
     lb = 0.2 * torch.randn(F, D, generator=g, dtype=torch.float64)
-    return [x] + [t.to(dtype) for t in (w, b, lw, lb)]
+    return [x] + [t.to(dtype).to(device) for t in (w, b, lw, lb)]
 
 
 def test_plans_state_the_alignment_of_masked_columns_only():
@@ -56,16 +61,16 @@ def test_plans_state_the_alignment_of_masked_columns_only():
         assert not plan.meta["EVEN_D"] and plan.meta.get("D_ALIGN") == expected
 
 
-@pytest.mark.interpret
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D,H,pad", [(24, 2, 0), (24, 8, 0), (24, 8, 1), (40, 16, 0), (100, 4, 0), (24, 32, 2)])
-def test_masked_columns_match_float64(D, H, pad, dtype):
+def test_masked_columns_match_float64(D, H, pad, dtype, device):
     """Forward and every gradient against the float64 composite, alignment 8/4/2/1 (pad 0/1/2)."""
-    tensors = [t.requires_grad_() for t in _inputs(3, 37, D, H, pad, dtype, seed=D + H + pad)]
+    tensors = [t.requires_grad_() for t in _inputs(3, 37, D, H, pad, dtype, seed=D + H + pad, device=device)]
     assert tensors[0].stride(1) == D + pad
     y = recfuse.ln_tanh_linear_relu(tensors[0], tensors[1], tensors[2], ln_weight=tensors[3], ln_bias=tensors[4],
                                     feature_dim=1)
-    gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(device)
     y.backward(gy.to(dtype))
     ref_in = [t.detach().double().requires_grad_() for t in tensors]
     ref = batched_ln_tanh_linear_relu(*ref_in, 1e-5, 1)
@@ -107,13 +112,13 @@ def test_chunked_backward_plans_state_the_alignment(path):
     assert all(m.get("D_ALIGN") in (None, 4) for m in metas)
 
 
-@pytest.mark.interpret
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("path", sorted(CHUNKED_BACKWARDS))
 @pytest.mark.parametrize("D,pad,dtype", [(100, 0, torch.float32), (72, 1, torch.bfloat16)])
-def test_chunked_backward_with_a_masked_last_chunk_matches_float64(path, D, pad, dtype):
+def test_chunked_backward_with_a_masked_last_chunk_matches_float64(path, D, pad, dtype, device):
     H = 16
-    tensors = [t.requires_grad_() for t in _inputs(3, 37, D, H, pad, dtype, seed=D + pad)]
-    gy = torch.randn(37, 3, H, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    tensors = [t.requires_grad_() for t in _inputs(3, 37, D, H, pad, dtype, seed=D + pad, device=device)]
+    gy = torch.randn(37, 3, H, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(device)
     with _forced_backward(CHUNKED_BACKWARDS[path]), launch.trace_launches() as seen:
         y = recfuse.ln_tanh_linear_relu(tensors[0], tensors[1], tensors[2], ln_weight=tensors[3],
                                         ln_bias=tensors[4], feature_dim=1)
@@ -131,3 +136,45 @@ def test_chunked_backward_with_a_masked_last_chunk_matches_float64(path, D, pad,
     for t, r in zip(tensors, ref_in):
         err = ((t.grad.double() - r.grad).norm() / r.grad.norm()).item()
         assert err <= g_tol, (path, t.shape, err)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("D,H,dtype", [(1000, 32, torch.bfloat16), (300, 16, torch.float32)])
+def test_wide_rows_of_no_chunk_fit_shared_memory_and_match_float64(D, H, dtype, device):
+    """Rows of no 16-column chunk (D = 8 x 125, 4 x 75) stage the whole padded row for tl.dot:
+    bf16 D=1000 H=32 asked 452 KB of shared memory with the 64-row tiles the heuristic gave
+    (Hopper has 227). The heuristic's tile now fits `DOT_STAGE_BYTES`, and the kernel (not the
+    composite fallback) matches float64."""
+    B = 64
+    cfg = configs.heuristic_forward(D, H, dtype, full_tiles=False)  # masked columns: masked-tile config
+    assert cfg.use_dot and not cfg.block_k and configs.dot_stage_bytes(cfg, dtype) <= configs.DOT_STAGE_BYTES
+    tensors = [t.requires_grad_() for t in _inputs(2, B, D, H, 0, dtype, seed=5, device=device)]
+    with configs.override(use_tables=False), launch.trace_launches() as seen:
+        y = recfuse.ln_tanh_linear_relu(tensors[0], tensors[1], tensors[2], ln_weight=tensors[3],
+                                        ln_bias=tensors[4], feature_dim=1)
+        gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(device)
+        y.backward(gy.to(dtype))
+    forward_metas = [m for kind, _, m, _ in seen if kind == "forward"]
+    assert forward_metas and forward_metas[0]["BLOCK_B"] == cfg.block_b
+    ref_in = [t.detach().double().requires_grad_() for t in tensors]
+    ref = batched_ln_tanh_linear_relu(*ref_in, 1e-5, 1)
+    ref.backward(gy)
+    y_tol, g_tol = (1e-5, 1e-4) if dtype == torch.float32 else (2e-2, 3e-2)
+    assert (y.double() - ref).abs().max().item() <= y_tol * ref.abs().max().item()
+    for t, r in zip(tensors, ref_in):
+        err = ((t.grad.double() - r.grad).norm() / r.grad.norm()).item()
+        assert err <= g_tol, (t.shape, err)
+
+
+def test_whole_row_forward_tiles_fit_the_stage_budget_where_16_rows_do():
+    """Over masked and full tiles, every D up to 1024 and H up to 64: the heuristic's whole-row
+    tl.dot tiles stay within `DOT_STAGE_BYTES` unless even 16 rows would not."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for D in range(16, 1025, 4):
+            for H in (5, 8, 16, 32, 64):
+                for full in (True, False):
+                    cfg = configs.heuristic_forward(D, H, dtype, full)
+                    if not cfg.use_dot or cfg.block_k or cfg.persistent:
+                        continue
+                    fits = configs.dot_stage_bytes(cfg, dtype) <= configs.DOT_STAGE_BYTES
+                    assert fits or cfg.block_b == 16, (D, H, dtype, full, cfg)

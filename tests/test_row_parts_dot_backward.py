@@ -115,3 +115,39 @@ def test_a_two_part_dot_plan_gives_every_kernel_parameter_a_value():
     n = 10 + len(plan.ints)  # grad_y, x, the 4 parameters, dx, partials, stats, dz; the integers
     trailing = plan.launcher.trailing_args(range(n), plan.meta)
     assert trailing is not None and n + len(trailing) == len(plan.launcher.arg_names)
+
+
+@pytest.mark.parametrize("D,H", [(192, 8), (192, 32), (384, 8), (384, 32), (160, 16)])
+def test_fp32_rows_of_two_parts_take_the_two_part_dot_kernel(D, H):
+    """The heuristic's fp32 backward where D is two power-of-two parts of 256-512 padded columns:
+    the two-part tl.dot rows (H200 tuner, twenty-fourth session), not K-chunks or, at H=8, the
+    per-column product; a tuner's candidate keeps the path its knobs name."""
+    cfg = configs.heuristic_backward(D, H, torch.float32)
+    assert cfg.use_dot and cfg.row_parts and not cfg.block_k and not cfg.unroll_h and not cfg.two_pass
+    assert configs.backward_fits(cfg, D, H)
+    assert not configs.heuristic_backward(D, H, torch.float32, block_k=32).row_parts
+    # where whole rows would not fit beside the weight (the fallback without stats), K-chunks
+    assert configs.heuristic_backward(384, 64, torch.float32).block_k
+    # bf16 above H=8 (pipelined); at H=8 its prefetched whole rows were as fast
+    assert configs.heuristic_backward(D, 32, torch.bfloat16).row_parts
+    assert not configs.heuristic_backward(D, 8, torch.bfloat16).row_parts
+    # one power of two, or parts below the validated width: as before
+    assert not configs.heuristic_backward(256, 8, torch.float32).row_parts
+    assert not configs.heuristic_backward(200, 16, torch.float32).row_parts
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("D,H", [(192, 8), (384, 32)])
+def test_the_heuristics_fp32_two_part_rows_match_float64(D, H, device):
+    case = Case(2, 37, D, H, ln="per_feature", bias="per_feature")
+    if device == "cuda":
+        case = with_rows(case, 1000)
+    knobs = {k: getattr(configs.heuristic_backward(D, H, torch.float32), k)
+             for k in ("use_dot", "block_b", "num_warps", "row_parts", "loop_stages", "fp32_dots")}
+    knobs.update(programs_per_sm=1 if device == "cpu" else 16)
+    args, gy = chain_backward_inputs(case, torch.float32, DEFAULT_CHAIN, seed=4, device=device)
+    stats = _forward_stats(args, case, DEFAULT_CHAIN, knobs)
+    parts, meta = forced_backward(gy, args, case, stats, DEFAULT_CHAIN, **knobs)
+    assert (meta["BLOCK_D"], meta["BLOCK_D2"]) == configs.row_parts_of(D)
+    whole, _ = forced_backward(gy, args, case, stats, DEFAULT_CHAIN, **dict(knobs, row_parts=0))
+    assert_backward_close(parts, whole, gy, args, case, DEFAULT_CHAIN, torch.float32)

@@ -60,6 +60,9 @@ DOT_MIN_H = 5
 X_STAGE_BYTES = 64 * 1024
 # Warps an SM should have in flight to hide HBM latency in the backward's row loop.
 WARPS_PER_SM = 32
+# Shared memory the heuristic lets a whole-row tl.dot forward tile stage (`dot_stage_bytes`), under
+# Hopper's 232448 bytes a CTA with room for Triton's scratch.
+DOT_STAGE_BYTES = 200 * 1024
 
 # The reduction of the backward's partial rows (`kernels.partials_to_grads`): columns per program
 # and rows added per step. Narrow column blocks give the shared parameters' sum over all F * P rows
@@ -248,10 +251,33 @@ def heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool = Tru
         1
     """
     cfg = _heuristic_forward(D, H, dtype, full_tiles)
+    # Whole rows that do not split into chunks (D = 300, 1000) stage all their padded columns:
+    # fewer rows where they would not fit (down to 16; past that the launch's OutOfResources
+    # fallback takes over, `launch.forward`).
+    while (cfg.use_dot and not cfg.block_k and not cfg.persistent and cfg.block_b > 16
+           and dot_stage_bytes(cfg, dtype) > DOT_STAGE_BYTES):
+        cfg = dataclasses.replace(cfg, block_b=cfg.block_b // 2)
     cfg = dataclasses.replace(cfg, **knobs) if knobs else cfg
     if cfg.unroll_h and not cfg.use_dot:
         cfg = dataclasses.replace(cfg, block_h=1)
     return cfg
+
+
+def dot_stage_bytes(cfg: "ForwardConfig", dtype: torch.dtype) -> int:
+    """Shared memory a tl.dot forward tile stages for its operands: two parts of the activated
+    [rows, columns] tile and of the [columns, H] weight (fp32: 3xTF32's high and low parts; 16-bit:
+    t and what its rounding left, `LO_PART`), a chunk's columns or the whole padded row. Offline
+    (sm_90, triton 3.9, twenty-fourth session): fp32 D=1000 H=32 16 rows 395264 bytes (this model
+    393216), fp32 D=320 H=64 64-column chunks 65536 (65536), bf16 D=1000 H=32 16 rows 197632
+    (196608); bf16 64 rows 462848 (393216: larger tiles add conversion scratch).
+
+    Example:
+        >>> dot_stage_bytes(ForwardConfig(16, 1024, 32, True, 4), torch.float32)
+        393216
+    """
+    cols = cfg.block_k or cfg.block_d
+    operand = 4 if dtype == torch.float32 else dtype.itemsize
+    return 2 * (cfg.block_b + cfg.block_h) * cols * operand
 
 
 def chunk_width(D: int, widest: int) -> int:
@@ -430,8 +456,10 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
     # and for bf16; checks/tune_unroll_h8_h100.txt).
     # Rows wider than 512 columns (not measured) keep the earlier paths: per column they would hold
     # 8 row slots of 4 x 1024+ elements.
+    # Not where D is two power-of-two parts (D = 192, 384): the two-part tl.dot rows below were
+    # 1.8x faster at H=8 on the H200 (D=192 989 -> 538 us, D=384 1374 -> 736).
     small_h = block_d <= 512 and (2 <= H < DOT_MIN_H or (dtype == torch.float32 and DOT_MIN_H <= H <= 8
-                                                         and block_d >= 256))
+                                                         and block_d >= 256 and not row_parts_dot_fits(D)))
     use_dot = knobs.get("use_dot", not small_h and H >= DOT_MIN_H)
     use_dot = use_dot and block_d >= 16  # tl.dot needs K >= 16 on the GPU
     block_k = 0
@@ -458,7 +486,23 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
         # bf16 D=512 H=64 1950 us against 2702 chunked (results/checks/ab_bf16_chunked_h100.json).
         # fp16 multiplies fp32 operands: not measured, stays chunked.
         wide_bf16 = dtype == torch.bfloat16 and block_d <= 512 and block_h * block_d <= 2 * BWD_MAX_WEIGHT_TILE
-        if (block_h * block_d > BWD_MAX_WEIGHT_TILE and not wide_bf16) or 16 * block_d > TILE_BUDGET or (
+        # fp32 rows of two power-of-two parts (D = 160, 192, 384): the two-part row kernel, whose
+        # parts need no padding to 256/512 columns, instead of K-chunks. H200 tuner, backward
+        # alone (benchmarks/NOTES.md, twenty-fourth session): D=192 H=8 989 -> 538 us, H=32 2092
+        # -> 859; D=384 H=8 1374 -> 736, H=32 2177 -> 1051; both tables' fp32 D=160 H=16 entries
+        # are two-part rows too. Only where whole rows fit as well: a call without the forward's
+        # stats and relu mask falls back to whole rows (`launch.backward_plan`).
+        # bf16 at H > 8 as well, pipelined (D=192 H=32 1079 -> 774 us, D=384 H=32 1330 -> 925; the
+        # H200 table's bf16 D=160 H=16/64 entries are these tiles); at H=8 its whole padded rows with
+        # the next tile prefetched were as fast (D=192 701 vs 711 us).
+        two_parts = (256 <= block_d <= 512 and row_parts_dot_fits(D) and block_h * block_d <= BWD_MAX_WEIGHT_TILE
+                     and ((dtype == torch.float32 and block_h <= 32) or (dtype == torch.bfloat16 and H > 8)))
+        if two_parts and dtype == torch.bfloat16:
+            block_b, num_warps, programs_per_sm, loop_stages = 16, 4 if block_d <= 256 else 8, 16, 2
+        elif two_parts:
+            block_b, num_warps = (16, 4 if block_d <= 256 else 8) if block_h <= 16 else (32, 8)
+            programs_per_sm, loop_stages = 16, 2 if block_h > 16 else 0
+        elif (block_h * block_d > BWD_MAX_WEIGHT_TILE and not wide_bf16) or 16 * block_d > TILE_BUDGET or (
                 dtype == torch.float32 and block_d >= 256 and chunk_width(D, 32)):
             # The K-chunked kernel where the whole-row one does not fit (it holds the whole weight
             # and row), and for fp32 rows of 256+ columns, where the whole row's split-bf16
@@ -505,7 +549,8 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
         else:
             block_b = max(1, min(8, TILE_BUDGET // (4 * block_d * block_h)))
             num_warps = 8 if block_b * block_d >= 2048 else 4
-    row_parts = 0
+    # Only the heuristic's own config: a tuner's candidate names its own kernel path.
+    row_parts = int(use_dot and two_parts and not knobs)
     if not knobs and not use_dot and H == 1 and row_parts_of(D):
         # Two unmasked power-of-two parts of each row (`BackwardConfig.row_parts`), one warp, 3 tiles
         # in flight. H100 tuner (benchmarks/results/checks/tune_bwd_row_parts_h100.txt): bf16 D=160
@@ -517,7 +562,8 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
     split_dw = 0
     # Only the heuristic's own config: knobs without split_dw (a table entry of the fused kernel, a
     # tuner's candidate) keep the fused kernel.
-    if not knobs and use_dot and not block_k and dtype == torch.bfloat16 and block_h == 64 and 128 <= block_d <= 256:
+    if (not knobs and use_dot and not block_k and not row_parts and dtype == torch.bfloat16 and block_h == 64
+            and 128 <= block_d <= 256):
         # The weight gradient in a kernel of its own (`BackwardConfig.split_dw`): the fused
         # kernel's [64, D] accumulator and third dot gone, 16-row tiles fit with 16 programs per SM.
         # H100 tuner, bf16 H=64, x 256 MB and 1 GB: D=128 1134 -> 903 us, D=160 1890 -> 1656, D=256
@@ -532,7 +578,7 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
     cfg = dataclasses.replace(cfg, **knobs) if knobs else cfg
     if not cfg.use_dot and 2 <= cfg.block_h <= 4 and cfg.block_b > 8 and not cfg.unroll_h:
         cfg = dataclasses.replace(cfg, block_b=8)
-    if "prefetch" not in knobs and cfg.use_dot and not cfg.block_k and not cfg.split_dw and not cfg.two_pass and dtype == torch.bfloat16 and (
+    if "prefetch" not in knobs and cfg.use_dot and not cfg.block_k and not cfg.split_dw and not cfg.two_pass and not cfg.row_parts and dtype == torch.bfloat16 and (
             cfg.block_b * cfg.block_d <= 4096 and cfg.block_h * cfg.block_d <= 4096):
         # bf16 tiles (and weights) of up to 4096 elements on the tl.dot path: loading the next
         # tile while this one is computed was 1.08-1.39x faster on the H100 at 8 of 9 such shapes

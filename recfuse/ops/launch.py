@@ -431,8 +431,11 @@ def forward(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats=Fa
     if key is not None and not configs.override_active():
         plan = _FORWARD_PLANS.get(key + (save_stats, chain))
         if plan is not None:  # a stored plan's parameters had contiguous rows, so these do too
-            y, stats = plan(x, weight, bias, ln_weight, ln_bias)
-            return (y, stats) if save_stats else y
+            try:
+                y, stats = plan(x, weight, bias, ln_weight, ln_bias)
+                return (y, stats) if save_stats else y
+            except OutOfResources:
+                pass  # a plan built but never launched (`forward_plan` called on its own): handled below
     weight = _contiguous_rows(weight)
     bias, ln_weight, ln_bias = _contiguous_rows(bias), _contiguous_rows(ln_weight), _contiguous_rows(ln_bias)
     plan = forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats, chain)
@@ -846,7 +849,10 @@ def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stat
     if key is not None and not configs.override_active():
         plan = _BACKWARD_PLANS.get((_tensor_signature(grad_y),) + key + (stats_planes(stats), chain))
         if plan is not None:
-            return plan(grad_y, x, weight, bias, ln_weight, ln_bias, stats if plan.reads_stats else None)
+            try:
+                return plan(grad_y, x, weight, bias, ln_weight, ln_bias, stats if plan.reads_stats else None)
+            except OutOfResources:
+                pass  # a plan built but never launched (`backward_plan` called on its own): handled below
     weight = _contiguous_rows(weight)
     bias, ln_weight, ln_bias = _contiguous_rows(bias), _contiguous_rows(ln_weight), _contiguous_rows(ln_bias)
     plan = backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, chain)
