@@ -294,10 +294,13 @@ def chunk_width(D: int, widest: int) -> int:
 
 def _narrow_masked_rows(block_d: int, block_h: int) -> int:
     """Rows of a 16-bit tl.dot tile (4 warps) over masked rows of no 16-column chunk (D = 24, 40,
-    100): 128 at 32-64 columns, 64 at 128. Measured at D=24 (H200 tuner: H=2/8 128 rows, H=32 64);
-    at D = 40/100 the offline sm_90 compiles agree (bf16 D=100 H=16: 55 SASS instructions an
-    element on 32-row 8-warp tiles, 35 on 64-row 4-warp ones; H=64 65 -> 41), not yet timed."""
-    return min(128 if block_h <= 16 else 64, max(32, 8192 // block_d))
+    100): 128 at 32-64 columns up to H=32, 64 at 128 columns or H=64. Measured at D=24: H200 tuner,
+    H=2/8 128 rows; H=32, forward with per-feature affine and bias (twenty-fourth session, device
+    call 4): 128 rows 370 us, 64 rows 599, 32 rows of 8 warps 640 (the tuner's shared-parameter
+    run had ranked 64 rows first). At D = 40/100 the offline sm_90 compiles agree (bf16 D=100 H=16:
+    55 SASS instructions an element on 32-row 8-warp tiles, 35 on 64-row 4-warp ones; H=64 65 ->
+    41), not yet timed."""
+    return min(128 if block_h <= 32 else 64, max(32, 8192 // block_d))
 
 
 def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> ForwardConfig:
