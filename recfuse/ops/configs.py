@@ -252,11 +252,16 @@ def heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool = Tru
     """
     cfg = _heuristic_forward(D, H, dtype, full_tiles)
     # Whole rows that do not split into chunks (D = 300, 1000) stage all their padded columns:
-    # fewer rows where they would not fit (down to 16; past that the launch's OutOfResources
-    # fallback takes over, `launch.forward`).
+    # fewer rows where they would not fit (down to 16).
     while (cfg.use_dot and not cfg.block_k and not cfg.persistent and cfg.block_b > 16
            and dot_stage_bytes(cfg, dtype) > DOT_STAGE_BYTES):
         cfg = dataclasses.replace(cfg, block_b=cfg.block_b // 2)
+    if cfg.use_dot and not cfg.block_k and not cfg.persistent and dot_stage_bytes(cfg, dtype) > DOT_STAGE_BYTES:
+        # Not even 16 whole rows fit (fp32 D=1000 H=32: 395 KB): the chunk loop, its last chunk
+        # masked (`kernels._chunked_norm_act_linear`'s MASK_K), in the tiles of the wide chunked
+        # rows above. Before, such a shape fell back to the composite after an OutOfResources.
+        block_k = 32 if dtype == torch.float32 and cfg.block_h <= 16 else 64
+        cfg = ForwardConfig(32, cfg.block_d, cfg.block_h, True, 4, block_k=block_k, k_loop=1)
     cfg = dataclasses.replace(cfg, **knobs) if knobs else cfg
     if cfg.unroll_h and not cfg.use_dot:
         cfg = dataclasses.replace(cfg, block_h=1)

@@ -470,10 +470,11 @@ def _chunked_norm_act_linear(
     X_EVICT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     NORM: tl.constexpr, ACT: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr,
-    LO_PART: tl.constexpr = False, K_LOOP: tl.constexpr = 0,
+    LO_PART: tl.constexpr = False, K_LOOP: tl.constexpr = 0, MASK_K: tl.constexpr = False,
 ):
     """(z = act(norm(x)) @ w^T, z_lo, mean, rstd) of a row tile, BLOCK_K columns at a time
-    (D == K_CHUNKS * BLOCK_K: no column masks, also where D is not a power of two).
+    (D == K_CHUNKS * BLOCK_K: no column masks, also where D is not a power of two; MASK_K: the last
+    chunk holds D - (K_CHUNKS - 1) * BLOCK_K columns, masked, and counts only those).
     The product: tl.dot, or (not USE_DOT, H <= 4) a row reduction or [rows, H, BLOCK_K] sum per chunk.
     K_LOOP 0: both chunk loops unrolled (every chunk's loads may be in flight at once, and hold
     registers: 255 with spills at bf16 D=512 H=16); n >= 1: runtime loops, the next n - 1 chunks'
@@ -500,11 +501,11 @@ def _chunked_norm_act_linear(
         if K_LOOP:
             for kc in tl.range(0, K_CHUNKS, num_stages=K_LOOP):
                 mean, m2 = _chunk_stats_step(x_rows, kc, ks, rmask, pivot, mean, m2, stride_x_d, EVEN_B, X_EVICT,
-                                             NORM, BLOCK_K)
+                                             NORM, BLOCK_K, D, MASK_K)
         else:
             for kc in tl.static_range(K_CHUNKS):
                 mean, m2 = _chunk_stats_step(x_rows, kc, ks, rmask, pivot, mean, m2, stride_x_d, EVEN_B, X_EVICT,
-                                             NORM, BLOCK_K)
+                                             NORM, BLOCK_K, D, MASK_K)
     var = m2 / D
     mean = pivot + mean
     if NORM == 1:
@@ -521,33 +522,48 @@ def _chunked_norm_act_linear(
             acc, acc_lo = _chunk_linear_step(x_rows, kc, ks, hs, hmask, rmask, f, mean, rstd, acc, acc_lo, W, LNW, LNB,
                                              stride_x_d, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f, HAS_LNW,
                                              HAS_LNB, FAST_TANH, EVEN_B, DOT_DTYPE, PRECISION, NORM, ACT, USE_DOT,
-                                             BLOCK_H, BLOCK_K, LO_PART)
+                                             BLOCK_H, BLOCK_K, LO_PART, D, MASK_K)
     else:
         for kc in tl.static_range(K_CHUNKS):
             acc, acc_lo = _chunk_linear_step(x_rows, kc, ks, hs, hmask, rmask, f, mean, rstd, acc, acc_lo, W, LNW, LNB,
                                              stride_x_d, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f, HAS_LNW,
                                              HAS_LNB, FAST_TANH, EVEN_B, DOT_DTYPE, PRECISION, NORM, ACT, USE_DOT,
-                                             BLOCK_H, BLOCK_K, LO_PART)
+                                             BLOCK_H, BLOCK_K, LO_PART, D, MASK_K)
     return acc, acc_lo, mean, rstd
 
 
 @triton.jit
 def _chunk_stats_step(x_rows, kc, ks, rmask, pivot, mean, m2, stride_x_d, EVEN_B: tl.constexpr,
-                      X_EVICT: tl.constexpr, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+                      X_EVICT: tl.constexpr, NORM: tl.constexpr, BLOCK_K: tl.constexpr, D=0,
+                      MASK_K: tl.constexpr = False):
     """Chunk kc's columns added to the rows' running (mean, m2) of `_chunked_norm_act_linear`:
-    the chunk's own mean and centred sum of squares, combined as Chan et al. do."""
-    xk = _load_rows(x_rows[:, None] + (kc * BLOCK_K + ks)[None, :] * stride_x_d, rmask, EVEN_B, X_EVICT)
+    the chunk's own mean and centred sum of squares, combined as Chan et al. do. MASK_K: columns
+    past D count for nothing (only the last chunk has any)."""
+    cols = kc * BLOCK_K + ks
+    if MASK_K:
+        kmask = cols < D
+        xk = tl.load(x_rows[:, None] + cols[None, :] * stride_x_d, mask=rmask[:, None] & kmask[None, :],
+                     other=0.0, eviction_policy=X_EVICT).to(tl.float32)
+        n_k = tl.minimum(D - kc * BLOCK_K, BLOCK_K).to(tl.float32)
+    else:
+        xk = _load_rows(x_rows[:, None] + cols[None, :] * stride_x_d, rmask, EVEN_B, X_EVICT)
     if NORM == 2:
-        m2 = m2 + tl.sum(xk * xk, axis=1)  # mean stays 0
+        m2 = m2 + tl.sum(xk * xk, axis=1)  # mean stays 0 (masked columns are 0)
     else:
         xk = xk - pivot[:, None]
-        mk = tl.sum(xk, axis=1) / BLOCK_K
-        dk = xk - mk[:, None]
+        if MASK_K:
+            xk = tl.where(kmask[None, :], xk, 0.0)
+            mk = tl.sum(xk, axis=1) / n_k
+            dk = tl.where(kmask[None, :], xk - mk[:, None], 0.0)
+        else:
+            n_k = BLOCK_K
+            mk = tl.sum(xk, axis=1) / BLOCK_K
+            dk = xk - mk[:, None]
         delta = mk - mean
-        # kc * BLOCK_K columns of statistics so far combine with BLOCK_K new ones.
+        # kc * BLOCK_K columns of statistics so far (whole chunks) combine with n_k new ones.
         seen = kc * BLOCK_K
-        mean = mean + delta * (BLOCK_K / (seen + BLOCK_K))
-        m2 = m2 + tl.sum(dk * dk, axis=1) + delta * delta * (seen * BLOCK_K / (seen + BLOCK_K))
+        mean = mean + delta * (n_k / (seen + n_k))
+        m2 = m2 + tl.sum(dk * dk, axis=1) + delta * delta * (seen * n_k / (seen + n_k))
     return mean, m2
 
 
@@ -556,22 +572,41 @@ def _chunk_linear_step(x_rows, kc, ks, hs, hmask, rmask, f, mean, rstd, acc, acc
                        stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f, HAS_LNW: tl.constexpr,
                        HAS_LNB: tl.constexpr, FAST_TANH: tl.constexpr, EVEN_B: tl.constexpr,
                        DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
-                       USE_DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, LO_PART: tl.constexpr):
-    """Chunk kc of `_chunked_norm_act_linear`'s product: normalised, activated, multiplied into acc."""
+                       USE_DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, LO_PART: tl.constexpr,
+                       D=0, MASK_K: tl.constexpr = False):
+    """Chunk kc of `_chunked_norm_act_linear`'s product: normalised, activated, multiplied into acc.
+    MASK_K: columns past D load as 0 and leave t (and the weight) 0 there."""
     cols = kc * BLOCK_K + ks
-    xk = _load_rows(x_rows[:, None] + cols[None, :] * stride_x_d, rmask, EVEN_B, "")
+    kmask = cols < D
+    if MASK_K:
+        xk = tl.load(x_rows[:, None] + cols[None, :] * stride_x_d, mask=rmask[:, None] & kmask[None, :],
+                     other=0.0).to(tl.float32)
+    else:
+        xk = _load_rows(x_rows[:, None] + cols[None, :] * stride_x_d, rmask, EVEN_B, "")
     if NORM == 0:
         a = xk
     else:
         a = (xk - mean[:, None]) * rstd[:, None]
     if HAS_LNW:
-        a = a * tl.load(LNW + f * stride_lnw_f + cols).to(tl.float32)[None, :]
+        if MASK_K:
+            a = a * tl.load(LNW + f * stride_lnw_f + cols, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        else:
+            a = a * tl.load(LNW + f * stride_lnw_f + cols).to(tl.float32)[None, :]
     if HAS_LNB:
-        a = a + tl.load(LNB + f * stride_lnb_f + cols).to(tl.float32)[None, :]
+        if MASK_K:
+            a = a + tl.load(LNB + f * stride_lnb_f + cols, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        else:
+            a = a + tl.load(LNB + f * stride_lnb_f + cols).to(tl.float32)[None, :]
     t = _activate(a, ACT, FAST_TANH)
-    if not EVEN_B:
+    if MASK_K:
+        t = tl.where(rmask[:, None] & kmask[None, :], t, 0.0)
+    elif not EVEN_B:
         t = tl.where(rmask[:, None], t, 0.0)  # padded rows: rstd may be inf, t NaN
-    wk = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :], mask=hmask[:, None], other=0.0)
+    if MASK_K:
+        wk = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :],
+                     mask=hmask[:, None] & kmask[None, :], other=0.0)
+    else:
+        wk = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :], mask=hmask[:, None], other=0.0)
     if USE_DOT:
         t_dot = t.to(DOT_DTYPE)
         acc = tl.dot(t_dot, tl.trans(wk.to(DOT_DTYPE)), acc, input_precision=PRECISION, out_dtype=tl.float32)
@@ -598,7 +633,7 @@ def _forward_tile(
     FAST_TANH: tl.constexpr, SAVE_STATS: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr, W_LOADED: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_CHUNKS: tl.constexpr, SAVE_MASK: tl.constexpr, K_LOOP: tl.constexpr,
+    K_CHUNKS: tl.constexpr, SAVE_MASK: tl.constexpr, K_LOOP: tl.constexpr, MASK_K: tl.constexpr = False,
 ):
     """One tile of BLOCK_B rows of feature f. W_LOADED: the caller holds the whole weight block
     (w1, bias1: H <= BLOCK_H); otherwise the weight is read block by block after the tanh."""
@@ -616,7 +651,7 @@ def _forward_tile(
         z, z_lo, mean, rstd = _chunked_norm_act_linear(
             x_rows, rmask, f, D, H, eps, W, LNW, LNB, stride_x_d, stride_w_f, stride_w_h,
             stride_lnw_f, stride_lnb_f, HAS_LNW, HAS_LNB, FAST_TANH, EVEN_B, X_EVICT, DOT_DTYPE,
-            DOT_PRECISION, NORM, ACT, USE_DOT, BLOCK_B, BLOCK_H, BLOCK_K, K_CHUNKS, LO_PART, K_LOOP,
+            DOT_PRECISION, NORM, ACT, USE_DOT, BLOCK_B, BLOCK_H, BLOCK_K, K_CHUNKS, LO_PART, K_LOOP, MASK_K,
         )
     else:
         _, _, t, mean, rstd, _ = _normalize_activate(
@@ -699,6 +734,7 @@ def ln_tanh_linear_relu_fwd(
     PERSISTENT: tl.constexpr, TILE_STAGES: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     K_CHUNKS: tl.constexpr, SAVE_MASK: tl.constexpr = False, K_LOOP: tl.constexpr = 0, D_ALIGN: tl.constexpr = 1,
+    MASK_K: tl.constexpr = False,
 ):
     # STATS (SAVE_STATS, for a backward that follows): [2, F, B] fp32, mean then rstd; with
     # SAVE_MASK (relu, H <= BLOCK_H <= 64) also z's relu mask as bits in the planes after them
@@ -712,7 +748,8 @@ def ln_tanh_linear_relu_fwd(
     # tiles overlap this tile's LayerNorm, tanh and dot instead of taking turns with them
     # (measured on the H100: one program per tile leaves DRAM idle ~half the time at bf16 H=64).
     # D_ALIGN: D and the strides of x's rows and of the [D]-wide parameter rows are multiples of
-    # it (masked columns vectorise, `_multiple_of`).
+    # it (masked columns vectorise, `_multiple_of`). MASK_K: the chunks' last is partial (K_CHUNKS
+    # = cdiv(D, BLOCK_K): rows of no 16-column chunk too wide to stage whole, D = 600, 1000).
     D, stride_x_f, stride_x_b, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f = _aligned_rows(
         D, stride_x_f, stride_x_b, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f, D_ALIGN)
     pid_b = tl.program_id(0)
@@ -738,7 +775,7 @@ def ln_tanh_linear_relu_fwd(
                 stride_bias_f, stride_lnw_f, stride_lnb_f, stride_y_f, stride_y_b, eps,
                 HAS_BIAS, HAS_LNW, HAS_LNB, NORM, ACT, OUT_ACT, USE_DOT, DOT_DTYPE, DOT_PRECISION, FAST_TANH,
                 SAVE_STATS, EVEN_D, EVEN_B, X_EVICT, BLOCK_K == BLOCK_D, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K,
-                K_CHUNKS, SAVE_MASK, K_LOOP,
+                K_CHUNKS, SAVE_MASK, K_LOOP, MASK_K,
             )
     else:
         _forward_tile(
@@ -747,7 +784,7 @@ def ln_tanh_linear_relu_fwd(
             stride_bias_f, stride_lnw_f, stride_lnb_f, stride_y_f, stride_y_b, eps,
             HAS_BIAS, HAS_LNW, HAS_LNB, NORM, ACT, OUT_ACT, USE_DOT, DOT_DTYPE, DOT_PRECISION, FAST_TANH,
             SAVE_STATS, EVEN_D, EVEN_B, X_EVICT, False, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K, K_CHUNKS, SAVE_MASK,
-            K_LOOP,
+            K_LOOP, MASK_K,
         )
 
 

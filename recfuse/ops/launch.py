@@ -385,9 +385,11 @@ def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, s
         syf, syb,
         float(eps),
     )
-    # Chunks need no column masks: D a whole number of them (also a D that is not a power of two).
-    # Without tl.dot (H <= 4, the row reduction or broadcast sum) too, unless one column at a time.
-    chunked = bool(cfg.block_k) and D % cfg.block_k == 0 and H <= cfg.block_h and (cfg.use_dot or not cfg.unroll_h)
+    # Chunks need no column masks where D is a whole number of them (also a D that is not a power
+    # of two); otherwise the last is masked (`MASK_K`). Without tl.dot (H <= 4, the row reduction
+    # or broadcast sum) too, unless one column at a time.
+    chunked = bool(cfg.block_k) and H <= cfg.block_h and (cfg.use_dot or not cfg.unroll_h)
+    mask_k = chunked and D % cfg.block_k != 0
     norm, act, out_act = chain_codes(chain)
     meta = dict(
         HAS_BIAS=bias is not None, HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None,
@@ -396,10 +398,12 @@ def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, s
         SAVE_STATS=save_stats, EVEN_D=even_d, EVEN_B=even_b, X_EVICT=cfg.x_evict,
         PERSISTENT=persistent, TILE_STAGES=cfg.tile_stages,
         BLOCK_B=cfg.block_b, BLOCK_D=cfg.block_d, BLOCK_H=cfg.block_h,
-        BLOCK_K=cfg.block_k if chunked else cfg.block_d, K_CHUNKS=D // cfg.block_k if chunked else 1,
+        BLOCK_K=cfg.block_k if chunked else cfg.block_d, K_CHUNKS=triton.cdiv(D, cfg.block_k) if chunked else 1,
         K_LOOP=cfg.k_loop if chunked else 0,
     )
-    if not (even_d or chunked):
+    if mask_k:
+        meta["MASK_K"] = True
+    if not (even_d or chunked) or mask_k:
         meta.update(_aligned_columns(column_alignment(D, sxf, sxb, *_weight_strides(weight),
                                                       _param_stride(ln_weight, 2), _param_stride(ln_bias, 2))))
     if cfg.use_dot and _FWD_PRECISION.get(_forward_unfit_key(x, weight, chain, even_d and even_b)) == "ieee":
