@@ -256,12 +256,11 @@ def heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool = Tru
     while (cfg.use_dot and not cfg.block_k and not cfg.persistent and cfg.block_b > 16
            and dot_stage_bytes(cfg, dtype) > DOT_STAGE_BYTES):
         cfg = dataclasses.replace(cfg, block_b=cfg.block_b // 2)
-    if cfg.use_dot and not cfg.block_k and not cfg.persistent and dot_stage_bytes(cfg, dtype) > DOT_STAGE_BYTES:
-        # Not even 16 whole rows fit (fp32 D=1000 H=32: 395 KB): the chunk loop, its last chunk
-        # masked (`kernels._chunked_norm_act_linear`'s MASK_K), in the tiles of the wide chunked
-        # rows above. Before, such a shape fell back to the composite after an OutOfResources.
-        block_k = 32 if dtype == torch.float32 and cfg.block_h <= 16 else 64
-        cfg = ForwardConfig(32, cfg.block_d, cfg.block_h, True, 4, block_k=block_k, k_loop=1)
+    if (cfg.use_dot and not cfg.block_k and not cfg.persistent and H <= cfg.block_h
+            and dot_stage_bytes(cfg, dtype) > DOT_STAGE_BYTES):
+        # Not even 16 whole rows fit: the chunk loop, its last chunk masked (before, such a shape
+        # fell back to the composite after an OutOfResources).
+        cfg = _masked_chunk_loop(D, cfg.block_d, cfg.block_h, dtype)
     cfg = dataclasses.replace(cfg, **knobs) if knobs else cfg
     if cfg.unroll_h and not cfg.use_dot:
         cfg = dataclasses.replace(cfg, block_h=1)
@@ -297,9 +296,29 @@ def chunk_width(D: int, widest: int) -> int:
     return width if width >= 16 else 0
 
 
+def _masked_chunk_loop(D: int, block_d: int, block_h: int, dtype: torch.dtype) -> "ForwardConfig":
+    """The tl.dot forward over rows of no 16-column chunk and 65+ columns (D = 100, 600, 1000):
+    the chunk loop with its last chunk masked (`kernels._chunked_norm_act_linear`'s MASK_K)
+    instead of whole padded rows, which also stage every padded column in shared memory (fp32
+    D=1000 H=32: 395 KB at 16 rows). H200, forward with per-feature affine and bias, x 256 MB
+    (twenty-fourth session, device call 5), whole rows -> these tiles: fp32 D=100 H=16 518 -> 233
+    us, D=600 H=16 (16 whole rows) 1573 -> 235, D=1000 H=32 (OutOfResources: FMA dots) 1242 -> 314
+    (64 rows of 32-column chunks); bf16 D=100 H=16 291 -> 230 (the same tiles), D=600 H=16 476 ->
+    193, D=1000 H=32 551 -> 234 (32 rows of 64-column chunks).
+
+    Example:
+        >>> cfg = _masked_chunk_loop(1000, 1024, 32, torch.bfloat16)
+        >>> cfg.block_b, cfg.block_k, cfg.k_loop
+        (32, 64, 1)
+    """
+    if dtype != torch.float32 and D >= 256:
+        return ForwardConfig(32, block_d, block_h, True, 4, block_k=64, k_loop=1)
+    return ForwardConfig(64, block_d, block_h, True, 4, block_k=32, k_loop=1)
+
+
 def _narrow_masked_rows(block_d: int, block_h: int) -> int:
-    """Rows of a 16-bit tl.dot tile (4 warps) over masked rows of no 16-column chunk (D = 24, 40,
-    100): 128 at 32-64 columns up to H=32, 64 at 128 columns or H=64. Measured at D=24: H200 tuner,
+    """Rows of a 16-bit tl.dot tile (4 warps) over masked rows of no 16-column chunk (D = 24, 40;
+    wider ones take `_masked_chunk_loop`): 128 at 32-64 columns up to H=32, 64 at 128 columns or H=64. Measured at D=24: H200 tuner,
     H=2/8 128 rows; H=32, forward with per-feature affine and bias (twenty-fourth session, device
     call 4): 128 rows 370 us, 64 rows 599, 32 rows of 8 warps 640 (the tuner's shared-parameter
     run had ranked 64 rows first). At D = 40/100 the offline sm_90 compiles agree (bf16 D=100 H=16:
@@ -402,10 +421,12 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
             # Tiles in flight live in shared memory beside the dot's operands.
             return ForwardConfig(min(64, X_STAGE_BYTES // (2 * block_d)), block_d, block_h, True, 8,
                                  persistent=1, tile_stages=3 if block_d <= 256 else 2)
+        if D != block_d and not chunk_width(D, 16) and block_d >= 128 and H <= block_h:
+            return _masked_chunk_loop(D, block_d, block_h, dtype)
         if dtype == torch.float32 and block_h == 32:
             return ForwardConfig(16, block_d, block_h, True, 4)  # 3xTF32 spills with 32 rows
-        if D != block_d and block_d <= (64 if dtype == torch.float32 else 128):
-            # Masked rows of no 16-column chunk (D = 24, 40, 100): longer tiles, 4 warps (H200
+        if D != block_d and block_d <= 64:
+            # Masked rows of no 16-column chunk (D = 24, 40): longer tiles, 4 warps (H200
             # tuner, D=24 H=8: fp32 64 rows 364 -> 288 us, bf16 128 rows 666 -> 327; H=32 bf16 64
             # rows 624 -> 408; NOTES, twenty-third session).
             rows = 64 if dtype == torch.float32 else _narrow_masked_rows(block_d, block_h)
