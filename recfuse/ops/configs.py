@@ -317,13 +317,11 @@ def _masked_chunk_loop(D: int, block_d: int, block_h: int, dtype: torch.dtype) -
 
 
 def _narrow_masked_rows(block_d: int, block_h: int) -> int:
-    """Rows of a 16-bit tl.dot tile (4 warps) over masked rows of no 16-column chunk (D = 24, 40;
-    wider ones take `_masked_chunk_loop`): 128 at 32-64 columns up to H=32, 64 at 128 columns or H=64. Measured at D=24: H200 tuner,
-    H=2/8 128 rows; H=32, forward with per-feature affine and bias (twenty-fourth session, device
-    call 4): 128 rows 370 us, 64 rows 599, 32 rows of 8 warps 640 (the tuner's shared-parameter
-    run had ranked 64 rows first). At D = 40/100 the offline sm_90 compiles agree (bf16 D=100 H=16:
-    55 SASS instructions an element on 32-row 8-warp tiles, 35 on 64-row 4-warp ones; H=64 65 ->
-    41), not yet timed."""
+    """Rows of a 16-bit tl.dot tile (4 warps) over masked rows of no 16-column chunk and at most 64
+    columns (D = 24, 40; wider ones take `_masked_chunk_loop`): 128 up to H=32, 64 at H=64.
+    Measured at D=24 on the H200: the tuner's 128 rows at H = 2/8; at H=32, the forward with
+    per-feature affine and bias (twenty-fourth session, device call 4) 128 rows 370 us, 64 rows 599,
+    32 rows of 8 warps 640 (the tuner's shared-parameter run had ranked 64 rows first)."""
     return min(128 if block_h <= 32 else 64, max(32, 8192 // block_d))
 
 
@@ -607,7 +605,8 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
     cfg = dataclasses.replace(cfg, **knobs) if knobs else cfg
     if not cfg.use_dot and 2 <= cfg.block_h <= 4 and cfg.block_b > 8 and not cfg.unroll_h:
         cfg = dataclasses.replace(cfg, block_b=8)
-    if "prefetch" not in knobs and cfg.use_dot and not cfg.block_k and not cfg.split_dw and not cfg.two_pass and not cfg.row_parts and dtype == torch.bfloat16 and (
+    whole_rows = not (cfg.block_k or cfg.split_dw or cfg.two_pass or cfg.row_parts)
+    if "prefetch" not in knobs and cfg.use_dot and whole_rows and dtype == torch.bfloat16 and (
             cfg.block_b * cfg.block_d <= 4096 and cfg.block_h * cfg.block_d <= 4096):
         # bf16 tiles (and weights) of up to 4096 elements on the tl.dot path: loading the next
         # tile while this one is computed was 1.08-1.39x faster on the H100 at 8 of 9 such shapes
