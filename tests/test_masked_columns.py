@@ -44,6 +44,18 @@ def _inputs(F, B, D, H, pad, dtype, seed=0, device="cpu"):
     return [x] + [t.to(dtype).to(device) for t in (w, b, lw, lb)]
 
 
+def _assert_close_to_float64(y, gy, tensors, dtype):
+    """y and every input's gradient (after ``y.backward(gy)``) against the float64 composite."""
+    ref_in = [t.detach().double().requires_grad_() for t in tensors]
+    ref = batched_ln_tanh_linear_relu(*ref_in, 1e-5, 1)
+    ref.backward(gy)
+    y_tol, g_tol = (1e-5, 1e-4) if dtype == torch.float32 else (2e-2, 3e-2)
+    assert (y.double() - ref).abs().max().item() <= y_tol * ref.abs().max().item()
+    for t, r in zip(tensors, ref_in):
+        err = ((t.grad.double() - r.grad).norm() / r.grad.norm()).item()
+        assert err <= g_tol, (t.shape, err)
+
+
 def test_plans_state_the_alignment_of_masked_columns_only():
     x, w, b, lw, lb = _inputs(3, 20, 24, 8, 0, torch.float32)
     assert launch.forward_plan(x, w, b, lw, lb, 1e-5, 1, save_stats=False).meta["D_ALIGN"] == 8
@@ -72,14 +84,7 @@ def test_masked_columns_match_float64(D, H, pad, dtype, device):
                                     feature_dim=1)
     gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(device)
     y.backward(gy.to(dtype))
-    ref_in = [t.detach().double().requires_grad_() for t in tensors]
-    ref = batched_ln_tanh_linear_relu(*ref_in, 1e-5, 1)
-    ref.backward(gy)
-    y_tol, g_tol = (1e-5, 1e-4) if dtype == torch.float32 else (2e-2, 3e-2)
-    assert (y.double() - ref).abs().max().item() <= y_tol * ref.abs().max().item()
-    for t, r in zip(tensors, ref_in):
-        err = ((t.grad.double() - r.grad).norm() / r.grad.norm()).item()
-        assert err <= g_tol, (t.shape, err)
+    _assert_close_to_float64(y, gy, tensors, dtype)
 
 
 @pytest.mark.interpret
@@ -158,14 +163,7 @@ def test_wide_rows_of_no_chunk_fit_shared_memory_and_match_float64(D, H, dtype, 
         y.backward(gy.to(dtype))
     forward_metas = [m for kind, _, m, _ in seen if kind == "forward"]
     assert forward_metas and forward_metas[0]["BLOCK_B"] == cfg.block_b
-    ref_in = [t.detach().double().requires_grad_() for t in tensors]
-    ref = batched_ln_tanh_linear_relu(*ref_in, 1e-5, 1)
-    ref.backward(gy)
-    y_tol, g_tol = (1e-5, 1e-4) if dtype == torch.float32 else (2e-2, 3e-2)
-    assert (y.double() - ref).abs().max().item() <= y_tol * ref.abs().max().item()
-    for t, r in zip(tensors, ref_in):
-        err = ((t.grad.double() - r.grad).norm() / r.grad.norm()).item()
-        assert err <= g_tol, (t.shape, err)
+    _assert_close_to_float64(y, gy, tensors, dtype)
 
 
 def test_the_heuristics_forward_tiles_fit_the_stage_budget():
