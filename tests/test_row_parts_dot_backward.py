@@ -139,6 +139,8 @@ def test_fp32_rows_of_two_parts_take_the_two_part_dot_kernel(D, H):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("D,H", [(192, 8), (384, 32)])
 def test_the_heuristics_fp32_two_part_rows_match_float64(D, H, device):
+    if device == "cpu" and D > 256:
+        pytest.skip("interpreter time (20 s); D=192 runs there")
     case = Case(2, 37, D, H, ln="per_feature", bias="per_feature")
     if device == "cuda":
         case = with_rows(case, 1000)
