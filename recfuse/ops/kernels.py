@@ -414,6 +414,22 @@ def _load_rows(ptrs, rmask, EVEN_B: tl.constexpr, EVICT: tl.constexpr):
 
 
 @triton.jit
+def _load_chunk(ptrs, rmask, kmask, EVEN_B: tl.constexpr, MASK_K: tl.constexpr, EVICT: tl.constexpr):
+    """A [rows, BLOCK_K] chunk of x as fp32 (`_load_rows`); MASK_K: columns past D read as zeros."""
+    if MASK_K:
+        return tl.load(ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0, eviction_policy=EVICT).to(tl.float32)
+    return _load_rows(ptrs, rmask, EVEN_B, EVICT)
+
+
+@triton.jit
+def _load_param_chunk(ptrs, kmask, MASK_K: tl.constexpr):
+    """A [BLOCK_K] chunk of a LayerNorm affine row as fp32; MASK_K: columns past D read as zeros."""
+    if MASK_K:
+        return tl.load(ptrs, mask=kmask, other=0.0).to(tl.float32)
+    return tl.load(ptrs).to(tl.float32)
+
+
+@triton.jit
 def _store_relu_mask(z, STATS, stats_half, f, B, rows, rmask, hs, EVEN_B: tl.constexpr, BLOCK_H: tl.constexpr):
     """The relu mask of a [rows, BLOCK_H] tile of z (bias added) as bits: bit h % 32 of word h // 32
     is z[:, h] > 0, word w stored (bitcast to fp32) in row-stats plane 2 + w ([2 + words, F, B]),
@@ -540,18 +556,14 @@ def _chunk_stats_step(x_rows, kc, ks, rmask, pivot, mean, m2, stride_x_d, EVEN_B
     the chunk's own mean and centred sum of squares, combined as Chan et al. do. MASK_K: columns
     past D count for nothing (only the last chunk has any)."""
     cols = kc * BLOCK_K + ks
-    if MASK_K:
-        kmask = cols < D
-        xk = tl.load(x_rows[:, None] + cols[None, :] * stride_x_d, mask=rmask[:, None] & kmask[None, :],
-                     other=0.0, eviction_policy=X_EVICT).to(tl.float32)
-        n_k = tl.minimum(D - kc * BLOCK_K, BLOCK_K).to(tl.float32)
-    else:
-        xk = _load_rows(x_rows[:, None] + cols[None, :] * stride_x_d, rmask, EVEN_B, X_EVICT)
+    kmask = cols < D
+    xk = _load_chunk(x_rows[:, None] + cols[None, :] * stride_x_d, rmask, kmask, EVEN_B, MASK_K, X_EVICT)
     if NORM == 2:
         m2 = m2 + tl.sum(xk * xk, axis=1)  # mean stays 0 (masked columns are 0)
     else:
         xk = xk - pivot[:, None]
         if MASK_K:
+            n_k = tl.minimum(D - kc * BLOCK_K, BLOCK_K).to(tl.float32)
             xk = tl.where(kmask[None, :], xk, 0.0)
             mk = tl.sum(xk, axis=1) / n_k
             dk = tl.where(kmask[None, :], xk - mk[:, None], 0.0)
@@ -578,35 +590,22 @@ def _chunk_linear_step(x_rows, kc, ks, hs, hmask, rmask, f, mean, rstd, acc, acc
     MASK_K: columns past D load as 0 and leave t (and the weight) 0 there."""
     cols = kc * BLOCK_K + ks
     kmask = cols < D
-    if MASK_K:
-        xk = tl.load(x_rows[:, None] + cols[None, :] * stride_x_d, mask=rmask[:, None] & kmask[None, :],
-                     other=0.0).to(tl.float32)
-    else:
-        xk = _load_rows(x_rows[:, None] + cols[None, :] * stride_x_d, rmask, EVEN_B, "")
+    xk = _load_chunk(x_rows[:, None] + cols[None, :] * stride_x_d, rmask, kmask, EVEN_B, MASK_K, "")
     if NORM == 0:
         a = xk
     else:
         a = (xk - mean[:, None]) * rstd[:, None]
     if HAS_LNW:
-        if MASK_K:
-            a = a * tl.load(LNW + f * stride_lnw_f + cols, mask=kmask, other=0.0).to(tl.float32)[None, :]
-        else:
-            a = a * tl.load(LNW + f * stride_lnw_f + cols).to(tl.float32)[None, :]
+        a = a * _load_param_chunk(LNW + f * stride_lnw_f + cols, kmask, MASK_K)[None, :]
     if HAS_LNB:
-        if MASK_K:
-            a = a + tl.load(LNB + f * stride_lnb_f + cols, mask=kmask, other=0.0).to(tl.float32)[None, :]
-        else:
-            a = a + tl.load(LNB + f * stride_lnb_f + cols).to(tl.float32)[None, :]
+        a = a + _load_param_chunk(LNB + f * stride_lnb_f + cols, kmask, MASK_K)[None, :]
     t = _activate(a, ACT, FAST_TANH)
     if MASK_K:
         t = tl.where(rmask[:, None] & kmask[None, :], t, 0.0)
     elif not EVEN_B:
         t = tl.where(rmask[:, None], t, 0.0)  # padded rows: rstd may be inf, t NaN
-    if MASK_K:
-        wk = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :],
-                     mask=hmask[:, None] & kmask[None, :], other=0.0)
-    else:
-        wk = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :], mask=hmask[:, None], other=0.0)
+    wmask = hmask[:, None] & kmask[None, :] if MASK_K else hmask[:, None]
+    wk = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :], mask=wmask, other=0.0)
     if USE_DOT:
         t_dot = t.to(DOT_DTYPE)
         acc = tl.dot(t_dot, tl.trans(wk.to(DOT_DTYPE)), acc, input_precision=PRECISION, out_dtype=tl.float32)

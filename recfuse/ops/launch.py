@@ -403,7 +403,7 @@ def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, s
     )
     if mask_k:
         meta["MASK_K"] = True
-    if not (even_d or chunked) or mask_k:
+    if (mask_k if chunked else not even_d):  # columns masked: state their alignment
         meta.update(_aligned_columns(column_alignment(D, sxf, sxb, *_weight_strides(weight),
                                                       _param_stride(ln_weight, 2), _param_stride(ln_bias, 2))))
     if cfg.use_dot and _FWD_PRECISION.get(_forward_unfit_key(x, weight, chain, even_d and even_b)) == "ieee":
