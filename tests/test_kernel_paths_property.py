@@ -264,7 +264,7 @@ def chunked_forward_draws(draw):
 _CHUNKED = dict(use_dot=False, unroll_h=0, num_warps=2, persistent=0, tile_stages=1)
 
 
-@_settings(16)
+@_settings(10)
 @given(draw=chunked_forward_draws())
 @example(draw=(Inputs(Case(3, 70, 160, 1, feature_dim=1, strided_view=True, per_feature_weight=True,
                            bias="per_feature", ln="per_feature"), DEFAULT_CHAIN, torch.bfloat16, 1),

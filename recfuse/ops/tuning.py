@@ -87,7 +87,41 @@ def forward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Forwa
             if block_k and D % block_k == 0 and D // block_k >= 4:
                 out.append(configs.ForwardConfig(block_b, block_d, block_h, True, warps, persistent=persistent,
                                                  tile_stages=2 if persistent else 1, block_k=block_k, k_loop=k_loop))
+        out += masked_chunk_candidates(D, H, dtype)
     return list(dict.fromkeys(out))
+
+
+def masked_chunk_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.ForwardConfig]:
+    """tl.dot forwards in chunks of 16-64 columns with the last chunk masked (`MASK_K`), for rows of
+    no 16-column chunk (D = 24, 40, 100, 300, 1000): against whole padded rows, a chunk's tile
+    multiplies fewer padded columns and stages less shared memory. Chunks unrolled (up to 4) or in
+    a runtime loop; 32-128 rows of 4 or 8 warps.
+
+    Example:
+        >>> cands = masked_chunk_candidates(40, 8, torch.float32)
+        >>> sorted({c.block_k for c in cands}), all(c.use_dot and c.block_k < c.block_d for c in cands)
+        ([16, 32], True)
+        >>> masked_chunk_candidates(48, 8, torch.float32)  # whole 16-column chunks: no mask
+        []
+    """
+    block_d = triton.next_power_of_2(D)
+    if D % 16 == 0 or block_d < 32 or H < 2 or 16 * block_d > configs.TILE_BUDGET:
+        return []
+    block_h = configs.dot_block_h(H)
+    if H > block_h:
+        return []
+    out = []
+    for block_k in (16, 32, 64):
+        if block_k >= block_d or block_k * 32 < D:  # at least 2 chunks, at most 32
+            continue
+        chunks = triton.cdiv(D, block_k)
+        for (rows, warps), k_loop in itertools.product(((32, 4), (64, 4), (64, 8), (128, 4), (128, 8)), (0, 1)):
+            if (k_loop == 0 and chunks > 4) or rows * block_k > 8192:
+                continue
+            cfg = configs.ForwardConfig(rows, block_d, block_h, True, warps, block_k=block_k, k_loop=k_loop)
+            if configs.forward_fits(cfg, D, H) and configs.dot_stage_bytes(cfg, dtype) <= configs.DOT_STAGE_BYTES:
+                out.append(cfg)
+    return out
 
 
 def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.BackwardConfig]:
