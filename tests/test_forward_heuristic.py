@@ -38,12 +38,13 @@ OFF_GRID = [
     (24, 2, torch.float32, dict(use_dot=False, unroll_h=1, block_k=0)),
     (24, 2, torch.bfloat16, dict(use_dot=True, block_b=128, block_k=0)),
     (24, 8, torch.bfloat16, dict(use_dot=True, block_b=128, num_warps=4)),
-    (24, 8, torch.float32, dict(use_dot=True, block_b=64, num_warps=4)),
-    # H=32: 128-row tiles 370 us against 599 for 64 (twenty-fourth session)
-    (24, 32, torch.bfloat16, dict(use_dot=True, block_b=128, num_warps=4, block_k=0)),
-    # rows of no 16-column chunk past 64 columns: the chunk loop, its last chunk masked (H200,
-    # twenty-fourth session: bf16 D=100 H=16 291 -> 230 us, fp32 518 -> 233, bf16 D=600 476 -> 193)
-    (100, 16, torch.bfloat16, dict(use_dot=True, block_b=64, num_warps=4, block_k=32, k_loop=1)),
+    # rows of no 16-column chunk: chunks with a masked last one (H200 tuner, twenty-fifth
+    # session: fp32 D=24 H=8 286 -> 243 us, bf16 D=24 H=32 477 -> 299, fp32 D=40 H=2 371 -> 211,
+    # bf16 D=100 H=2 289 -> 222; twenty-fourth session's A/B: fp32 D=100 H=16 518 -> 233)
+    (24, 8, torch.float32, dict(use_dot=True, block_b=64, num_warps=4, block_k=16, k_loop=0)),
+    (24, 32, torch.bfloat16, dict(use_dot=True, block_b=128, num_warps=4, block_k=16, k_loop=0)),
+    (40, 2, torch.float32, dict(use_dot=True, block_b=64, num_warps=4, block_k=16, k_loop=0)),
+    (100, 16, torch.bfloat16, dict(use_dot=True, block_b=128, num_warps=4, block_k=16, k_loop=1)),
     (100, 16, torch.float32, dict(use_dot=True, block_b=64, num_warps=4, block_k=32, k_loop=1)),
 ]
 

@@ -143,23 +143,33 @@ def test_chunked_backward_with_a_masked_last_chunk_matches_float64(path, D, pad,
         assert err <= g_tol, (path, t.shape, err)
 
 
-@pytest.mark.parametrize("D", [65, 100, 300, 600, 1000, 1020])
-@pytest.mark.parametrize("H", [5, 16, 32, 64])
+@pytest.mark.parametrize("D", [20, 24, 40, 63, 65, 100, 200, 300, 600, 1000, 1020])
+@pytest.mark.parametrize("H", [2, 5, 16, 32, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_of_no_chunk_past_64_columns_take_the_masked_chunk_loop(D, H, dtype):
-    """Their whole padded rows were slow and past 256 columns did not fit shared memory (bf16
-    D=1000 H=32: 452 KB at 64 rows; Hopper has 227): the heuristic's forward is the chunk loop with
-    a masked last chunk, within `DOT_STAGE_BYTES`."""
+def test_rows_of_no_16_column_chunk_take_the_masked_chunk_loop(D, H, dtype):
+    """Their whole padded rows were slower (H200 tuner: fp32 D=40 H=2 371 -> 211 us, bf16 D=300
+    H=2 346 -> 196) and past 256 columns did not fit shared memory (bf16 D=1000 H=32: 452 KB at 64
+    rows; Hopper has 227): the heuristic's forward is the chunk loop with a masked last chunk,
+    within `DOT_STAGE_BYTES`, except where the tuner found another path as fast: D < 32 at small H
+    (fp32 one output column at a time, 16-bit whole rows) and fp32 D < 256 at H < 5 (the row
+    path)."""
     cfg = configs.heuristic_forward(D, H, dtype, full_tiles=False)  # masked columns: masked-tile config
-    assert cfg.use_dot and cfg.block_k and D % cfg.block_k and cfg.k_loop, cfg
+    fp32 = dtype == torch.float32
+    if (D < 32 and (H < configs.DOT_MIN_H if fp32 else H <= 16)) or (fp32 and 64 < D < 256 and H < configs.DOT_MIN_H):
+        assert not cfg.block_k or not cfg.use_dot, cfg
+        return
+    assert cfg.use_dot and cfg.block_k and D % cfg.block_k, cfg
+    assert bool(cfg.k_loop) == (D > 64), cfg  # a runtime loop past 4 chunks of 16
     assert configs.dot_stage_bytes(cfg, dtype) <= configs.DOT_STAGE_BYTES
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("D,H,dtype", [(1000, 32, torch.bfloat16), (600, 16, torch.bfloat16), (300, 16, torch.float32)])
+@pytest.mark.parametrize("D,H,dtype", [(1000, 32, torch.bfloat16), (600, 16, torch.bfloat16), (300, 16, torch.float32),
+                                       (100, 8, torch.bfloat16), (40, 2, torch.float32), (24, 32, torch.bfloat16)])
 def test_the_heuristics_masked_chunk_loop_matches_float64(D, H, dtype, device):
-    """The heuristic's own masked-chunk tiles (fp32 64 rows of 32-column chunks, 16-bit 32 rows of
-    64-column ones), forward and every gradient, with the kernel (not a fallback) taking MASK_K."""
+    """The heuristic's own masked-chunk tiles (`configs._masked_chunk_loop`: 16-column chunks
+    unrolled up to 64 columns, a runtime loop of 16-64-column chunks past), forward and every
+    gradient, with the kernel (not a fallback) taking MASK_K."""
     if device == "cpu" and D >= 512:
         pytest.skip("interpreter time; D=100 and the forced masked-chunk cases run there")
     F, B = (1, 20) if device == "cpu" else (2, 1000)  # the interpreter: one tile, masked

@@ -243,8 +243,8 @@ def heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool = Tru
     fits one tile (whole 3xTF32 rows spill registers); 16-bit rows of 1-3 chunks take one program
     per 64-row tile (whole rows at H <= 16), wider ones a runtime chunk loop; persistent programs
     with tiles of x in flight only at 17 <= H <= 32 over full power-of-two rows. Masked rows of no
-    16-column chunk (D = 24, 40, 100) take longer tiles of 4 warps. Measurements behind these
-    rules: benchmarks/NOTES.md.
+    16-column chunk (D = 24, 40, 100, 300) take chunks with a masked last one (`_masked_chunk_loop`).
+    Measurements behind these rules: benchmarks/NOTES.md.
 
     Example:
         >>> heuristic_forward(256, 1, torch.float32).num_warps
@@ -260,7 +260,7 @@ def heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool = Tru
             and dot_stage_bytes(cfg, dtype) > DOT_STAGE_BYTES):
         # Not even 16 whole rows fit: the chunk loop, its last chunk masked (before, such a shape
         # fell back to the composite after an OutOfResources).
-        cfg = _masked_chunk_loop(D, cfg.block_d, cfg.block_h, dtype)
+        cfg = _masked_chunk_tiles(D, cfg.block_d, cfg.block_h, dtype)
     cfg = dataclasses.replace(cfg, **knobs) if knobs else cfg
     if cfg.unroll_h and not cfg.use_dot:
         cfg = dataclasses.replace(cfg, block_h=1)
@@ -296,29 +296,60 @@ def chunk_width(D: int, widest: int) -> int:
     return width if width >= 16 else 0
 
 
-def _masked_chunk_loop(D: int, block_d: int, block_h: int, dtype: torch.dtype) -> "ForwardConfig":
-    """The tl.dot forward over rows of no 16-column chunk and 65+ columns (D = 100, 600, 1000):
-    the chunk loop with its last chunk masked (`kernels._chunked_norm_act_linear`'s MASK_K)
-    instead of whole padded rows, which also stage every padded column in shared memory (fp32
-    D=1000 H=32: 395 KB at 16 rows). H200, forward with per-feature affine and bias, x 256 MB
-    (twenty-fourth session, device call 5), whole rows -> these tiles: fp32 D=100 H=16 518 -> 233
-    us, D=600 H=16 (16 whole rows) 1573 -> 235, D=1000 H=32 (OutOfResources: FMA dots) 1242 -> 314
-    (64 rows of 32-column chunks); bf16 D=100 H=16 291 -> 230 (the same tiles), D=600 H=16 476 ->
-    193, D=1000 H=32 551 -> 234 (32 rows of 64-column chunks).
+def _masked_chunk_loop(D: int, H: int, dtype: torch.dtype) -> Optional["ForwardConfig"]:
+    """The tl.dot forward over rows of no 16-column chunk (D = 24, 40, 100, 300, 1000) in chunks
+    with the last one masked (`kernels._chunked_norm_act_linear`'s MASK_K), or None where another
+    path is as fast. Against whole padded rows a chunk multiplies fewer padded columns and stages
+    less shared memory (fp32 D=1000 H=32 whole rows: 395 KB at 16 rows).
+
+    H200 tuner, forward at x 256 MB (twenty-fifth session, results/checks/
+    tune_fwd_masked_chunks_h200.txt), the previous heuristic -> these tiles, us:
+
+    * D = 33-63, 16-column chunks unrolled: fp32 64 rows (D=40 H=2 371 -> 211, H=8 281 -> 211,
+      H=32 503 -> 298); 16-bit `_narrow_masked_rows` (bf16 D=40 H=2 253 -> 226, H=32 264 -> 252).
+    * D = 17-31: the same from H=5 (fp32) / H=17 (16-bit) (fp32 D=24 H=8 286 -> 243, H=32 545 ->
+      312; bf16 D=24 H=32 477 -> 299); below, one output column at a time (fp32 D=24 H=2, 178 us)
+      or whole padded rows (bf16 D=24 H=2/8 within 3%) are as fast.
+    * D >= 65, a runtime chunk loop (`_masked_chunk_tiles`): at D >= 256 64 rows of 64 columns (fp32
+      D=300 H=8 224 -> 196, D=1000 H=8 241 -> 203; bf16 D=300 H=2 346 -> 196, H=32 240 -> 206),
+      below 256 fp32 32 and 16-bit 16 columns (bf16 D=100 H=2 289 -> 222, H=32 248 -> 236); fp32
+      D < 256 at H < 5 keeps the row path (D=100 H=2 220 against 225).
 
     Example:
-        >>> cfg = _masked_chunk_loop(1000, 1024, 32, torch.bfloat16)
+        >>> cfg = _masked_chunk_loop(1000, 32, torch.bfloat16)
         >>> cfg.block_b, cfg.block_k, cfg.k_loop
-        (32, 64, 1)
+        (64, 64, 1)
+        >>> _masked_chunk_loop(40, 2, torch.float32).block_k, _masked_chunk_loop(48, 8, torch.float32)
+        (16, None)
     """
-    if dtype != torch.float32 and D >= 256:
-        return ForwardConfig(32, block_d, block_h, True, 4, block_k=64, k_loop=1)
-    return ForwardConfig(64, block_d, block_h, True, 4, block_k=32, k_loop=1)
+    block_d, block_h = triton.next_power_of_2(D), dot_block_h(H)
+    if D % 16 == 0 or block_d < 32 or H < 2 or H > block_h or 16 * block_d > TILE_BUDGET:
+        return None
+    fp32 = dtype == torch.float32
+    if block_d == 32 and (H < DOT_MIN_H if fp32 else block_h <= 16):
+        return None
+    if block_d <= 64:
+        return ForwardConfig(64 if fp32 else _narrow_masked_rows(block_d, block_h), block_d, block_h, True, 4,
+                             block_k=16)
+    if fp32 and D < 256 and H < DOT_MIN_H:
+        return None
+    return _masked_chunk_tiles(D, block_d, block_h, dtype)
+
+
+def _masked_chunk_tiles(D: int, block_d: int, block_h: int, dtype: torch.dtype) -> "ForwardConfig":
+    """`_masked_chunk_loop`'s runtime chunk loop over rows of 65+ columns; also the tiles of whole
+    rows that would not fit shared memory (`heuristic_forward`)."""
+    if D >= 256:
+        return ForwardConfig(64, block_d, block_h, True, 4, block_k=64, k_loop=1)
+    if dtype == torch.float32:
+        return ForwardConfig(64, block_d, block_h, True, 4, block_k=32, k_loop=1)
+    return ForwardConfig(128, block_d, block_h, True, 4, block_k=16, k_loop=1)
 
 
 def _narrow_masked_rows(block_d: int, block_h: int) -> int:
     """Rows of a 16-bit tl.dot tile (4 warps) over masked rows of no 16-column chunk and at most 64
-    columns (D = 24, 40; wider ones take `_masked_chunk_loop`): 128 up to H=32, 64 at H=64.
+    columns (D = 24, 40: whole rows or `_masked_chunk_loop`'s 16-column chunks): 128 up to H=32,
+    64 at H=64.
     Measured at D=24 on the H200: the tuner's 128 rows at H = 2/8; at H=32, the forward with
     per-feature affine and bias (twenty-fourth session, device call 4) 128 rows 370 us, 64 rows 599,
     32 rows of 8 warps 640 (the tuner's shared-parameter run had ranked 64 rows first)."""
@@ -327,6 +358,9 @@ def _narrow_masked_rows(block_d: int, block_h: int) -> int:
 
 def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> ForwardConfig:
     block_d = triton.next_power_of_2(D)
+    masked_chunks = _masked_chunk_loop(D, H, dtype)
+    if masked_chunks is not None:
+        return masked_chunks
     # tl.dot needs K >= 16 on the GPU (D < 16 failed to compile on the H100): rows below that.
     # H = 2-4 as a 16-wide tl.dot where the tuner found it faster than the broadcast sum (H100:
     # bf16 D=32-160 H=4 2.2-4.3x, fp32 D=32-64 1.2-1.7x; recfuse/ops/tuned/h100-80gb-hbm3.txt).
@@ -419,8 +453,6 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
             # Tiles in flight live in shared memory beside the dot's operands.
             return ForwardConfig(min(64, X_STAGE_BYTES // (2 * block_d)), block_d, block_h, True, 8,
                                  persistent=1, tile_stages=3 if block_d <= 256 else 2)
-        if D != block_d and not chunk_width(D, 16) and block_d >= 128 and H <= block_h:
-            return _masked_chunk_loop(D, block_d, block_h, dtype)
         if dtype == torch.float32 and block_h == 32:
             return ForwardConfig(16, block_d, block_h, True, 4)  # 3xTF32 spills with 32 rows
         if D != block_d and block_d <= 64:
