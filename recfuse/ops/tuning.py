@@ -197,8 +197,10 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
         out += two_pass_candidates(D, H, dtype)
         out += row_parts_dot_candidates(D, H, dtype)
         # K-chunked tiles (`kernels.ln_tanh_linear_relu_bwd_chunked`): columns at a time, so
-        # longer row tiles fit the registers
-        for block_k, block_b, warps, pps in itertools.product((32, 64), (16, 32, 64), (4, 8), (2, 4, 8, 16)):
+        # longer row tiles fit the registers; 16-column chunks too where 32 would leave a masked
+        # last chunk of 1-16 columns (D=40: 16 + 16 + 8 against 32 + 8)
+        widths = (32, 64) if D % 32 == 0 else (16, 32, 64)
+        for block_k, block_b, warps, pps in itertools.product(widths, (16, 32, 64), (4, 8), (2, 4, 8, 16)):
             cfg = configs.heuristic_backward(D, H, dtype, use_dot=True, block_b=block_b, num_warps=warps,
                                              num_stages=1, programs_per_sm=pps, block_k=block_k)
             if cfg is not None and block_k < cfg.block_d and configs.backward_fits(cfg, D, H):
