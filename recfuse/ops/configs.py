@@ -296,6 +296,21 @@ def chunk_width(D: int, widest: int) -> int:
     return width if width >= 16 else 0
 
 
+def masked_chunk_shape(D: int, H: int) -> Optional[tuple]:
+    """(block_d, block_h) of a tl.dot forward in chunks with a masked last one, or None where D is
+    a whole number of 16-column chunks or the row (17-1024 columns) or H (2-64) is out of range:
+    the shapes `_masked_chunk_loop` and the tuner's `tuning.masked_chunk_candidates` cover.
+
+    Example:
+        >>> masked_chunk_shape(100, 8), masked_chunk_shape(96, 8), masked_chunk_shape(100, 65)
+        ((128, 16), None, None)
+    """
+    block_d, block_h = triton.next_power_of_2(D), dot_block_h(H)
+    if D % 16 == 0 or block_d < 32 or H < 2 or H > block_h or 16 * block_d > TILE_BUDGET:
+        return None
+    return block_d, block_h
+
+
 def _masked_chunk_loop(D: int, H: int, dtype: torch.dtype) -> Optional["ForwardConfig"]:
     """The tl.dot forward over rows of no 16-column chunk (D = 24, 40, 100, 300, 1000) in chunks
     with the last one masked (`kernels._chunked_norm_act_linear`'s MASK_K), or None where another
@@ -322,9 +337,10 @@ def _masked_chunk_loop(D: int, H: int, dtype: torch.dtype) -> Optional["ForwardC
         >>> _masked_chunk_loop(40, 2, torch.float32).block_k, _masked_chunk_loop(48, 8, torch.float32)
         (16, None)
     """
-    block_d, block_h = triton.next_power_of_2(D), dot_block_h(H)
-    if D % 16 == 0 or block_d < 32 or H < 2 or H > block_h or 16 * block_d > TILE_BUDGET:
+    shape = masked_chunk_shape(D, H)
+    if shape is None:
         return None
+    block_d, block_h = shape
     fp32 = dtype == torch.float32
     if block_d == 32 and (H < DOT_MIN_H if fp32 else block_h <= 16):
         return None
@@ -383,9 +399,10 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
         else:  # 16-bit chunks narrower than 32 columns were slower than padded whole rows
             block_k = chunk_width(D, 64) if D != block_d and chunk_width(D, 64) >= 32 else 0
         if not block_k and D != block_d:
-            # Masked rows of no 16-column chunk (D=24): fp32 one output column at a time, bf16 the
-            # dot on longer tiles (H200 tuner after the masked columns vectorised, D=24 H=2: fp32
-            # 288 -> 178 us, bf16 311 -> 274; NOTES, twenty-third session).
+            # Masked rows of no 16-column chunk that `_masked_chunk_loop` leaves here (D < 32,
+            # or fp32 D = 65-255): fp32 one output column at a time, bf16 the dot on longer tiles
+            # (H200 tuner after the masked columns vectorised, D=24 H=2: fp32 288 -> 178 us, bf16
+            # 311 -> 274; NOTES, twenty-third session).
             if dtype == torch.float32:
                 return ForwardConfig(32, block_d, 1, False, 2, unroll_h=1)
             return ForwardConfig(_narrow_masked_rows(block_d, dot_block_h(H)), block_d, dot_block_h(H), True, 4)
@@ -456,9 +473,9 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
         if dtype == torch.float32 and block_h == 32:
             return ForwardConfig(16, block_d, block_h, True, 4)  # 3xTF32 spills with 32 rows
         if D != block_d and block_d <= 64:
-            # Masked rows of no 16-column chunk (D = 24, 40): longer tiles, 4 warps (H200
-            # tuner, D=24 H=8: fp32 64 rows 364 -> 288 us, bf16 128 rows 666 -> 327; H=32 bf16 64
-            # rows 624 -> 408; NOTES, twenty-third session).
+            # Whole masked rows of no 16-column chunk where `_masked_chunk_loop` keeps them
+            # (16-bit D < 32 at H <= 16; H > 64): longer tiles, 4 warps (H200 tuner, D=24 H=8:
+            # fp32 64 rows 364 -> 288 us, bf16 128 rows 666 -> 327; NOTES, twenty-third session).
             rows = 64 if dtype == torch.float32 else _narrow_masked_rows(block_d, block_h)
             return ForwardConfig(rows, block_d, block_h, True, 4)
         return ForwardConfig(block_b, block_d, block_h, True, num_warps)

@@ -104,12 +104,10 @@ def masked_chunk_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.
         >>> masked_chunk_candidates(48, 8, torch.float32)  # whole 16-column chunks: no mask
         []
     """
-    block_d = triton.next_power_of_2(D)
-    if D % 16 == 0 or block_d < 32 or H < 2 or 16 * block_d > configs.TILE_BUDGET:
+    shape = configs.masked_chunk_shape(D, H)
+    if shape is None:
         return []
-    block_h = configs.dot_block_h(H)
-    if H > block_h:
-        return []
+    block_d, block_h = shape
     out = []
     for block_k in (16, 32, 64):
         if block_k >= block_d or block_k * 32 < D:  # at least 2 chunks, at most 32
