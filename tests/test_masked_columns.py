@@ -165,7 +165,8 @@ def test_rows_of_no_16_column_chunk_take_the_masked_chunk_loop(D, H, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("D,H,dtype", [(1000, 32, torch.bfloat16), (600, 16, torch.bfloat16), (300, 16, torch.float32),
-                                       (100, 8, torch.bfloat16), (40, 2, torch.float32), (24, 32, torch.bfloat16)])
+                                       (100, 8, torch.bfloat16), (40, 2, torch.float32), (24, 32, torch.bfloat16),
+                                       (72, 16, torch.float16)])
 def test_the_heuristics_masked_chunk_loop_matches_float64(D, H, dtype, device):
     """The heuristic's own masked-chunk tiles (`configs._masked_chunk_loop`: 16-column chunks
     unrolled up to 64 columns, a runtime loop of 16-64-column chunks past), forward and every
