@@ -251,8 +251,9 @@ def heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool = Tru
         1
     """
     cfg = _heuristic_forward(D, H, dtype, full_tiles)
-    # Whole rows that do not split into chunks (D = 300, 1000) stage all their padded columns:
-    # fewer rows where they would not fit (down to 16).
+    # Whole tl.dot rows stage all their padded columns: fewer rows where they would not fit (down to
+    # 16). Rows of no 16-column chunk take `_masked_chunk_loop` first; what still reaches this is
+    # H > 64 at 257+ columns (fp32) / 513+ (16-bit) and 16-bit masked batches at D = 528-1024.
     while (cfg.use_dot and not cfg.block_k and not cfg.persistent and cfg.block_b > 16
            and dot_stage_bytes(cfg, dtype) > DOT_STAGE_BYTES):
         cfg = dataclasses.replace(cfg, block_b=cfg.block_b // 2)
