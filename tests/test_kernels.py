@@ -65,12 +65,13 @@ def test_dot_forward_defaults_take_the_persistent_and_chunked_paths(case, dtype,
     # per chunk. The persistent K-chunked forward runs forced in CHUNKED_CASES below.
     with launch.trace_launches() as launches:
         run_op(recfuse.ln_tanh_linear_relu, make_inputs(case), dtype, case)
-    seen = [(grid, meta["PERSISTENT"], meta["BLOCK_B"], meta["BLOCK_K"])
+    seen = [(grid, meta, meta["PERSISTENT"], meta["BLOCK_B"], meta["BLOCK_K"])
             for kind, grid, meta, _ in launches if kind == "forward"]
-    (grid, is_persistent, block_b, k), = seen
-    assert grid[0] == programs and k == block_k and is_persistent == persistent, seen
+    (grid, meta, is_persistent, block_b, k), = seen
+    n_programs = launch.row_programs(grid, meta)
+    assert n_programs == programs and k == block_k and is_persistent == persistent, seen
     tiles = case.B // block_b
-    assert tiles == (3 if is_persistent else grid[0]), seen  # persistent: 3 tiles in its one program
+    assert tiles == (3 if is_persistent else n_programs), seen  # persistent: 3 tiles in its one program
 
 
 # Small H and narrow rows (defaults from the H100 tuner): the forward of H=2-4 on the 16-wide

@@ -235,6 +235,31 @@ def dot_block_h(H: int) -> int:
     return min(64, max(16, triton.next_power_of_2(H)))
 
 
+# The widest padded row piece (bytes) whose tl.dot forward launches features first.
+FEATURES_FIRST_MAX_ROW_BYTES = 512
+
+
+def forward_features_first(cfg: "ForwardConfig", itemsize: int) -> bool:
+    """Whether a forward of ``cfg`` over a [B, F*D] buffer launches features first
+    (`launch.features_first`, `kernels._row_program`): the tl.dot path on rows of at most
+    `FEATURES_FIRST_MAX_ROW_BYTES` padded bytes a feature.
+
+    Measured on the H200 over the grid's [B, F*D] points (x 256 MB, F=64; benchmarks/NOTES.md,
+    twenty-sixth session), forward GPU time features first / feature by feature: the tl.dot
+    forwards at bf16 D=32 0.77-0.85 (H = 4/16/64), D=48 0.86-0.96, D=160 H=16 0.92-0.96, fp32
+    D=32 H=4 0.95-0.96, the rest of D <= 256 bf16 / 128 fp32 0.98-1.03; but the row path
+    (no tl.dot, H = 1) 1.04-1.10 slower at bf16 D = 48-160, and fp32 D=512 H=64 (2 KB pieces,
+    read twice) 1.08. The [F, B, D] layout's rows are contiguous per feature either way.
+
+    Example:
+        >>> forward_features_first(heuristic_forward(32, 16, torch.bfloat16), 2)
+        True
+        >>> forward_features_first(heuristic_forward(32, 1, torch.bfloat16), 2)  # the row path
+        False
+    """
+    return cfg.use_dot and cfg.block_d * itemsize <= FEATURES_FIRST_MAX_ROW_BYTES
+
+
 def heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool = True, **knobs) -> ForwardConfig:
     """The forward config without a tuned table; ``knobs`` replace fields (for tuners and tests).
 

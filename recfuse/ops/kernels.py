@@ -617,6 +617,20 @@ def _chunk_linear_step(x_rows, kc, ks, hs, hmask, rmask, f, mean, rstd, acc, acc
 
 
 @triton.jit
+def _row_program(FEATURES_FIRST: tl.constexpr):
+    """(row program, feature, row programs per feature) of this forward program on a (row
+    programs, F) grid, or on an (F, row programs) one (FEATURES_FIRST). The hardware starts
+    programs in grid order, first axis fastest: features first, the programs running at once read
+    one span of rows across all features, which in a [B, F*D] buffer (torchrec's layout) is
+    contiguous, where one feature's rows are D-wide pieces F*D apart (a DRAM page opened for 64
+    bytes at bf16 D=32). `configs.forward_features_first` says where that was faster."""
+    if FEATURES_FIRST:
+        return tl.program_id(1), tl.program_id(0).to(tl.int64), tl.num_programs(1)
+    else:
+        return tl.program_id(0), tl.program_id(1).to(tl.int64), tl.num_programs(0)
+
+
+@triton.jit
 def _forward_tile(
     tile, f, w1, bias1,
     X, W, BIAS, LNW, LNB, Y, STATS,
@@ -733,7 +747,7 @@ def ln_tanh_linear_relu_fwd(
     PERSISTENT: tl.constexpr, TILE_STAGES: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     K_CHUNKS: tl.constexpr, SAVE_MASK: tl.constexpr = False, K_LOOP: tl.constexpr = 0, D_ALIGN: tl.constexpr = 1,
-    MASK_K: tl.constexpr = False,
+    MASK_K: tl.constexpr = False, FEATURES_FIRST: tl.constexpr = False,
 ):
     # STATS (SAVE_STATS, for a backward that follows): [2, F, B] fp32, mean then rstd; with
     # SAVE_MASK (relu, H <= BLOCK_H <= 64) also z's relu mask as bits in the planes after them
@@ -751,8 +765,7 @@ def ln_tanh_linear_relu_fwd(
     # = cdiv(D, BLOCK_K): rows of no 16-column chunk too wide to stage whole, D = 600, 1000).
     D, stride_x_f, stride_x_b, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f = _aligned_rows(
         D, stride_x_f, stride_x_b, stride_w_f, stride_w_h, stride_lnw_f, stride_lnb_f, D_ALIGN)
-    pid_b = tl.program_id(0)
-    f = tl.program_id(1).to(tl.int64)
+    pid_b, f, n_row_programs = _row_program(FEATURES_FIRST)
     w1 = 0.0
     bias1 = 0.0
     if PERSISTENT and BLOCK_K == BLOCK_D:
@@ -767,7 +780,7 @@ def ln_tanh_linear_relu_fwd(
         if HAS_BIAS:
             bias1 = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
     if PERSISTENT:
-        for tile in tl.range(pid_b, tl.cdiv(B, BLOCK_B), tl.num_programs(0), num_stages=TILE_STAGES):
+        for tile in tl.range(pid_b, tl.cdiv(B, BLOCK_B), n_row_programs, num_stages=TILE_STAGES):
             _forward_tile(
                 tile, f, w1, bias1, X, W, BIAS, LNW, LNB, Y, STATS, B, D, H, stats_half,
                 stride_x_f, stride_x_b, stride_x_d, stride_w_f, stride_w_h,

@@ -350,6 +350,30 @@ def _forward_unfit_key(x: torch.Tensor, weight: torch.Tensor, chain, full_tiles:
     return _unfit_key(x, weight, chain) + (full_tiles,)
 
 
+# CUDA's limit on a grid's second and third axes.
+_MAX_GRID_YZ = 65535
+
+
+def features_first(sxf: int, sxb: int, row_programs: int, F: int) -> bool:
+    """Whether the forward's (row programs, F) programs may launch on an (F, row programs) grid
+    (`kernels._row_program`'s FEATURES_FIRST; `configs.forward_features_first` says where it
+    does): where x holds a row's features side by side (its feature stride below its batch
+    stride: torchrec's [B, F*D] buffer), so that the programs the hardware runs at once (the
+    grid's first axis fastest) read whole spans of rows, not one feature's D-wide pieces F*D
+    apart. The row programs must fit the grid's second axis.
+
+    Example:
+        >>> features_first(64, 64 * 26, 500, 26), features_first(64 * 1000, 64, 500, 26)  # [B, F*D], [F, B, D]
+        (True, False)
+    """
+    return F > 1 and sxf < sxb and row_programs <= _MAX_GRID_YZ
+
+
+def row_programs(grid: tuple, meta: dict) -> int:
+    """The row programs per feature of a forward launch's ``grid`` and ``meta``."""
+    return grid[1] if meta.get("FEATURES_FIRST") else grid[0]
+
+
 def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, save_stats,
                         chain=DEFAULT) -> ForwardPlan:
     F, B, D, H = _sizes(x, weight, feature_dim)
@@ -372,11 +396,12 @@ def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, s
     syf, syb = (B * H, H) if feature_dim == 0 else (H, F * H)
     n_tiles = triton.cdiv(B, cfg.block_b)
     persistent = cfg.persistent > 0 and H <= cfg.block_h
+    n_programs = n_tiles
     if persistent:
-        grid = (max(1, min(n_tiles, triton.cdiv(cfg.persistent * _num_sms(dev), max(F, 1)))), F)
-    else:
-        grid = (n_tiles, F)
+        n_programs = max(1, min(n_tiles, triton.cdiv(cfg.persistent * _num_sms(dev), max(F, 1))))
     sxf, sxb = _feature_major(x, feature_dim)
+    by_features = configs.forward_features_first(cfg, x.element_size()) and features_first(sxf, sxb, n_programs, F)
+    grid = (F, n_programs) if by_features else (n_programs, F)
     ints = (
         B, D, H, F * B,
         sxf, sxb, x.stride(2),
@@ -403,6 +428,8 @@ def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, s
     )
     if mask_k:
         meta["MASK_K"] = True
+    if by_features:
+        meta["FEATURES_FIRST"] = True
     if (mask_k if chunked else not even_d):  # columns masked: state their alignment
         meta.update(_aligned_columns(column_alignment(D, sxf, sxb, *_weight_strides(weight),
                                                       _param_stride(ln_weight, 2), _param_stride(ln_bias, 2))))
