@@ -246,10 +246,11 @@ def forward_features_first(cfg: "ForwardConfig", itemsize: int) -> bool:
 
     Measured on the H200 over the grid's [B, F*D] points (x 256 MB, F=64; benchmarks/NOTES.md,
     twenty-sixth session), forward GPU time features first / feature by feature: the tl.dot
-    forwards at bf16 D=32 0.77-0.85 (H = 4/16/64), D=48 0.86-0.96, D=160 H=16 0.92-0.96, fp32
-    D=32 H=4 0.95-0.96, the rest of D <= 256 bf16 / 128 fp32 0.98-1.03; but the row path
-    (no tl.dot, H = 1) 1.04-1.10 slower at bf16 D = 48-160, and fp32 D=512 H=64 (2 KB pieces,
-    read twice) 1.08. The [F, B, D] layout's rows are contiguous per feature either way.
+    forwards at bf16 D=32 0.76-0.86 (H = 4/16/64), D=48 0.85-0.95, D=160 H=16 0.93-0.97, fp32
+    D=32 H=4 0.94-0.95, the rest of D <= 256 bf16 / 128 fp32 0.97-1.03 but bf16 per-feature
+    D=128 H=64 1.08; wider rows 0.97-1.01 (bf16 D=512, fp32 D >= 160); the row path (no tl.dot,
+    H = 1) 1.04-1.10 at bf16 D = 48-160 in one run. The [F, B, D] layout's rows are contiguous per feature
+    either way.
 
     Example:
         >>> forward_features_first(heuristic_forward(32, 16, torch.bfloat16), 2)
