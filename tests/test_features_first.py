@@ -144,3 +144,38 @@ def test_other_forwards_keep_their_grid(case, forward_knobs, monkeypatch):
     _, _, _, seen, _ = _run(case, torch.float32, forward_knobs, backward, monkeypatch)
     for kind, grid, meta in seen:
         assert not meta.get("FEATURES_FIRST") and grid[1] == case.F, (kind, grid)
+
+
+@pytest.mark.interpret
+def test_features_first_over_a_padded_row_buffer():
+    # x's rows hold each feature's D values with 8 unused ones after them (a [B, F, D + 8] buffer
+    # sliced to D): feature stride D + 8 below batch stride F * (D + 8), so features first, and
+    # the kernel must take both strides as they are.
+    F, B, D, H = 3, 70, 32, 16
+    g = torch.Generator().manual_seed(11)
+    buf = torch.randn(B, F, D + 8, generator=g, dtype=torch.float64)
+    w = torch.randn(H, D, generator=g, dtype=torch.float64) / D ** 0.5
+    b = 0.1 + 0.1 * torch.randn(H, generator=g, dtype=torch.float64)
+    lw = 1 + 0.2 * torch.randn(F, D, generator=g, dtype=torch.float64)
+    lb = 0.2 * torch.randn(F, D, generator=g, dtype=torch.float64)
+    gy = torch.randn(B, F, H, generator=g, dtype=torch.float64)
+    pre = recfuse.reference.feature_mlp(buf[..., :D], w, b, ln_weight=lw, ln_bias=lb, feature_dim=1, out_activation=None)
+    gy = gy.masked_fill(pre.abs() < 1e-3, 0)
+    leaves = [t.float().requires_grad_(True) for t in (buf, w, b, lw, lb)]
+    x = leaves[0][..., :D]
+    assert x.stride()[:2] == (F * (D + 8), D + 8)
+    forward = lambda D_, H_, dt, full_tiles: configs.heuristic_forward(D_, H_, dt, full_tiles, use_dot=True,  # noqa: E731
+                                                                      block_b=16, persistent=0, block_k=0)
+    with configs.override(forward=forward), launch.trace_launches() as seen:
+        y = recfuse.ln_tanh_linear_relu(x, *leaves[1:3], ln_weight=leaves[3], ln_bias=leaves[4], feature_dim=1)
+        y.backward(gy.float())
+    (_, fwd_grid, fwd_meta, _), = [launch for launch in seen if launch[0] == "forward"]
+    assert fwd_meta.get("FEATURES_FIRST") and fwd_grid[0] == F and fwd_grid[1] > 1, fwd_grid
+    ref_leaves = [t.clone().requires_grad_(True) for t in (buf, w, b, lw, lb)]
+    y_ref = recfuse.reference.ln_tanh_linear_relu(ref_leaves[0][..., :D], *ref_leaves[1:3], ln_weight=ref_leaves[3],
+                                                  ln_bias=ref_leaves[4], feature_dim=1)
+    y_ref.backward(gy)
+    assert rel_err(y, y_ref) < TOLERANCE[torch.float32]
+    for name, leaf, ref in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), leaves, ref_leaves):
+        assert rel_err(leaf.grad, ref.grad) < 1e-4, name
+    assert leaves[0].grad[..., D:].abs().max() == 0  # the unused values get no gradient
