@@ -81,6 +81,7 @@ def _resolve_attr(root: nn.Module, qualname: str) -> Any:
 
 _SET_GRAD_ENABLED = torch._C._set_grad_enabled  # the real one: capture patches the attribute while tracing
 _IS_GRAD_ENABLED = torch.is_grad_enabled
+_GET_DEFAULT_DTYPE = torch.get_default_dtype
 _AUTOCAST_ENTER = torch.amp.autocast_mode.autocast.__enter__
 _GRAD_MODE_FNS = (runtime.grad_enabled, runtime.set_grad_mode)
 _ACTIVE_TRACERS: list = []  # the tracer tracing now (innermost last)
@@ -110,6 +111,15 @@ def _traced_is_grad_enabled() -> Any:
         if _is_user_code(f) or f.f_code.co_filename == _GRAD_MODE_FILE:
             return tracer.create_proxy("call_function", runtime.grad_enabled, (), {})
     return _IS_GRAD_ENABLED()
+
+
+def _traced_get_default_dtype() -> torch.dtype:
+    # `torch.get_default_dtype()` read by the model's code: the graph keeps the dtype as a constant,
+    # so the capture guards calls under another default dtype (`_guard_default_dtype`).
+    tracer = _tracing_user_code()
+    if tracer is not None and _is_user_code(sys._getframe(1)):
+        tracer.__dict__["recfuse_default_dtype_read"] = _user_frame()
+    return _GET_DEFAULT_DTYPE()
 
 
 def _traced_set_grad_enabled(mode) -> None:
@@ -312,6 +322,7 @@ def _patched_global_state(tracer: "Tracer"):
     grad = torch._C.is_grad_enabled()
     _ACTIVE_TRACERS.append(tracer)
     torch.is_grad_enabled = _traced_is_grad_enabled
+    torch.get_default_dtype = _traced_get_default_dtype
     torch._C._set_grad_enabled = _traced_set_grad_enabled
     torch.amp.autocast_mode.autocast.__enter__ = _traced_autocast_enter
     torch.inference_mode.__enter__ = _traced_inference_enter
@@ -326,6 +337,7 @@ def _patched_global_state(tracer: "Tracer"):
         builtins.print = _PRINT
         logging.Logger.isEnabledFor = _LOGGER_ENABLED_FOR
         torch.is_grad_enabled = _IS_GRAD_ENABLED
+        torch.get_default_dtype = _GET_DEFAULT_DTYPE
         torch._C._set_grad_enabled = _SET_GRAD_ENABLED
         torch.amp.autocast_mode.autocast.__enter__ = _AUTOCAST_ENTER
         torch.inference_mode.__enter__ = _INFERENCE_ENTER
@@ -1626,9 +1638,33 @@ def _insert_guards(gm: GraphModule, tracer: "_ModeTracer") -> bool:
     return bool(tracer.mode_guards or seen or value_guards)
 
 
+def _guard_default_dtype(graph: Graph, root: nn.Module, tracer: Tracer) -> bool:
+    """A `runtime.check_default_dtype` node at the start of the graph where it holds what the default
+    dtype was while it was traced: a floating tensor constant the model's forward made in it
+    (``torch.ones(F)``: torch.fx stores such a tensor as a `_tensor_constantN` attribute) or a read of
+    ``torch.get_default_dtype()`` by the model's code. Before (red-team round 20), a call under another
+    default dtype silently computed with the trace's (a float32 result where the original gave
+    float64). Returns whether the graph changed."""
+    dtype = _GET_DEFAULT_DTYPE()
+    where = tracer.__dict__.pop("recfuse_default_dtype_read", None)
+    if where is None:
+        for n in graph.nodes:
+            if n.op == "get_attr" and n.target.startswith("_tensor_constant"):
+                t = getattr(root, n.target, None)
+                if isinstance(t, torch.Tensor) and t.dtype is dtype:
+                    where = f"a tensor constant `{n.target}` of the graph, used by `{next(iter(n.users), n).name}`"
+                    break
+    if where is None:
+        return False
+    first = next((n for n in graph.nodes if n.op != "placeholder"), None)
+    with graph.inserting_before(first):
+        graph.call_function(runtime.check_default_dtype, (dtype, where))
+    return True
+
+
 _NOT_REGION_USERS = (runtime.set_grad_mode, runtime.grad_enabled, runtime.check_specialized, runtime.check_dynamo_guards,
                      runtime.check_key_order, runtime.check_key_set, runtime.check_none, runtime.check_not_none,
-                     runtime.check_training_mode)
+                     runtime.check_training_mode, runtime.check_default_dtype)
 
 
 def _separate_grad_regions(graph: Graph) -> bool:
@@ -1916,6 +1952,7 @@ def _capture(model, example_inputs, codegen: bool, share: bool) -> tuple[GraphMo
             else:
                 n.meta[VAL_KEY] = summarise(live)
     changed = _insert_guards(gm, tracer)
+    changed = _guard_default_dtype(gm.graph, root, tracer) or changed
     changed = _guard_optional_arguments(gm, params, values, constants) or changed
     changed = _separate_grad_regions(gm.graph) or changed
     if constants:

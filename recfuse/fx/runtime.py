@@ -19,6 +19,7 @@ from ..errors import RecfuseError
 
 __all__ = [
     "check_training_mode",
+    "check_default_dtype",
     "check_key_order",
     "check_key_set",
     "check_module_argument",
@@ -176,6 +177,26 @@ def check_training_mode(training: bool, expected: bool, where: str) -> None:
             f"({where}); the graph holds only the {mode} branch, so it cannot run in {other} mode. "
             f"Transform a copy of the model in {other} mode for {other} use (or use nn.Dropout/"
             f"F.dropout(training=self.training), which switch with .train()/.eval()).")
+
+
+@has_side_effect
+@_always_recorded  # its arguments are constants
+def check_default_dtype(expected: torch.dtype, where: str) -> None:
+    """Guard of a graph that holds what the default dtype was at transform time: floating tensor
+    constants the model's forward made (``torch.ones(F)``, ``torch.tensor([0.5, ...])``) or a read
+    of ``torch.get_default_dtype()``. The original makes them in the default dtype of each call.
+
+    Example:
+        >>> check_default_dtype(torch.get_default_dtype(), "model.py:3")
+    """
+    current = torch.get_default_dtype()
+    if current is not expected:
+        raise RecfuseError(
+            f"this model was transformed with torch.get_default_dtype() == {expected}, and its forward depends on "
+            f"it ({where}): the transformed graph holds the tensors or dtype it made then as constants. Called "
+            f"now with the default dtype {current}, the original would make them in {current} (and compute in it). "
+            f"Transform under torch.set_default_dtype({current}) for such calls, or give those tensors an "
+            f"explicit dtype in the model's code.")
 
 
 @has_side_effect
