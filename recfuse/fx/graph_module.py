@@ -479,8 +479,52 @@ class _FusedHolder(_ChecksReplacements, torch.nn.Module):
             raise AttributeError(f"'{type(self).__name__}' object has no attribute 'reset_parameters'")
         return reset
 
+    def requires_grad_(self, requires_grad: bool = True):
+        """nn.Module's, and also for the rows of stacked parameters that stand for tensors of
+        modules at or below this holder's path. ``model.lns.requires_grad_(False)`` (freezing the
+        fused LayerNorms) otherwise met a holder without those tensors and left the stacked
+        LayerNorm parameters training, silently (red-team round 21). Some rows of a stacked
+        parameter but not all: refused (they cannot be frozen one by one)."""
+        found = _stacked_rows_under(self)
+        if found is not None:
+            gm, prefix = found
+            changes = []
+            for new, olds in getattr(gm, "_recfuse_stacked", {}).items():
+                stacked = gm._parameters.get(new)
+                if not isinstance(stacked, torch.nn.Parameter):
+                    continue
+                mine = [o for o in olds if not prefix or o.startswith(prefix + ".")]
+                if not mine or stacked.requires_grad == requires_grad:
+                    continue
+                if len(mine) != len(olds):
+                    from ..errors import RecfuseError
+
+                    raise RecfuseError(
+                        f"`{prefix}.requires_grad_({requires_grad})` would set requires_grad of "
+                        f"{', '.join(f'`{o}`' for o in mine)} but not of the other rows of `{new}` (recfuse.transform "
+                        "stacked them into one parameter, whose rows cannot be frozen one by one). Freeze them in "
+                        "the original model and transform it (a frozen feature stays frozen), or transform with "
+                        "stack_parameters=False.")
+                changes.append(stacked)
+            for stacked in changes:
+                stacked.requires_grad_(requires_grad)
+        return torch.nn.Module.requires_grad_(self, requires_grad)
+
     def extra_repr(self) -> str:
         return "holds what the fused graph reads"
+
+
+def _stacked_rows_under(holder: torch.nn.Module):
+    """(the transformed model, `holder`'s path in it) for a holder at or above the path of a fused
+    module (`_HOLDER_ROOTS`, set by `guard_absorbed`), else None."""
+    for mod in holder.modules():
+        ref = _HOLDER_ROOTS.get(mod)
+        gm = ref() if ref is not None else None
+        if gm is not None:
+            for path, m in gm.named_modules(remove_duplicate=False):
+                if m is holder:
+                    return gm, path
+    return None
 
 
 # holder at the path of a module whose calls fusion replaced -> a weak reference to the transformed

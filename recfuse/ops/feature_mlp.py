@@ -20,7 +20,7 @@ from ..reference import batched_feature_mlp
 from .ln_tanh_linear_relu import (
     _EagerLnTanhLinearRelu, _any_requires_grad, _autocast_call, _autocast_enabled_for, _backward, _backward_impl,
     _bwd_fake, _forward_impl, _functorch_active, _fwd_fake, _is_plain_eager, _op_schemas, _setup_context, _vmap_rule,
-    ln_tanh_linear_relu,
+    ln_tanh_linear_relu, register_forward_ad,
 )
 
 __all__ = ["feature_mlp"]
@@ -57,6 +57,7 @@ def _chain_backward(ctx, grad_y):
 
 
 _fwd_op.register_autograd(_chain_backward, setup_context=_setup_chain_context)
+register_forward_ad(_fwd_op, lambda *args: batched_feature_mlp(*args[:7], from_schema(*args[7:10])))
 
 
 def _op_positional(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, norm, activation, out_activation):

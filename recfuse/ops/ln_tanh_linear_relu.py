@@ -21,6 +21,7 @@ Dispatch:
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Optional
 
@@ -192,12 +193,14 @@ def _setup_context(ctx, inputs, output, chain=DEFAULT):
     ctx.config_override = configs.current_override()
 
 
-def _differentiable_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, chain=DEFAULT):
+def _differentiable_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, chain=DEFAULT,
+                             create_graph=True):
     """The five gradients as differentiable tensors, for a double backward (``create_graph=True``).
 
     Recomputes the chain with the batched torch composite under autograd and differentiates it
     with ``create_graph=True``, so that a gradient penalty (a gradient of x.grad) is exact; the
-    fused backward kernel's outputs have no autograd history.
+    fused backward kernel's outputs have no autograd history. With ``create_graph=False``: the
+    same gradients in plain torch ops, for a grad_y the kernels cannot read (`_backward`).
     """
     with torch.enable_grad():
         # A view per argument, so that one tensor passed twice gets each position's gradient.
@@ -205,7 +208,8 @@ def _differentiable_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, f
                 for t in (x, weight, bias, ln_weight, ln_bias)]
         y = batched_feature_mlp(*args, eps, feature_dim, chain)
         wanted = [i for i, t in enumerate(args) if t is not None and t.requires_grad]
-        grads = torch.autograd.grad(y, [args[i] for i in wanted], grad_y, create_graph=True, allow_unused=True)
+        grads = torch.autograd.grad(y, [args[i] for i in wanted], grad_y, create_graph=create_graph,
+                                    allow_unused=True)
     out = [None] * 5
     for i, g in zip(wanted, grads):
         out[i] = torch.zeros_like(args[i]) if g is None else g
@@ -225,11 +229,16 @@ def _backward(ctx, grad_y, backward_fn=_bwd_op, n_nontensor=2, stats=None):
         with configs.reopened(ctx.config_override):
             return _backward(ctx, grad_y, backward_fn, n_nontensor, stats)
     x, weight, bias, ln_weight, ln_bias = ctx.saved_tensors
-    if _grad_enabled() and _any_requires_grad(grad_y, x, weight, bias, ln_weight, ln_bias):
+    create_graph = _grad_enabled() and _any_requires_grad(grad_y, x, weight, bias, ln_weight, ln_bias)
+    if create_graph or _is_legacy_batched(grad_y):
         # create_graph=True (grad mode is off in a plain backward): the gradients must be
-        # differentiable themselves.
+        # differentiable themselves. A legacy-vmap batched grad_y (``torch.autograd.grad(...,
+        # is_grads_batched=True)``: torch.autograd.functional.jacobian / hessian with
+        # ``vectorize=True``) has no storage for the kernels or the compiled path (they raised
+        # "Cannot access data pointer of Tensor that doesn't have storage", red-team round 21):
+        # autograd of the torch composite batches over it.
         grads = _differentiable_backward(grad_y, x, weight, bias, ln_weight, ln_bias, ctx.eps, ctx.feature_dim,
-                                         ctx.chain)
+                                         ctx.chain, create_graph=create_graph)
         return grads + (None,) * n_nontensor
     if backward_fn is None:
         gx, gw, gb, glw, glb = _eager_backward(ctx, stats, grad_y, x, weight, bias, ln_weight, ln_bias)
@@ -245,6 +254,45 @@ def _backward(ctx, grad_y, backward_fn=_bwd_op, n_nontensor=2, stats=None):
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def register_forward_ad(op, composite) -> None:
+    """Make the custom op `op` (its `register_autograd` done) compute through `composite`, the
+    differentiable torch composite, where an argument carries a forward-mode AD tangent
+    (``torch.autograd.forward_ad.make_dual``).
+
+    torch.library's Autograd kernel has no jvp: with no argument requiring grad (or grad mode off)
+    it ran the op below autograd and returned y without a tangent, silently (a transformed model
+    through torch.export / torch.jit.trace / torch.fx.symbolic_trace, whose graphs call
+    ``torch.ops.recfuse...``: tangent None where the original gives the jvp, red-team round 21),
+    and with one it raised "You must implement the jvp function". The public functions route
+    forward AD to the composite already (`_functorch_active`); this does it for the op itself.
+    """
+    import warnings
+
+    try:  # torch.library's own Autograd kernel for `op` (private API: kept as it is where it differs)
+        from torch._library.autograd import make_autograd_impl
+
+        autograd_impl = make_autograd_impl(op._opoverload, op)
+    except (ImportError, AttributeError, TypeError) as err:
+        logging.getLogger(__name__).debug("forward-mode AD of %s left to torch.library: %s", op, err)
+        return
+
+    def impl(keyset, *args, **kwargs):
+        if _fwAD._current_level >= 0 and any(isinstance(t, torch.Tensor) and _fwAD.unpack_dual(t).tangent is not None
+                                             for t in args[:5]):
+            return composite(*args, **kwargs)
+        return autograd_impl(keyset, *args, **kwargs)
+
+    try:
+        with warnings.catch_warnings():  # "Overriding a previously registered kernel": torch.library's own
+            warnings.simplefilter("ignore")
+            op._lib.impl(op._name, impl, "Autograd", with_keyset=True)
+    except (AttributeError, TypeError, RuntimeError) as err:
+        logging.getLogger(__name__).debug("forward-mode AD of %s left to torch.library: %s", op, err)
+
+
+register_forward_ad(_fwd_op, batched_ln_tanh_linear_relu)
 
 
 class _EagerLnTanhLinearRelu(torch.autograd.Function):
@@ -361,6 +409,8 @@ def _forward_recorded(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, rec
 # torch.func transforms wrap tensors in ways the kernels and the ctx-in-forward autograd.Function
 # cannot take. One C call; torch versions without it (none we support) fall back to "inactive".
 _functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+# A legacy-vmap BatchedTensor (torch._vmap_internals, what ``is_grads_batched=True`` runs a backward under).
+_is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda t: False)
 
 
 def _functorch_active() -> bool:
