@@ -60,15 +60,9 @@ import torch.nn as nn
 
 import recfuse
 from recfuse.errors import RecfuseError
-from trust_helpers import randomized as _randomized, reloaded as _reloaded
+from trust_helpers import max_rel_err as _err, randomized as _randomized, reloaded as _reloaded
 
 F_, D_, H_ = 3, 4, 5
-
-
-def _err(a, b):
-    """max abs error / max(|b|, 1)."""
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1.0)).item() if b.numel() else 0.0
 
 
 class Features(nn.Module):

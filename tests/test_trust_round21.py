@@ -71,15 +71,9 @@ import torch.nn as nn
 import recfuse
 from recfuse.errors import RecfuseError
 from recfuse.ops import cpu_backend
-from trust_helpers import randomized, reloaded
+from trust_helpers import assert_same_jvp, max_rel_err as _err, randomized, reloaded
 
 F_, D_, H_, B = 3, 4, 5, 4
-
-
-def _err(a, b):
-    """max abs error / max(|b|, 1)."""
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1.0)).item() if b.numel() else 0.0
 
 
 class Features(nn.Module):
@@ -204,15 +198,7 @@ def test_forward_ad_through_graphs_that_call_the_custom_op(how):
     x, tx = torch.randn(B, F_ * D_), torch.randn(B, F_ * D_)
     gm = _graph_of(g, how, x)
     for grad in (False, True):
-        got = []
-        for m in (gm, ref):
-            with torch.set_grad_enabled(grad), fwAD.dual_level():
-                y = fwAD.unpack_dual(m(fwAD.make_dual(x, tx)))
-                got.append((y.primal.detach(), y.tangent))
-        (yg, tg), (yr, tr) = got
-        torch.testing.assert_close(yg, yr, atol=1e-5, rtol=1e-5)
-        assert tg is not None, (how, grad)
-        torch.testing.assert_close(tg, tr, atol=1e-4, rtol=1e-4)
+        assert_same_jvp(gm, ref, x, tx, grad)
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])

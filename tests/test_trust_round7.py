@@ -11,6 +11,7 @@ from torch import nn
 
 import recfuse
 from fx_cases import PerFeatureChain, randomized
+from trust_helpers import assert_same_jvp
 from recfuse.ops import cpu_backend
 
 F_, D_, H_ = 3, 6, 4
@@ -208,15 +209,7 @@ def _check_forward_ad(chain, grad):
     assert g.recfuse_report.groups[0].fusion == fusion
     with torch.no_grad():
         g(x), g(x)  # the op's later calls may take another path than its first
-    got = []
-    for mod in (g, ref):
-        with torch.set_grad_enabled(grad), fwAD.dual_level():
-            y = fwAD.unpack_dual(mod(fwAD.make_dual(x, tx)))
-            got.append((y.primal.detach(), y.tangent))
-    (yg, tg), (yr, tr) = got
-    torch.testing.assert_close(yg, yr, atol=1e-5, rtol=1e-5)
-    assert tg is not None
-    torch.testing.assert_close(tg, tr, atol=1e-4, rtol=1e-4)
+    assert_same_jvp(g, ref, x, tx, grad)
     # dual parameters (a jvp in the parameters' direction), the stacked ones stacked from the original's
     stacked = getattr(g, "_recfuse_stacked", {})
     tangents = {k: torch.randn_like(v) for k, v in ref.named_parameters()}
