@@ -57,10 +57,23 @@ def _check_strided(name: str, t: torch.Tensor) -> None:
                         f"(.to_dense(), or torch.stack of a nested tensor's components)")
 
 
+def check_not_negated(name: str, t: torch.Tensor) -> None:
+    """Raise if t has its negative bit set (a lazily negated view: ``torch._neg_view``, the
+    ``.imag`` of a conjugated complex tensor, or a copy of one by ``.contiguous()`` /
+    ``nn.Parameter``): the flag lives outside the memory, which the compiled CPU path and the
+    kernels read as it is (they gave the un-negated numbers)."""
+    # Not while Dynamo traces (it cannot trace ``is_neg``, and the traced op runs the eager composite).
+    if not torch.compiler.is_compiling() and t.is_neg():
+        raise ValueError(f"{name} has its negative bit set (a lazily negated view, e.g. from torch._neg_view or "
+                         f"the .imag of a conjugated complex tensor); materialize it first with "
+                         f"{name}.resolve_neg()")
+
+
 def _check_tensor(name: str, t, x: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     _check_strided(name, t)
+    check_not_negated(name, t)
     if not t.dtype.is_floating_point:
         raise TypeError(f"{name} must be a floating tensor (float32, bfloat16, float16, float64), got {t.dtype}")
     if t.dtype != x.dtype:
@@ -128,6 +141,7 @@ def check_op_args(
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     _check_strided("x", x)
+    check_not_negated("x", x)
     if not x.dtype.is_floating_point:
         raise TypeError(f"x must be a floating tensor (float32, bfloat16, float16, float64), got {x.dtype}")
     check_feature_dim(feature_dim)
@@ -227,13 +241,17 @@ def call_signature(x, weight, bias, ln_weight, ln_bias, eps, feature_dim) -> tup
     # accept 1, so a call with feature_dim=True must not pass as one validated with 1.
     # `tensor_signature` of each tensor, written out: this runs on every call of the op, and five
     # calls of it were ~0.4 us of its ~2 us.
-    return ((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15),
-            (weight.shape, weight.stride(), weight.dtype, weight.device, weight.data_ptr() & 15),
-            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device, bias.data_ptr() & 15),
+    # Each tensor's negative bit last (after the alignment, which `bound` reads at [4]): it lives
+    # outside shape, strides and memory, and a neg-bit tensor must not pass as one validated
+    # without it (`check_op_args` refuses it; the compiled path and kernels read raw memory).
+    return ((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, x.is_neg()),
+            (weight.shape, weight.stride(), weight.dtype, weight.device, weight.data_ptr() & 15, weight.is_neg()),
+            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device, bias.data_ptr() & 15,
+                                       bias.is_neg()),
             None if ln_weight is None else (ln_weight.shape, ln_weight.stride(), ln_weight.dtype, ln_weight.device,
-                                            ln_weight.data_ptr() & 15),
+                                            ln_weight.data_ptr() & 15, ln_weight.is_neg()),
             None if ln_bias is None else (ln_bias.shape, ln_bias.stride(), ln_bias.dtype, ln_bias.device,
-                                          ln_bias.data_ptr() & 15),
+                                          ln_bias.data_ptr() & 15, ln_bias.is_neg()),
             eps, type(eps), feature_dim, type(feature_dim))
 
 

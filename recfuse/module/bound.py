@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._checks import call_signature
+from .._checks import call_signature, check_not_negated
 from ..chain import DEFAULT, Chain
 from ..ops.ln_tanh_linear_relu import _override_state, call_recorded, call_validated, signature_record
 from .parameters import PER_FEATURE_NDIM
@@ -42,11 +42,11 @@ def call_key(x: torch.Tensor, feature_dim, flat_params: Sequence[Optional[torch.
     """The key of a tensor input's call: everything its validation, its plan and its op calls'
     launch keys depend on (see the module docstring). Raises (AttributeError, TypeError,
     RuntimeError) for what is not a plain tensor (a data pointer it cannot give)."""
-    key = [x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, x.requires_grad, feature_dim,
+    key = [x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, x.requires_grad, x.is_neg(), feature_dim,
            type(feature_dim), grad_enabled, training, eps, chain]
     for p in flat_params:  # one tuple per parameter, inline: this runs on every call
         key.append(None if p is None else (p.shape, p.stride(), p.dtype, p.device, p.data_ptr() & 15,
-                                           p.requires_grad))
+                                           p.requires_grad, p.is_neg()))
     return tuple(key)
 
 
@@ -68,6 +68,11 @@ class _Run:
         self.dtype = dtype if any(p is not None and (p.dtype != dtype or (rows is not None and p.dim() == n))
                                   for n, p in zip(PER_FEATURE_NDIM, params)) else None
         prepared = prepare_params(params, rows, dtype) if self.dtype is not None else list(params)
+        # The plan that validated this call was cached without the negative bit (`call_key` has
+        # it, so a neg-bit input or parameter binds anew and is refused here, as the op does).
+        for name, t in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), (x3, *prepared)):
+            if t is not None:
+                check_not_negated(name, t)
         self.key = call_signature(x3, *prepared, eps, feature_dim)
         # (position among the five tensors, alignment at bind time) of each tensor made per call
         self.fresh = tuple((i + 1, self.key[i + 1][4]) for i, (p, q) in enumerate(zip(params, prepared))

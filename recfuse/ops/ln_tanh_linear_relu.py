@@ -339,6 +339,8 @@ def _eager_backward(ctx, stats, grad_y, x, weight, bias, ln_weight, ln_bias):
     """The five gradients of `_EagerLnTanhLinearRelu` (its saved stats and signature): the
     signature's kept backward plan when a step has run it for this grad_y's signature, else
     `_backward_impl` (which finds or builds the plan), whose plan is kept for the next step."""
+    if grad_y.is_neg():  # a lazily negated grad_y: the compiled path and kernels read its raw memory
+        grad_y = grad_y.resolve_neg()
     record = ctx.record
     if record is None or ctx.chain is not DEFAULT or _override_state() is not None:
         return _backward_impl(grad_y, x, weight, bias, ln_weight, ln_bias, ctx.eps, ctx.feature_dim, stats,
