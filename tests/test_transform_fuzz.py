@@ -307,7 +307,34 @@ class Case:
                 cot_scale = max(float(c.abs().max()) for c in cot)
                 if err_fused <= max(4 * err_orig, GRAD_TOL * scale, 1e-6 * cot_scale):
                     continue
+                # Cancellation can amplify rounding past all three: seed 11399's B=2 train-mode
+                # BatchNorm turns forward values within one ulp of float64 into input gradients
+                # 3.8e-6 off (torch's own BatchNorm backward, fed those values, gives the same).
+                # The band any fp32 evaluation must accept is what the original gives on inputs
+                # moved by two ulps.
+                if err_fused <= 4 * self._perturbed_original_error(ref, xr, cot, mode, i, g64):
+                    continue
             assert r <= GRAD_TOL, f"{mode} grad of input {i}: relative difference {r:.3g} > {GRAD_TOL:g} ({absdiff(a, b)})"
+
+    def _perturbed_original_error(self, ref, xr, cot, mode, i, g64, draws=4):
+        """Max over `draws` of |original fp32 gradient of input i on inputs scaled by 1 +- 2**-22
+        elementwise - float64 gradient on the unscaled inputs|: the original's own sensitivity to
+        rounding-sized differences of its inputs."""
+        gen = torch.Generator().manual_seed(self.spec.seed + 7)
+
+        def nudge(t):
+            signs = torch.randint(0, 2, t.shape, generator=gen).to(t.dtype) * 2 - 1
+            return (t.detach() * (1 + signs * 2.0 ** -22)).requires_grad_(t.requires_grad)
+
+        worst = 0.0
+        for _ in range(draws):
+            xp = tuple(nudge(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else
+                       {k: nudge(v) for k, v in t.items()} if isinstance(t, dict) else t for t in xr)
+            out = flat(seeded_call(ref, xp))
+            gp = torch.autograd.grad(out, input_tensors(xp), cot, allow_unused=True)[i]
+            if gp is not None:
+                worst = max(worst, float((gp.double() - g64).abs().max()))
+        return worst
 
     def _float64_input_grads(self, ref, xr, cot, mode):
         m64 = copy.deepcopy(ref).double().train(mode == "train")
@@ -461,6 +488,26 @@ def test_fuzz_feature(feature, seed, record_property):
 def test_fuzz_mixed(seed, record_property):
     """Every exotic feature on with probability 1/2."""
     assert_case(random_spec(seed, features=list(FEATURES)), record_property)
+
+
+def test_fuzz_cancellation_band():
+    """Seed 11399 (found by a 1500-spec run): a B=2 train-mode BatchNorm after the chain. The
+    transformed forward's values are within one ulp of float64, and torch's own BatchNorm backward,
+    fed them, leaves an input gradient 3.8e-6 off (1.7e-4 of its max). The original on inputs moved
+    by two ulps is as far off, so the check accepts it; on a well-conditioned spec the same band is
+    far below the tolerance, so it admits no real error there."""
+    assert_case(random_spec(11399, features=list(FEATURES)))
+    case = Case(random_spec(0))
+    _, ref, _, _ = case.pair()
+    ref.train()
+    xr = leaf_copy(case.inputs())
+    want = flat(seeded_call(ref, xr))
+    cot = [torch.randn(w.shape, generator=torch.Generator().manual_seed(3)) for w in want]
+    g64 = case._float64_input_grads(ref, xr, cot, "train")
+    for i, g in enumerate(g64):
+        if g is not None and float(g.abs().max()) > 0:
+            band = case._perturbed_original_error(ref, xr, cot, "train", i, g)
+            assert 0 < band <= 1e-5 * float(g.abs().max()), (i, band)
 
 
 LONG_CHUNK = 100
