@@ -6,7 +6,8 @@ host's: Python, argument checks, autograd bookkeeping and kernel launches. Each 
 time per call of a loop of calls with one synchronisation at the end (the rate a training loop can
 issue them), divided by the same for a bare launch of a one-line Triton kernel and for `torch.tanh`
 on 1k elements; rows are measured in rounds (``--rounds``), each row's best round kept, so that a
-host whose speed drifts slows all rows alike. Kernels per call and the GPU busy time per call (the sum of their durations) come
+host whose speed drifts slows all rows alike; "median" is the median over rounds of the row's ratio
+to the bare launch of the same round (loops seconds apart). Kernels per call and the GPU busy time per call (the sum of their durations) come
 from the profiler: a busy time near the wall time means the row is GPU-bound, not host-bound.
 
 Rows: the op, `recfuse.transform` of a per-feature model and `FusedFeatureProcessor`, each as a
@@ -37,6 +38,7 @@ import io
 import json
 import logging
 import pstats
+import statistics
 
 import torch
 
@@ -250,12 +252,19 @@ def main(argv=None) -> int:
                 results.pop(name, None)
     tanh_us = results["torch.tanh 1k (calibration)"]["us"]
     launch_us = results["bare Triton launch"]["us"] if "bare Triton launch" in results else None
-    lines = [f"{'call':58s} {'us/call':>9s} {'launches':>9s} {'tanh':>7s} {'kernels':>8s} {'GPU busy us':>12s}"]
+    # Best rounds of two rows may come from different minutes of a drifting host; the median over
+    # rounds of the ratio within a round compares loops run seconds apart.
+    launch_rounds = results["bare Triton launch"]["us_rounds"] if launch_us else None
+    lines = [f"{'call':58s} {'us/call':>9s} {'launches':>9s} {'median':>7s} {'tanh':>7s} {'kernels':>8s} "
+             f"{'GPU busy us':>12s}"]
     for name, r in results.items():
         r["bare_launches"] = r["us"] / launch_us if launch_us else None
+        r["bare_launches_round_median"] = (statistics.median(u / b for u, b in zip(r["us_rounds"], launch_rounds))
+                                           if launch_rounds and len(r["us_rounds"]) == len(launch_rounds) else None)
         r["tanh_calls"] = r["us"] / tanh_us
         launches = "n/a" if r["bare_launches"] is None else f"{r['bare_launches']:.2f}"
-        lines.append(f"{name:58s} {r['us']:9.1f} {launches:>9s} {r['tanh_calls']:7.2f} {r['kernels']:8} "
+        median = "n/a" if r["bare_launches_round_median"] is None else f"{r['bare_launches_round_median']:.2f}"
+        lines.append(f"{name:58s} {r['us']:9.1f} {launches:>9s} {median:>7s} {r['tanh_calls']:7.2f} {r['kernels']:8} "
                      f"{'n/a' if r['gpu_busy_us'] is None else format(r['gpu_busy_us'], '.1f'):>12s}")
     single = ", single-threaded autograd"
     ratios = {
