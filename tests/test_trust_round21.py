@@ -372,3 +372,56 @@ def test_grad_outputs_and_retained_graphs_match_the_original(how):
 
     for got, want in zip(_grads(g, x, loss), _grads(ref, x, loss)):
         assert _err(got, want) < 1e-4
+
+
+def test_forward_ad_registration_where_torch_refuses_a_second_python_kernel(monkeypatch):
+    """Before: on torch 2.11 (the GPU image) ``Library.impl`` refuses a second Python kernel for a
+    key torch.library already holds ("already a kernel registered from python"; torch 2.13 allows
+    the override), so `register_forward_ad`'s registration for the "Autograd" key raised, was
+    caught, and forward AD through ``torch.ops.recfuse...`` kept dropping the tangent: the tests
+    above failed there with "no tangent". Now it registers the per-backend keys. This emulates the
+    refusal on a throwaway op and checks its jvp against the composite's."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.library import Library
+
+    from recfuse.ops.ln_tanh_linear_relu import register_forward_ad
+
+    impl = Library.impl
+
+    def refusing_impl(self, op_name, fn, dispatch_key="", *, with_keyset=False, **kwargs):
+        return impl(self, op_name, fn, dispatch_key, with_keyset=with_keyset, allow_override=False)
+
+    monkeypatch.setattr(Library, "impl", refusing_impl)
+
+    def composite(x, w):
+        return torch.tanh(x) @ w
+
+    @torch.library.custom_op("recfuse_test::tanh_mm_round21", mutates_args=())
+    def op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return composite(x, w)
+
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        t = torch.tanh(x)
+        return (gy @ w.T) * (1 - t * t), t.T @ gy
+
+    op.register_autograd(backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
+    register_forward_ad(op, composite)
+    x, w, tx = torch.randn(5, 3, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    for grad in (False, True):
+        got = []
+        for fn in (torch.ops.recfuse_test.tanh_mm_round21, composite):
+            with torch.set_grad_enabled(grad), fwAD.dual_level():
+                y = fwAD.unpack_dual(fn(fwAD.make_dual(x, tx), w.clone().requires_grad_(grad)))
+                got.append((y.primal.detach(), y.tangent))
+        (y, t), (y_ref, t_ref) = got
+        torch.testing.assert_close(y, y_ref, atol=1e-12, rtol=1e-12)
+        assert t is not None, "no tangent"
+        torch.testing.assert_close(t, t_ref, atol=1e-12, rtol=1e-12)
+    # the op's backward is still torch.library's (the per-backend kernel defers to it without tangents)
+    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    torch.ops.recfuse_test.tanh_mm_round21(xr, wr).sum().backward()
+    x64, w64 = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    composite(x64, w64).sum().backward()
+    torch.testing.assert_close(xr.grad, x64.grad, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(wr.grad, w64.grad, atol=1e-12, rtol=1e-12)

@@ -284,12 +284,18 @@ def register_forward_ad(op, composite) -> None:
             return composite(*args, **kwargs)
         return autograd_impl(keyset, *args, **kwargs)
 
-    try:
-        with warnings.catch_warnings():  # "Overriding a previously registered kernel": torch.library's own
-            warnings.simplefilter("ignore")
-            op._lib.impl(op._name, impl, "Autograd", with_keyset=True)
-    except (AttributeError, TypeError, RuntimeError) as err:
-        logging.getLogger(__name__).debug("forward-mode AD of %s left to torch.library: %s", op, err)
+    # The per-backend keys, not the "Autograd" alias torch.library registered its kernel for: a
+    # backend's own kernel takes precedence over the alias's, and torch < 2.13 refuses a second
+    # Python kernel for the same key ("already a kernel registered from python"; on torch 2.11
+    # that left the tangent dropped). The kernels run only on CPU and CUDA tensors.
+    for key in ("AutogradCPU", "AutogradCUDA"):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                op._lib.impl(op._name, impl, key, with_keyset=True)
+        except (AttributeError, TypeError, RuntimeError) as err:
+            logging.getLogger(__name__).warning("forward-mode AD of %s on %s left to torch.library (tangents "
+                                                "dropped): %s", op, key[len("Autograd"):], err)
 
 
 register_forward_ad(_fwd_op, batched_ln_tanh_linear_relu)
