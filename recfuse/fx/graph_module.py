@@ -195,10 +195,9 @@ def unstack_saved_rows(module: torch.nn.Module, state_dict: dict, prefix: str, s
         if (not isinstance(value, torch.Tensor) or not isinstance(olds, (list, tuple)) or value.dim() == 0
                 or value.shape[0] != len(olds)):
             continue
-        param = module._parameters.get(new) if new in mine else None
         reordered = list(mine.get(new, ())) != list(olds)
-        if param is not None:
-            optim_state.note_loaded_rows(param, olds, reordered)
+        if new in mine:
+            optim_state.note_loaded_rows(module, new, olds, reordered)
         if not reordered:
             continue
         del state_dict[key]
@@ -640,10 +639,9 @@ def mark_stacked_away(gm: torch.nn.Module) -> None:
     let optimizers over the stacked parameters know which rows they hold (`optim_state`)."""
     from . import optim_state
 
+    if getattr(gm, "_recfuse_stacked", None):
+        optim_state.register(gm)
     for new, olds in getattr(gm, "_recfuse_stacked", {}).items():
-        param = gm._parameters.get(new)
-        if isinstance(param, torch.nn.Parameter):
-            optim_state.register(param, olds)
         for row, old in enumerate(olds):
             owner_path, _, leaf = old.rpartition(".")
             owner = gm

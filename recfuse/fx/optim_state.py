@@ -23,37 +23,56 @@ import weakref
 
 import torch
 import torch.optim.optimizer as _torch_optimizer
-from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["GROUP_KEY", "register", "note_loaded_rows", "check_optimizer"]
 
 GROUP_KEY = "recfuse_stacked_rows"
 
-# stacked parameter -> the original names of its rows, in order
-_ROWS = WeakIdKeyDictionary()
-# stacked parameter -> the rows, in the saver's order, of the last model checkpoint loaded into it in
-# another order than its own
-_LOADED_REORDERED = WeakIdKeyDictionary()
+# Transformed models that stacked parameters. Which rows a stacked parameter holds is read from
+# them (`_stacked_rows`) when an optimizer is checked, by name: keyed by the parameter objects
+# (a weak dictionary, before red-team round 23), a parameter replaced by ``load_state_dict(...,
+# assign=True)`` or ``setattr`` had no record, so its optimizer state loaded by position silently,
+# and the weak references made ``torch.utils.swap_tensors`` refuse every stacked parameter
+# (``torch.__future__.set_swap_module_params_on_conversion(True)`` then ``.to()`` / ``.half()`` /
+# ``load_state_dict``).
+_MODULES: "weakref.WeakSet" = weakref.WeakSet()
+# transformed model -> {stacked name: the rows, in the saver's order, of the last model checkpoint
+# loaded into it in another order than its own}
+_LOADED_REORDERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # optimizer -> ids of the state and groups it was last checked with
 _CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _HANDLE = None
 
 
-def register(param: torch.Tensor, rows) -> None:
-    """`param` (a stacked parameter of a transformed model) holds the original parameters `rows`."""
+def register(module: torch.nn.Module) -> None:
+    """`module` (a transformed model) holds stacked parameters (its ``_recfuse_stacked``)."""
     global _HANDLE
-    _ROWS[param] = tuple(rows)
+    _MODULES.add(module)
     if _HANDLE is None:
         _HANDLE = _torch_optimizer.register_optimizer_step_pre_hook(check_optimizer)
 
 
-def note_loaded_rows(param: torch.Tensor, saved_rows, reordered: bool) -> None:
+def note_loaded_rows(module: torch.nn.Module, name: str, saved_rows, reordered: bool) -> None:
     """A model checkpoint whose `saved_rows` were stacked in another order (`reordered`) than
-    `param`'s, or in the same, was loaded into `param`."""
+    `module`'s stacked parameter `name`, or in the same, was loaded into it."""
+    loaded = _LOADED_REORDERED.setdefault(module, {})
     if reordered:
-        _LOADED_REORDERED[param] = tuple(saved_rows)
+        loaded[name] = tuple(saved_rows)
     else:
-        _LOADED_REORDERED.pop(param, None)
+        loaded.pop(name, None)
+
+
+def _stacked_rows() -> dict:
+    """id(parameter) -> (its rows, the rows of a checkpoint loaded into it in another order or None)
+    for every stacked parameter registered now in a live transformed model."""
+    out = {}
+    for module in list(_MODULES):
+        loaded = _LOADED_REORDERED.get(module, {})
+        for name, rows in getattr(module, "_recfuse_stacked", {}).items():
+            p = module._parameters.get(name)
+            if isinstance(p, torch.Tensor):
+                out[id(p)] = (tuple(rows), loaded.get(name))
+    return out
 
 
 def _per_row(value, param: torch.Tensor) -> bool:
@@ -68,7 +87,7 @@ def check_optimizer(opt, args=None, kwargs=None):
     """The global optimizer step pre-hook (see the module's docstring)."""
     if torch.compiler.is_compiling():
         return None
-    if not _ROWS:
+    if not _MODULES:
         return None
     groups = opt.param_groups
     key = (id(opt.state), tuple(map(id, groups)))
@@ -85,6 +104,7 @@ def _check(opt, groups) -> None:
     mine = []  # (group, {position: (param, its rows)})
     saved_rows = {}  # original name -> (state of the parameter that held it when saved, its row there)
     moved = []  # (param, its rows, the rows its loaded state was saved for)
+    stacked = _stacked_rows()
     for group in groups:
         here = {}
         saved = group.get(GROUP_KEY)
@@ -96,7 +116,7 @@ def _check(opt, groups) -> None:
                 there = list(there)
                 for i, name in enumerate(there):
                     saved_rows[name] = (state, i)
-            rows = _ROWS.get(p)
+            rows, loaded = stacked.get(id(p), (None, None))
             if rows is None:
                 continue
             rows = list(rows)
@@ -104,7 +124,6 @@ def _check(opt, groups) -> None:
             if not state:
                 continue  # nothing loaded: the state this optimizer builds is in p's own order
             if there is None:
-                loaded = _LOADED_REORDERED.get(p)
                 if loaded is not None and list(loaded) != rows:
                     raise RecfuseError(
                         f"{type(opt).__name__}: the state of a parameter that recfuse.transform stacked (rows "
