@@ -22,12 +22,14 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Iterable, Optional
 
+import torch
 from torch import nn
 from torch.fx import Graph, Node
 
 from .patterns import SliceChain, fmt_float, sink_info, walk_chain
 from .plan import Alone, GroupPlan, TensorAliases, plan_group
 from .report import NearMiss
+from .values import tensor_dtype
 
 __all__ = ["GraphAnalysis", "GENERATED"]
 
@@ -202,6 +204,13 @@ class GraphAnalysis:
             self._miss(where, f"slices {shared} share per-slice op nodes (the same value stacked twice); "
                               f"left per slice")
             cand = [i for i in cand if i not in shared]
+        quantized = [i for i in cand if _quantized(chains[i])]
+        if quantized:
+            # an op on quantized tensors requantizes to its own output scale, so a stack before the
+            # ops (one scale for all slices) computes other numbers than per-slice ops then a stack
+            self._miss(where, f"slices {quantized} are quantized tensors ({tensor_dtype(chains[quantized[0]].start)}); "
+                              f"left per slice")
+            cand = [i for i in cand if i not in quantized]
         by_sig: dict[Any, list] = {}
         for i in cand:
             by_sig.setdefault(chains[i].signature(), []).append(i)
@@ -246,6 +255,15 @@ def _chain_reads(c: SliceChain) -> set:
     for o in c.ops:
         reads.update(r.node for r in o.params.values() if r is not None and r.node is not None)
     return reads
+
+
+_QUANTIZED = frozenset({torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+
+
+def _quantized(c: SliceChain) -> bool:
+    """Whether a value of the chain (its input, an op's result, its end) is a quantized tensor
+    (a model converted by torch.ao.quantization): fusion leaves such chains per slice."""
+    return any(tensor_dtype(n) in _QUANTIZED for n in (c.start, c.end, *c.seq) if isinstance(n, Node))
 
 
 def diff_reason(i: int, chain: SliceChain, ref: SliceChain, ref_label: str) -> str:

@@ -352,6 +352,20 @@ class _ChecksReplacements:
             from ..errors import RecfuseError
 
             raise RecfuseError(buffers.away[name])
+        path = self.__dict__.get("_recfuse_path")
+        base = name[:-len("_orig")] if name.endswith("_orig") else None
+        if (path is not None and base and name not in self._parameters
+                and (base in self._parameters or (isinstance(buffers, _StackedAwayNames) and base in buffers.away))):
+            from ..errors import RecfuseError
+
+            # torch.nn.utils.prune (and the old spectral_norm) move `weight` to `weight_orig` and
+            # recompute `weight` in a forward pre-hook; here it failed half-way with an unexplained
+            # KeyError ('weight', "attribute 'weight' already exists") or left the holder changed
+            raise RecfuseError(
+                f"cannot reparametrize `{path}.{base}` (torch.nn.utils.prune, spectral_norm): recfuse.transform "
+                "fused the module that stood here into its graph, which reads its parameters directly and never "
+                "calls the module, so a pruning hook would never run. Prune the original model before "
+                "recfuse.transform (a pruned module is left unfused).")
         super().register_parameter(name, param)
 
 
@@ -459,6 +473,8 @@ class _FusedHolder(_ChecksReplacements, torch.nn.Module):
 
     def __setattr__(self, name, value):
         path = self.__dict__.get("_recfuse_path")
+        if path is not None and name == "qconfig":
+            _refuse_quantization(path)
         if path is not None and not (name.startswith("_") or name == "training" or value is None
                                      or isinstance(value, (torch.Tensor, torch.nn.Module))):
             from ..errors import RecfuseError
@@ -511,6 +527,19 @@ class _FusedHolder(_ChecksReplacements, torch.nn.Module):
 
     def extra_repr(self) -> str:
         return "holds what the fused graph reads"
+
+
+def _refuse_quantization(path: str) -> None:
+    """torch.ao.quantization (eager ``quantize_dynamic`` / ``prepare``, which set ``qconfig`` on every
+    module, or FX ``prepare_fx``, which traces the graph) met a module whose calls fusion replaced:
+    it would leave it in float, the rest quantized (red-team round 24)."""
+    from ..errors import RecfuseError
+
+    raise RecfuseError(
+        f"cannot quantize `{path}`: recfuse.transform fused its calls into one recfuse op of the transformed "
+        "model, whose parameters torch.ao.quantization does not rewrite, so it would stay in float while the "
+        "rest of the model is quantized. Quantize the original model before recfuse.transform (quantized "
+        "modules are left unfused).")
 
 
 def _stacked_rows_under(holder: torch.nn.Module):
@@ -566,6 +595,24 @@ class _FusedAway(_FusedHolder):
                 "module put here would never be called. Replace it in the original model before "
                 "recfuse.transform, or load its state_dict into the transformed model.")
         super().__setattr__(name, value)
+
+    def __getitem__(self, idx):
+        # `model.lns[1]` of a fused ModuleList / Sequential reaches the holder at that path
+        key = str(idx if idx >= 0 else idx + len(self._modules)) if isinstance(idx, int) else idx
+        if key not in self._modules:
+            raise IndexError(f"index {idx} is out of range") if isinstance(idx, int) else KeyError(idx)
+        return self._modules[key]
+
+    def __setitem__(self, idx, module):
+        self.__setattr__(str(idx if not isinstance(idx, int) or idx >= 0 else idx + len(self._modules)), module)
+
+    def __delitem__(self, idx):
+        from ..errors import RecfuseError
+
+        raise RecfuseError(
+            f"cannot delete `{idx}`: recfuse.transform stacked the tensors of the modules that stood here into "
+            "parameters of the transformed model, whose graph computes every feature; edit the original model "
+            "and transform it again.")
 
     def extra_repr(self) -> str:
         return "fused by recfuse.transform"
@@ -994,8 +1041,14 @@ def read_attr(obj, atoms: tuple):
         True
     """
     if (_FX_TRACE_FLAG_KNOWN and _fx_symbolic_trace._is_fx_tracing_flag) or _is_compiling():
+        root = obj
         for name in atoms:
             obj = getattr(obj, name)
+        if isinstance(obj, torch.fx.Proxy) and type(obj.tracer).__module__.startswith("torch.ao.quantization"):
+            fused = getattr(root, "_recfuse_absorbed", None) or {}
+            path = ".".join(atoms[:-1])
+            if atoms[0].startswith("recfuse_") or path in fused:
+                _refuse_quantization(path or atoms[0])
         return obj
     return _read_module_attr(obj, atoms)
 
@@ -1272,6 +1325,17 @@ class TransformedGraphModule(_ChecksReplacements, GraphModule):
         res.__dict__.update({k: v for k, v in self.__dict__.items() if k not in TRANSIENT_ATTRS})
         res.recompile()
         return res
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this on every module it compiles (a parent's submodules too); it
+        # failed inside recfuse's holders with "function definitions aren't supported" or "Can't
+        # redefine method: __reset_parameters_getter" (red-team round 24)
+        from ..errors import RecfuseError
+
+        raise RecfuseError(
+            "torch.jit.script cannot compile a model that recfuse.transform returned: its graph calls recfuse's "
+            "Python helpers and custom op. Use torch.jit.trace, torch.compile or torch.export on it, or script "
+            "the original model.")
 
     def __reduce__(self) -> tuple[Any, ...]:
         _, (body, import_block) = super().__reduce__()
