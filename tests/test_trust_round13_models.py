@@ -1031,11 +1031,13 @@ class Wrapper(nn.Module):
 @pytest.mark.parametrize("wrap", [Wrapper, nn.DataParallel])
 def test_star_args_wrapper_is_refused_and_its_module_transforms(wrap):
     model = wrap(randomized(Proc()))
-    x = torch.randn(B, W)
+    # DataParallel on a host with one GPU moves its module there: the inputs follow the module
+    dev = next(model.parameters()).device
+    x = torch.randn(B, W, device=dev)
     with pytest.raises(RecfuseError, match=r"\*args/\*\*kwargs/keyword-only parameters are not supported"):
         recfuse.transform(model, (x,))
     g = recfuse.transform(model.module, (x,))
-    x = torch.randn(6, W)
+    x = torch.randn(6, W, device=dev)
     assert _rel(g(x), model(x)) < 1e-5
 
 
