@@ -53,13 +53,15 @@ dtype error as in the original), ``result.compile()`` and ``result.lin.compile()
 ``torch.load`` and ``torch.package`` of results after Adam steps, then more steps (<= 1.8e-7), and
 pickle / deepcopy / torch.save of a trained FusedFeatureProcessor (0.0).
 
+Found in the review of this round (fixed after it): a module put over a stacked-away child with
+``result.lns.add_module("1", ...)`` / ``register_module`` (public API), or straight into the
+holder's ``_modules`` dict (``result.lns._modules["1"] = nn.LayerNorm(D)`` with other weights),
+bypassed the setattr check: the stacked parameters kept answering, 0.26 off the original edited
+alike (0.33 / 0.75 through ``_modules``), silently. Now a stacked-away holder's ``add_module`` and
+its ``_modules`` dict (`graph_module._StackedAwayChildren`) refuse it as ``setattr`` does.
+
 Left as found (reported, not fixed here):
 
-* A module put straight into a fused holder's ``_modules`` dict (``result.lns._modules["1"] =
-  nn.LayerNorm(D)`` with other weights), bypassing ``setattr``: the stacked parameters keep
-  answering, 0.33 (vertical) / 0.75 (horizontal) off the original edited alike, silently. The
-  setattr / item forms are refused; guarding the private dict needs a dict subclass on every
-  holder.
 * ``prune.global_unstructured`` over stacked LayerNorms of a result: AttributeError "'NoneType'
   object has no attribute 'device'" (the original names of stacked tensors resolve to None by
   design, for torch.func.functional_call). Loud, not a RecfuseError.
@@ -262,6 +264,35 @@ def test_item_assignment_and_deletion_on_a_fused_module_list_are_refused():
         g.lns[1].eps = 0.5
     x2 = torch.randn(7, F_ * D)
     assert _err(g(x2), ref(x2)) < 1e-6
+
+
+@pytest.mark.parametrize("how", ["add_module", "register_module", "_modules"])
+def test_a_module_put_over_a_stacked_away_child_past_setattr_is_refused(how):
+    """Before: accepted and never called, 0.26 off the original edited alike (``_modules``:
+    0.33), silently. Now refused as ``setattr`` is; the result still answers as the unedited
+    original, and survives deepcopy and torch.save/load with the guard."""
+    import io
+
+    m = _model(True)
+    ref, x = copy.deepcopy(m), torch.randn(B, F_ * D)
+    g = recfuse.transform(m, (x,))
+    for target in (g, copy.deepcopy(g)):
+        new = nn.LayerNorm(D)
+        with torch.no_grad():
+            new.weight.uniform_(0.5, 2.0)
+        with pytest.raises(RecfuseError, match="cannot replace `1`"):
+            if how == "_modules":
+                target.lns._modules["1"] = new
+            else:
+                getattr(target.lns, how)("1", new)
+        x2 = torch.randn(7, F_ * D)
+        assert _err(target(x2), ref(x2)) < 1e-6
+    buf = io.BytesIO()
+    torch.save(g, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    with pytest.raises(RecfuseError, match="cannot replace `1`"):
+        loaded.lns._modules["1"] = nn.LayerNorm(D)
 
 
 # -- 7: torch.jit.script ---------------------------------------------------------------------------

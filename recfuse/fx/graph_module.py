@@ -581,20 +581,48 @@ def _fused_reset(holder: torch.nn.Module):
     return reset_parameters
 
 
+def _refuse_stacked_away_replacement(children: dict, name, value) -> None:
+    """Refuse putting `value` where `children` (a `_FusedAway`'s modules) holds the `_FusedAway`
+    of a module whose tensors fusion stacked: the fused graph would never call it."""
+    if (isinstance(value, torch.nn.Module) and not isinstance(value, _FusedAway)
+            and isinstance(dict.get(children, name), _FusedAway)):
+        from ..errors import RecfuseError
+
+        raise RecfuseError(
+            f"cannot replace `{name}`: recfuse.transform stacked the tensors of the module that stood "
+            "here into parameters of the transformed model (see its stacked_parameters()), so a "
+            "module put here would never be called. Replace it in the original model before "
+            "recfuse.transform, or load its state_dict into the transformed model.")
+
+
+class _StackedAwayChildren(dict):
+    """The ``_modules`` of a `_FusedAway`: writing another module over a stacked-away child
+    straight into the dict (``model.lns._modules["1"] = nn.LayerNorm(D)``) is refused as
+    ``model.lns[1] = ...`` is; before, the module was silently never called (0.33 off the original
+    edited alike; red-team round 24). Copies and loads put `_FusedAway` children back: allowed."""
+
+    def __setitem__(self, name, value):
+        _refuse_stacked_away_replacement(self, name, value)
+        super().__setitem__(name, value)
+
+
 class _FusedAway(_FusedHolder):
     """Stands at the path of a module whose tensors fusion stacked (and which it pruned), so that a
     lookup of an original name reaches `_StackedAwayNames` and its error."""
 
-    def __setattr__(self, name, value):
-        if isinstance(value, torch.nn.Module) and isinstance(self._modules.get(name), _FusedAway):
-            from ..errors import RecfuseError
+    def __init__(self):
+        super().__init__()
+        self.__dict__["_modules"] = _StackedAwayChildren(self._modules)
 
-            raise RecfuseError(
-                f"cannot replace `{name}`: recfuse.transform stacked the tensors of the module that stood "
-                "here into parameters of the transformed model (see its stacked_parameters()), so a "
-                "module put here would never be called. Replace it in the original model before "
-                "recfuse.transform, or load its state_dict into the transformed model.")
+    def __setattr__(self, name, value):
+        _refuse_stacked_away_replacement(self._modules, name, value)
         super().__setattr__(name, value)
+
+    def add_module(self, name, module):
+        # ``register_module`` / ``add_module`` wrote past `__setattr__`: the module was silently
+        # never called (0.26 off the original edited alike)
+        _refuse_stacked_away_replacement(self._modules, name, module)
+        super().add_module(name, module)
 
     def __getitem__(self, idx):
         # `model.lns[1]` of a fused ModuleList / Sequential reaches the holder at that path
