@@ -78,24 +78,18 @@ import torch.nn.utils.prune as prune
 from torch import nn
 
 import recfuse
+import test_trust_round18
 from recfuse.errors import RecfuseError
 
-D, H, F_, B = 8, 4, 3, 5
+F_, D, H, B = test_trust_round18.F_, test_trust_round18.D, test_trust_round18.H, test_trust_round18.B
 
 
-class PerFeature(nn.Module):
-    """Per-feature LayerNorm -> tanh -> Linear (per feature or shared) -> relu, then a head; the
-    loop is torch.fx-traceable (FX quantization traces it)."""
+class PerFeature(test_trust_round18.PerFeature):
+    """Round 18's model (per-feature LayerNorm -> tanh -> Linear, per feature or shared -> relu,
+    then a head) with a loop over indices, which torch.fx can trace (FX quantization traces it)."""
 
     def __init__(self, per_lin=True):
-        super().__init__()
-        self.per_lin = per_lin
-        self.lns = nn.ModuleList(nn.LayerNorm(D) for _ in range(F_))
-        if per_lin:
-            self.lins = nn.ModuleList(nn.Linear(D, H) for _ in range(F_))
-        else:
-            self.lin = nn.Linear(D, H)
-        self.head = nn.Linear(F_ * H, 1)
+        super().__init__(per_lin)
 
     def forward(self, x):
         outs = []
