@@ -179,3 +179,36 @@ def test_features_first_over_a_padded_row_buffer():
     for name, leaf, ref in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), leaves, ref_leaves):
         assert rel_err(leaf.grad, ref.grad) < 1e-4, name
     assert leaves[0].grad[..., D:].abs().max() == 0  # the unused values get no gradient
+
+
+def test_more_features_than_a_grid_axis_holds_launch_features_first():
+    # CUDA's grid holds at most 65535 programs on its second axis: the forward takes F on the
+    # first in either layout (a launch error on the (row programs, F) grid), and the backward,
+    # whose grids hold F on a second or third axis, is the composite's.
+    F, B, D, H = 65537, 1, 4, 1
+    w = torch.randn(H, D)
+    for x, feature_dim in ((torch.randn(B, F * D).view(B, F, D), 1), (torch.randn(F, B, D), 0)):
+        plan = launch.forward_plan(x, w, None, None, None, 1e-5, feature_dim)
+        assert plan.meta.get("FEATURES_FIRST") and plan.grid[0] == F and plan.grid[1] <= 65535, plan.grid
+        gy = torch.randn((B, F, H) if feature_dim else (F, B, H))
+        assert launch.backward_plan(gy, x, w, None, None, None, 1e-5, feature_dim) is None
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("feature_dim", [0, 1])
+def test_past_the_grid_limit_the_numbers_are_float64s(feature_dim, monkeypatch):
+    # The limit lowered to 2 so that three features pass it under the interpreter: the forward
+    # launches features first in either layout, the backward takes the composite.
+    monkeypatch.setattr(launch, "_MAX_GRID_YZ", 2)
+    case = Case(3, 40, 32, 16, feature_dim=feature_dim, strided_view=feature_dim == 1, ln="per_feature")
+    tensors = _away_from_relu_ties(make_inputs(case, generator=torch.Generator().manual_seed(5)), case)
+    with launch.trace_launches() as seen:
+        y, grads = run_op(recfuse.ln_tanh_linear_relu, tensors, torch.float32, case)
+    kinds = [s[0] for s in seen]
+    assert kinds == ["forward"], kinds
+    (_, fwd_grid, fwd_meta, _), = seen
+    assert fwd_meta.get("FEATURES_FIRST") and fwd_grid[0] == case.F, fwd_grid
+    y_ref, g_ref = run_op(recfuse.reference.ln_tanh_linear_relu, tensors, torch.float64, case, keep_view=False)
+    assert rel_err(y, y_ref) < TOLERANCE[torch.float32]
+    for g, r in zip(grads, g_ref):
+        assert rel_err(g, r) < 1e-4

@@ -401,6 +401,9 @@ def _build_forward_plan(x, weight, bias, ln_weight, ln_bias, eps, feature_dim, s
         n_programs = max(1, min(n_tiles, triton.cdiv(cfg.persistent * _num_sms(dev), max(F, 1))))
     sxf, sxb = _feature_major(x, feature_dim)
     by_features = configs.forward_features_first(cfg, x.element_size()) and features_first(sxf, sxb, n_programs, F)
+    # More features than a grid's second axis holds (a CUDA launch error on the (row programs,
+    # F) grid): features first, whatever the layout; the kernel reads either order.
+    by_features = by_features or F > _MAX_GRID_YZ
     grid = (F, n_programs) if by_features else (n_programs, F)
     ints = (
         B, D, H, F * B,
@@ -670,7 +673,8 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
     dev = x.device
     cfg = configs.backward_config(D, H, x.dtype, _config_device(dev))
     unfit_key = _unfit_key(x, weight, chain)
-    if cfg is None or unfit_key in _BWD_UNFIT:
+    # The backward grids hold F on a second or third axis (at most 65535 programs on CUDA).
+    if cfg is None or unfit_key in _BWD_UNFIT or F > _MAX_GRID_YZ:
         return None
     norm, act, out_act = chain_codes(chain)
     has_mask = out_act == ACTIVATIONS["relu"] and stats_planes(stats) > 2
