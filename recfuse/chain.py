@@ -165,7 +165,7 @@ def apply_activation(t: torch.Tensor, activation: Optional[str]) -> torch.Tensor
 
 def activation_grad(a: torch.Tensor, t: torch.Tensor, activation: Optional[str]):
     """d activation / da at `a`, given ``t = activation(a)``: the formulas the backward kernel
-    uses, in torch ops (the composite backward's). relu's is 1 where a > 0, else 0.
+    uses, in torch ops (the composite backward's). relu's is 0 where a <= 0, else 1 (NaN too).
 
     Example:
         >>> a = torch.tensor([-1.0, 0.5])
@@ -177,7 +177,7 @@ def activation_grad(a: torch.Tensor, t: torch.Tensor, activation: Optional[str])
     if activation == "sigmoid":
         return t * (1 - t)
     if activation == "relu":
-        return (a > 0).to(a.dtype)
+        return (~(a <= 0)).to(a.dtype)  # 1 at NaN, as torch's relu backward keeps grad there
     if activation == "gelu":
         return 0.5 * (1 + torch.erf(a * 0.7071067811865476)) + a * 0.3989422804014327 * torch.exp(-0.5 * a * a)
     if activation == "gelu_tanh":

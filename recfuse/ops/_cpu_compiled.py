@@ -257,7 +257,7 @@ def _make_forward(eps: float, feature_dim: int, save: bool, y_transposed: bool =
         # in the caller's dims by this loop, not copied after it.
         y = (y.transpose(0, 1) if y_transposed else y).contiguous()
         if save:  # the backward works features first
-            return y, features_first(t), features_first(mean), features_first(rstd), features_first(z > 0)
+            return y, features_first(t), features_first(mean), features_first(rstd), features_first(~(z <= 0))
         return y
 
     return forward

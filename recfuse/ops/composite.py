@@ -41,7 +41,7 @@ def composite_backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature
         b = bias.to(compute)
         z = z + (b.unsqueeze(1) if b.dim() == 2 else b)
     if chain.out_activation == "relu":
-        dz = torch.where(z > 0, gy, torch.zeros((), dtype=compute))
+        dz = torch.where(z <= 0, torch.zeros((), dtype=compute), gy)  # NaN z keeps gy, as torch's relu
     else:
         dz = gy * activation_grad(z, apply_activation(z, chain.out_activation), chain.out_activation)
     if w.dim() == 3:

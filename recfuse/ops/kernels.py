@@ -153,7 +153,9 @@ def _activate_grad(a, t, ACT: tl.constexpr, FAST_TANH: tl.constexpr):
     elif ACT == 2:
         r = t * (1.0 - t)
     elif ACT == 3:
-        r = tl.where(a > 0.0, 1.0, 0.0)
+        # 1 where a is NaN too: torch's relu backward keeps grad unless relu(a) <= 0 (red-team
+        # round 25: a NaN z dropped its row's grad_y from the weight and bias gradients)
+        r = tl.where(a <= 0.0, 0.0, 1.0)
     elif ACT == 4:
         r = 0.5 * (1.0 + tl.erf(a * 0.7071067811865476)) + a * 0.3989422804014327 * tl.exp(-0.5 * a * a)
     elif ACT == 5:
@@ -317,16 +319,24 @@ def _dot_16bit(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _split16(a, DT: tl.constexpr, PARTS: tl.constexpr):
+def _split16(a, DT: tl.constexpr, PARTS: tl.constexpr, INF_SAFE: tl.constexpr = False):
     """fp32 `a` as (p0, p1, p2) 16-bit parts, largest first: p0 = a rounded, each next part the
     rounded remainder (the remainders are exact in fp32). bf16 keeps 8 significant bits a part, so
     p0 + p1 is a to ~2^-17 relative and p0 + p1 + p2 to fp32's own 2^-24. Unused parts repeat p0
-    (never multiplied: `_dot_parts` reads only the first PARTS)."""
+    (never multiplied: `_dot_parts` reads only the first PARTS).
+
+    An infinite `a` leaves the remainder inf - inf = NaN, which turned the products NaN where the
+    exact ones are +-inf (a weight of inf: z NaN, the relu mask and the gradients of the weight,
+    bias and norm affine of every row of that feature wrong; red-team round 25). INF_SAFE zeroes
+    a NaN remainder (p0 keeps a NaN of `a`): taken for the weight, split once a program or chunk,
+    not for the per-row operands (one more select an element)."""
     p0 = a.to(DT)
     p1 = p0
     p2 = p0
     if PARTS > 1:
         r = a - p0.to(tl.float32)
+        if INF_SAFE:
+            r = tl.where(r == r, r, 0.0)
         p1 = r.to(DT)
         if PARTS > 2:
             p2 = (r - p1.to(tl.float32)).to(DT)
@@ -435,7 +445,7 @@ def _store_relu_mask(z, STATS, stats_half, f, B, rows, rmask, hs, EVEN_B: tl.con
     is z[:, h] > 0, word w stored (bitcast to fp32) in row-stats plane 2 + w ([2 + words, F, B]),
     as the rows' mean and rstd are. The backward reads it instead of recomputing z
     (`_load_relu_mask`). The bits of a word are distinct, so their int32 sum is their OR."""
-    bits = tl.where(z > 0, 1 << (hs % 32)[None, :], 0)
+    bits = tl.where(z <= 0, 0, 1 << (hs % 32)[None, :])  # NaN sets its bit: relu's backward keeps grad there
     for w in tl.static_range(max(1, BLOCK_H // 32)):
         word = tl.sum(tl.where((hs // 32 == w)[None, :], bits, 0), axis=1)
         ptrs = STATS + (2 + w) * stats_half + f * B + rows
@@ -883,7 +893,7 @@ def _column_dz(t, w_h, b_h, GY, f, h: tl.constexpr, rows64, rmask, H, stride_gy_
         return gy
     z = tl.sum(t * w_h[None, :], axis=1) + b_h
     if OUT_ACT == 3:
-        return tl.where(z > 0, gy, 0.0)
+        return tl.where(z <= 0, 0.0, gy)
     return gy * _activate_grad(z, _activate(z, OUT_ACT, FAST_TANH), OUT_ACT, FAST_TANH)
 
 
@@ -991,7 +1001,7 @@ def ln_tanh_linear_relu_bwd(
                 mask=hmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
     if SPLIT16:
         # Split once, outside the row loop.
-        w0, w1, w2 = _split16(w, BWD_DOT_DTYPE, W_PARTS)
+        w0, w1, w2 = _split16(w, BWD_DOT_DTYPE, W_PARTS, True)
     bias = tl.zeros([BLOCK_H], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(BIAS + f * stride_bias_f + hs, mask=hmask, other=0.0).to(tl.float32)
@@ -1120,7 +1130,7 @@ def ln_tanh_linear_relu_bwd(
                 else:
                     z = _row_linear(t, w, USE_DOT, BLOCK_H, BWD_DOT_PRECISION) + bias[None, :]
                 if OUT_ACT == 3:
-                    dz = tl.where(z > 0, gy, 0.0)
+                    dz = tl.where(z <= 0, 0.0, gy)
                 else:
                     dz = gy * _activate_grad(z, _activate(z, OUT_ACT, FAST_TANH), OUT_ACT, FAST_TANH)
             if DZ_OUT:
@@ -1363,7 +1373,7 @@ def ln_tanh_linear_relu_bwd_rows2(
         else:
             z = tl.sum(t1 * w1[None, :], axis=1) + tl.sum(t2 * w2[None, :], axis=1) + bias
             if OUT_ACT == 3:
-                dz = tl.where(z > 0, gy, 0.0)
+                dz = tl.where(z <= 0, 0.0, gy)
             else:
                 dz = gy * _activate_grad(z, _activate(z, OUT_ACT, FAST_TANH), OUT_ACT, FAST_TANH)
         acc_b += dz
@@ -1455,8 +1465,8 @@ def ln_tanh_linear_relu_bwd_rows2_dot(
     w_rows = W + f * stride_w_f + hs[:, None] * stride_w_h
     wa = tl.load(w_rows + cols1[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
     wb = tl.load(w_rows + cols2[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
-    wa0, wa1, wa2 = _split16(wa, BWD_DOT_DTYPE, W_PARTS)
-    wb0, wb1, wb2 = _split16(wb, BWD_DOT_DTYPE, W_PARTS)
+    wa0, wa1, wa2 = _split16(wa, BWD_DOT_DTYPE, W_PARTS, True)
+    wb0, wb1, wb2 = _split16(wb, BWD_DOT_DTYPE, W_PARTS, True)
     acc_wa = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     acc_wb = tl.zeros([BLOCK_H, BLOCK_D2], dtype=tl.float32)
     acc_b_rows = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
@@ -1560,7 +1570,7 @@ def ln_tanh_linear_relu_bwd_weight(
         wk = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :],
                      mask=hmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         if SPLIT16:
-            w0, w1, w2 = _split16(wk, BWD_DOT_DTYPE, W_PARTS)
+            w0, w1, w2 = _split16(wk, BWD_DOT_DTYPE, W_PARTS, True)
     row_start = pid_p * rows_per_program
     for r0 in tl.range(row_start, row_start + rows_per_program, BLOCK_B):
         rows = r0 + tl.arange(0, BLOCK_B)
@@ -1723,7 +1733,7 @@ def ln_tanh_linear_relu_bwd_two_pass(
     T_PARTS: tl.constexpr = 1 if X.dtype.element_ty == BWD_DOT_DTYPE else SPLIT_DW
     wk = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :],
                  mask=hmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-    w0, w1, w2 = _split16(wk, BWD_DOT_DTYPE, W_PARTS)
+    w0, w1, w2 = _split16(wk, BWD_DOT_DTYPE, W_PARTS, True)
     acc_w = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
     # Column sums per tile (one cross-warp reduction a tile), not [BLOCK_B, ...] row slots, whose
     # registers (as many as the x tile's, each) capped the programs per SM.
@@ -1954,7 +1964,7 @@ def ln_tanh_linear_relu_bwd_chunked(
                 wk = tl.load(w_rows + cols[None, :], mask=hmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
                 if SPLIT16:
                     t0, t1, t2 = _split16(tk, BWD_DOT_DTYPE, T_Z_PARTS)
-                    w0, w1, w2 = _split16(wk, BWD_DOT_DTYPE, W_PARTS)
+                    w0, w1, w2 = _split16(wk, BWD_DOT_DTYPE, W_PARTS, True)
                     z = _dot_parts(t0, t1, t2, tl.trans(w0), tl.trans(w1), tl.trans(w2), z,
                                    SPLIT_Z, W_PARTS, SPLIT_Z, DOT_UPCAST)
                 else:
@@ -1967,7 +1977,7 @@ def ln_tanh_linear_relu_bwd_chunked(
         elif LOAD_MASK:
             dz = tl.where(_load_relu_mask(STATS, stats_half, f, B, rows64, rmask, hs, H), gy, 0.0)
         elif OUT_ACT == 3:
-            dz = tl.where(z > 0, gy, 0.0)
+            dz = tl.where(z <= 0, 0.0, gy)
         else:
             dz = gy * _activate_grad(z, _activate(z, OUT_ACT, FAST_TANH), OUT_ACT, FAST_TANH)
         acc_b_rows += dz
@@ -1988,7 +1998,7 @@ def ln_tanh_linear_relu_bwd_chunked(
                                                  EVEN_D, EVEN_B, X_EVICT if step == 1 else "", NORM, ACT)
                 wk = tl.load(w_rows + cols[None, :], mask=hmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
                 if SPLIT16:
-                    w0, w1, w2 = _split16(wk, BWD_DOT_DTYPE, W_PARTS)
+                    w0, w1, w2 = _split16(wk, BWD_DOT_DTYPE, W_PARTS, True)
                     dt = _dot_parts(dz0, dz1, dz2, w0, w1, w2, tl.zeros([BLOCK_B, BLOCK_K], dtype=tl.float32),
                                     min(DZ_PARTS, SPLIT_DT), W_PARTS, SPLIT_DT, DOT_UPCAST)
                 else:
