@@ -895,6 +895,8 @@ def backward(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stat
     unfit_key = _unfit_key(x, weight, chain)
     if plan is None:
         return _composite_backward_logged(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
+                                          f"{x.shape[feature_dim]} features, more than a CUDA grid axis holds:"
+                                          if x.shape[feature_dim] > _MAX_GRID_YZ else
                                           "the backward kernel does not cover", unfit_key, chain)
     try:
         return plan(grad_y, x, weight, bias, ln_weight, ln_bias, stats if plan.reads_stats else None)
