@@ -65,21 +65,12 @@ from recfuse.ops import configs, launch
 pytestmark = pytest.mark.interpret
 
 
-def _fwd(**knobs):
-    return lambda D, H, dt, full=True: configs.heuristic_forward(D, H, dt, full, **knobs)
+from test_trust_round25 import PATHS as _ROUND25_PATHS, _bwd, _fwd, _inputs  # noqa: E402
 
-
-def _bwd(**knobs):
-    return lambda D, H, dt: configs.heuristic_backward(D, H, dt, **knobs)
-
-
+# round 25's row, tl.dot and K-chunked paths, and the other kernel paths
 PATHS = {
-    "row": (_fwd(use_dot=False, block_k=0, unroll_h=0), _bwd(use_dot=False, unroll_h=0, block_b=4)),
+    **_ROUND25_PATHS,
     "percol": (_fwd(use_dot=False, block_k=0, unroll_h=1), _bwd(use_dot=False, unroll_h=1, block_b=4)),
-    "dot": (_fwd(use_dot=True, block_k=0, block_b=16),
-            _bwd(use_dot=True, block_k=0, block_b=16, prefetch=0, split_dw=0, two_pass=0, row_parts=0)),
-    "kchunk": (_fwd(use_dot=True, block_k=16, block_b=16),
-               _bwd(use_dot=True, block_k=16, block_b=16, prefetch=0, split_dw=0, two_pass=0)),
     "split_ln": (None, _bwd(use_dot=True, block_k=0, block_b=16, prefetch=0, split_dw=16, dw_block_b=16, split_ln=1,
                             two_pass=0, row_parts=0)),
     "two_pass": (None, _bwd(use_dot=True, block_b=16, block_k=0, prefetch=0, programs_per_sm=1, two_pass=16,
@@ -89,18 +80,6 @@ PATHS = {
     "parts": (None, _bwd(use_dot=False, unroll_h=0, row_parts=1, num_warps=1, programs_per_sm=2, loop_stages=3,
                          prefetch=0, col_sums=0, block_b=4)),
 }
-
-
-def _inputs(F=2, B=3, D=17, H=17, feature_dim=0, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    kw = dict(dtype=torch.float64, generator=g)
-    x = torch.randn((F, B, D) if feature_dim == 0 else (B, F, D), **kw)
-    w = torch.randn(F, H, D, **kw) / D ** 0.5
-    b = 0.1 + 0.1 * torch.randn(F, H, **kw)
-    lw = 1 + 0.2 * torch.randn(F, D, **kw)
-    lb = 0.2 * torch.randn(F, D, **kw)
-    gy = torch.randn((F, B, H) if feature_dim == 0 else (B, F, H), **kw)
-    return [x, w, b, lw, lb, gy]
 
 
 def _run(fn, tensors, dtype, **kw):
