@@ -188,7 +188,7 @@ def test_infinite_weight_on_the_k_chunked_backward():
 @pytest.mark.parametrize("path", ["row", "dot"])
 def test_nan_grad_y_skipped_by_a_strided_view_does_not_leak(path):
     t = _inputs(D=17, H=3, feature_dim=1)
-    big = torch.full((3, 2, 6), NAN, dtype=torch.float32)
+    big = torch.full((3, 2, 6), NAN, dtype=torch.float32, device=t[5].device)
     big[:, :, ::2] = t[5].float()
     gy = big[:, :, ::2]
     assert not gy.isnan().any() and not gy.is_contiguous()

@@ -345,13 +345,31 @@ def _split16(a, DT: tl.constexpr, PARTS: tl.constexpr, INF_SAFE: tl.constexpr = 
 
 @triton.jit
 def _dot_parts(a0, a1, a2, b0, b1, b2, acc, NA: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
-               UPCAST: tl.constexpr):
+               UPCAST: tl.constexpr, NAN_SAFE: tl.constexpr = False):
     """acc + a @ b from 16-bit parts a = a0 + a1 + a2 (the first NA) and b likewise (NB): the
     cross products a_i @ b_j with i + j < ORDER, each on the tensor cores with fp32 accumulation.
     ORDER 2 ("bf16x3" where both sides are split): a0 b0 + a0 b1 + a1 b0, dropping a1 b1
     (~2^-16 relative); ORDER 3 ("bf16x6"): also a0 b2, a1 b1, a2 b0 (~2^-24, fp32's rounding).
-    Largest term first, as the 16-bit path always summed."""
+    Largest term first, as the 16-bit path always summed.
+
+    NAN_SAFE (z, which decides the relu mask): the lower-order products are summed apart and a NaN
+    among them is dropped before a0 b0 is added, as Triton's own tf32x3 does. An infinite b0 (an
+    infinite weight) times a lower part of a that is 0 or of the other sign (round to nearest
+    leaves either) gave NaN where the exact z is +-inf, and the mask of a z = -inf opened: the
+    weight, bias and norm-affine gradients of that feature silently wrong (red-team round 27,
+    found on the GPU: the interpreter's truncating bf16 conversion keeps remainders' signs). A NaN
+    there always comes with a non-finite a0 b0 (a zero a0 means a zero a), so nothing finite is lost."""
+    if NAN_SAFE and ORDER > 1:
+        small = _dot_cross_parts(a0, a1, a2, b0, b1, b2, tl.zeros_like(acc), NA, NB, ORDER, UPCAST)
+        return _dot_16bit(a0, b0, acc + tl.where(small == small, small, 0.0), UPCAST)
     acc = _dot_16bit(a0, b0, acc, UPCAST)
+    return _dot_cross_parts(a0, a1, a2, b0, b1, b2, acc, NA, NB, ORDER, UPCAST)
+
+
+@triton.jit
+def _dot_cross_parts(a0, a1, a2, b0, b1, b2, acc, NA: tl.constexpr, NB: tl.constexpr, ORDER: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    """acc + the cross products of `_dot_parts` after a0 b0, largest first."""
     if ORDER > 1:
         if NA > 1:
             acc = _dot_16bit(a1, b0, acc, UPCAST)
@@ -389,7 +407,9 @@ def _output_store(z, z_lo, bias, y_ptrs, ymask, STATS, stats_half, f, B, rows, r
         z += bias[None, :]
     if SAVE_MASK:
         if LO_PART:
-            _store_relu_mask(z + z_lo, STATS, stats_half, f, B, rows, rmask, hs, EVEN_B, BLOCK_H)
+            # z_lo is NaN where an infinite weight meets a zero lower part of t (0 * inf), with z
+            # itself non-finite there: dropped, as `_dot_parts`'s NAN_SAFE does.
+            _store_relu_mask(z + tl.where(z_lo == z_lo, z_lo, 0.0), STATS, stats_half, f, B, rows, rmask, hs, EVEN_B, BLOCK_H)
         else:
             _store_relu_mask(z, STATS, stats_half, f, B, rows, rmask, hs, EVEN_B, BLOCK_H)
     _bias_act_store(z, bias, y_ptrs, ymask, False, MASKED, OUT_ACT, FAST_TANH)
@@ -1126,7 +1146,7 @@ def ln_tanh_linear_relu_bwd(
                     # the exact function's as in the fp32-operand path.
                     z = _dot_parts(t0, t1, t2, tl.trans(w0), tl.trans(w1), tl.trans(w2),
                                    tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32),
-                                   SPLIT_Z, W_PARTS, SPLIT_Z, DOT_UPCAST) + bias[None, :]
+                                   SPLIT_Z, W_PARTS, SPLIT_Z, DOT_UPCAST, True) + bias[None, :]
                 else:
                     z = _row_linear(t, w, USE_DOT, BLOCK_H, BWD_DOT_PRECISION) + bias[None, :]
                 if OUT_ACT == 3:
@@ -1966,7 +1986,7 @@ def ln_tanh_linear_relu_bwd_chunked(
                     t0, t1, t2 = _split16(tk, BWD_DOT_DTYPE, T_Z_PARTS)
                     w0, w1, w2 = _split16(wk, BWD_DOT_DTYPE, W_PARTS, True)
                     z = _dot_parts(t0, t1, t2, tl.trans(w0), tl.trans(w1), tl.trans(w2), z,
-                                   SPLIT_Z, W_PARTS, SPLIT_Z, DOT_UPCAST)
+                                   SPLIT_Z, W_PARTS, SPLIT_Z, DOT_UPCAST, True)
                 else:
                     z = tl.dot(tk, tl.trans(wk), z, input_precision=BWD_DOT_PRECISION, out_dtype=tl.float32)
         z += bias[None, :]

@@ -1,0 +1,95 @@
+"""Red-team round 27: the red-team rounds 25 and 26 (interpreter-only until now) run on the GPU
+(a pytest plugin moved their inputs to CUDA), and what the interpreter cannot show.
+
+Found wrong (a test below fails before its fix):
+
+1. An infinite weight on the fp32 (and 16-bit) tl.dot backward that recomputes z from 16-bit
+   parts (`kernels._dot_parts`), on the GPU: round 25's test of it failed there (weight.grad
+   0.21-2.98 off float64, relative to its largest entry, finite in both). z = t0 w0 + t1 w0 + ...:
+   with w0 = inf, a lower part t1 of the other sign than t0 (round to nearest leaves either; the
+   interpreter's bf16 conversion truncates, so its remainders keep the sign and hid it) or equal to
+   0 (t exactly a bf16 value) makes t1 w0 = -inf or NaN, so z = NaN where it is -inf, the relu mask
+   opens and that feature's weight / bias / norm-affine gradients come out finite and wrong. The
+   zero-part case shows in the interpreter too: activation None, a LayerNorm column with weight 0
+   and bias 0.5 gives t = 0.5 in every row (fp32 D=17/32, H=1/17: weight.grad 0.44-1.8,
+   bias.grad 0.06-8.8 off float64). Now `_dot_parts(..., NAN_SAFE)` sums the lower-order products
+   apart, drops a NaN among them and adds t0 w0 last, as Triton's own tf32x3 does; the 16-bit
+   forward's saved relu mask does the same with its lower part (`_output_store`).
+
+Run on the GPU (H200, torch 2.11, triton 3.6; results/checks/session28_call1_h200.txt): rounds 25
+and 26 (48 tests; 41 passed, the 5 infinite-weight cases above failed, 2 failed on a CPU tensor
+the test built, now on the inputs' device); bf16 subnormal x / parameters / norm affine / grad_y on
+the row, tl.dot and K-chunked paths, both layouts (build script, not pinned: GPU only): every
+entry within 1.1e-2 of float64's bf16 rounding, finite where it is (torch's own bf16 per-slice
+chain: up to 0.49 off); more than 65535 features (F = 70001) on CUDA.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import recfuse
+from test_trust_round25 import _inputs  # noqa: E402
+from test_trust_round26 import _forced, _run  # noqa: E402
+
+INF = float("inf")
+CHAIN = dict(norm="layer_norm", activation=None, out_activation="relu", eps=1e-5)
+
+
+def _exact_part_inputs(D, H, sign, device="cpu"):
+    """Feature 1's column 2 of t is 0.5 in every row (LayerNorm weight 0, bias 0.5, no activation):
+    its lower 16-bit parts are 0, so 0 * w0 meets the infinite weight w[1, 0, 2]."""
+    t = [v.to(device) for v in _inputs(D=D, H=H, seed=3)]
+    t[3][1, 2] = 0.0
+    t[4][1, 2] = 0.5
+    t[1][1, 0, 2] = sign * INF
+    return t
+
+
+def _assert_finite_entries_match(out, ref, tol, rounding=None):
+    for name, o, r in zip(("y", "x", "weight", "bias", "ln_weight", "ln_bias"), out, ref):
+        r = r if rounding is None else r.to(rounding).double()
+        o = o.double()
+        assert torch.equal(torch.isfinite(o), torch.isfinite(r)), f"{name}: finite where float64 is not, or not"
+        fin = torch.isfinite(r)
+        err = ((o[fin] - r[fin]).abs().max() / r[fin].abs().max().clamp_min(1e-30)).item()
+        assert err < tol, f"{name}: {err:.2e} >= {tol:.0e}"
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("path,D", [("dot", 17), ("kchunk", 32)])
+@pytest.mark.parametrize("H", [1, 17])
+def test_infinite_weight_meets_zero_lower_parts_of_t(path, D, H):
+    """Before: z NaN where it is -inf, the mask open: weight.grad 0.44-1.8 and bias.grad 0.06-8.8
+    off float64, finite."""
+    t = _exact_part_inputs(D, H, -1.0)
+    ref = _run(recfuse.reference.feature_mlp, t, torch.float64, **CHAIN)
+    out = _forced(path, recfuse.feature_mlp, t, torch.float32, **CHAIN)
+    _assert_finite_entries_match(out, ref, 1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: round to nearest bf16 parts")
+@pytest.mark.parametrize("path", ["dot", "kchunk"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D,H", [(17, 17), (64, 17), (256, 64)])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_infinite_weight_on_the_gpu_dot_backwards(path, dtype, D, H, sign):
+    """The default chain (tanh: t's parts of either sign) and the exact-part chain, on the tl.dot
+    and K-chunked paths; bf16 also through the forward's saved relu mask (16-bit z + lower part)."""
+    if path == "kchunk" and D < 32:
+        pytest.skip("the K-chunked path takes D >= 32")
+    t = [v.cuda() for v in _inputs(D=D, H=H, seed=4)]
+    t[1][1, 0, 2] = sign * INF
+    tol, rounding = (1e-4, None) if dtype == torch.float32 else (2e-2, torch.bfloat16)
+    if rounding is not None:
+        t = [v.to(rounding).double() for v in t]
+    ref = _run(recfuse.reference.ln_tanh_linear_relu, t, torch.float64, eps=1e-5)
+    out = _forced(path, recfuse.ln_tanh_linear_relu, t, dtype, eps=1e-5)
+    # x.grad of feature 1 is inf / NaN (a closed relu's 0 times the inf weight: torch mixes both)
+    _assert_finite_entries_match(out[:1] + out[2:], ref[:1] + ref[2:], tol, rounding)
+    t = _exact_part_inputs(D, H, sign, "cuda")
+    if rounding is not None:
+        t = [v.to(rounding).double() for v in t]
+    ref = _run(recfuse.reference.feature_mlp, t, torch.float64, **CHAIN)
+    out = _forced(path, recfuse.feature_mlp, t, dtype, **CHAIN)
+    _assert_finite_entries_match(out, ref, tol, rounding)
