@@ -200,7 +200,7 @@ _SPLIT = dict(use_dot=True, block_k=0, block_b=16, num_warps=4, programs_per_sm=
               split_dw=32, dw_block_b=16, dw_num_warps=4, dw_num_stages=3)
 
 
-@_settings(16)
+@_settings(10)
 @given(draw=split_draws())
 # the largest shapes, several row tiles a program, a masked column chunk (160 = 5 x 32 of 256)
 @example(draw=(Inputs(Case(3, 70, 160, 40, feature_dim=1, strided_view=True, per_feature_weight=True,
@@ -264,7 +264,7 @@ def chunked_forward_draws(draw):
 _CHUNKED = dict(use_dot=False, unroll_h=0, num_warps=2, persistent=0, tile_stages=1)
 
 
-@_settings(10)
+@_settings(6)
 @given(draw=chunked_forward_draws())
 @example(draw=(Inputs(Case(3, 70, 160, 1, feature_dim=1, strided_view=True, per_feature_weight=True,
                            bias="per_feature", ln="per_feature"), DEFAULT_CHAIN, torch.bfloat16, 1),
@@ -322,7 +322,7 @@ _PARTS = dict(use_dot=False, unroll_h=0, row_parts=1, num_warps=1, programs_per_
               col_sums=0)
 
 
-@_settings(16)
+@_settings(10)
 @given(draw=row_parts_draws())
 @example(draw=(Inputs(Case(3, 70, 160, 1, feature_dim=1, strided_view=True, per_feature_weight=True,
                            bias="per_feature", ln="per_feature"), DEFAULT_CHAIN, torch.float32, 1),
@@ -370,7 +370,7 @@ def row_parts_dot_draws(draw):
     return inp, knobs
 
 
-@_settings(6)
+@_settings(4)
 @given(draw=row_parts_dot_draws())
 @example(draw=(Inputs(Case(3, 40, 160, 16, feature_dim=1, strided_view=True, per_feature_weight=True,
                            bias="per_feature", ln="per_feature"), DEFAULT_CHAIN, torch.float32, 4), _DOT_PARTS))

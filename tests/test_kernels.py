@@ -272,7 +272,7 @@ def test_wide_bf16_rows_take_the_whole_row_backward():
     cfg = configs.backward_config(480, 60, torch.bfloat16, "cpu")
     assert cfg.use_dot and not cfg.block_k and cfg.block_b == 16
     with launch.trace_launches() as seen:
-        check_against_float64(Case(1, 20, 480, 60, ln="per_feature"), torch.bfloat16)
+        check_against_float64(Case(1, 6, 480, 60, ln="per_feature"), torch.bfloat16)
     assert [("BLOCK_K" in m, m["EVEN_D"]) for kind, _, m, _ in seen if kind == "backward"] == [(False, False)]
 
 
