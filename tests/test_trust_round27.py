@@ -3,25 +3,32 @@
 
 Found wrong (a test below fails before its fix):
 
-1. An infinite weight on the fp32 (and 16-bit) tl.dot backward that recomputes z from 16-bit
-   parts (`kernels._dot_parts`), on the GPU: round 25's test of it failed there (weight.grad
-   0.21-2.98 off float64, relative to its largest entry, finite in both). z = t0 w0 + t1 w0 + ...:
-   with w0 = inf, a lower part t1 of the other sign than t0 (round to nearest leaves either; the
-   interpreter's bf16 conversion truncates, so its remainders keep the sign and hid it) or equal to
-   0 (t exactly a bf16 value) makes t1 w0 = -inf or NaN, so z = NaN where it is -inf, the relu mask
-   opens and that feature's weight / bias / norm-affine gradients come out finite and wrong. The
-   zero-part case shows in the interpreter too: activation None, a LayerNorm column with weight 0
-   and bias 0.5 gives t = 0.5 in every row (fp32 D=17/32, H=1/17: weight.grad 0.44-1.8,
-   bias.grad 0.06-8.8 off float64). Now `_dot_parts(..., NAN_SAFE)` sums the lower-order products
-   apart, drops a NaN among them and adds t0 w0 last, as Triton's own tf32x3 does; the 16-bit
-   forward's saved relu mask does the same with its lower part (`_output_store`).
+1. An infinite weight on the fp32 and 16-bit tl.dot backwards that recompute z from 16-bit parts
+   (`kernels._dot_parts`), and on the 16-bit forward's saved relu mask (z + the product of t's
+   rounding error), on the GPU: round 25's test of it failed there (weight.grad 0.21-2.98 off
+   float64, relative to its largest entry, finite in both). z = t0 w0 + t1 w0 + ...: with w0 =
+   -inf, a lower part t1 of the other sign than t0 (round to nearest leaves either; the
+   interpreter's bf16 conversion truncates, so its remainders keep the sign and hid it) makes
+   t1 w0 = +inf, and t1 = 0 (t exactly a bf16 value) makes it NaN: z = NaN where it is -inf, the
+   relu mask opens and that feature's weight / bias / norm-affine gradients come out finite and
+   wrong (H200 probe, B=3: bias.grad 0.14-0.43 off, fp32 D=17 and bf16 D=17/64/256, the saved mask
+   and the recomputed z alike). The zero-part case shows in the interpreter too: activation None,
+   a LayerNorm column with weight 0 and bias 0.5 gives t = 0.5 in every row (fp32 D=17/32,
+   H=1/17: weight.grad 0.44-1.8, bias.grad 0.06-8.8 off float64). Now `_dot_parts(..., NAN_SAFE)`
+   sums the lower-order products apart and drops a non-finite sum before adding t0 w0 (a first
+   fix that dropped only NaN, as Triton's own tf32x3 does, passed the interpreter and failed 6
+   CUDA cases); the 16-bit forward's mask does the same with its lower part (`_output_store`).
 
-Run on the GPU (H200, torch 2.11, triton 3.6; results/checks/session28_call1_h200.txt): rounds 25
-and 26 (48 tests; 41 passed, the 5 infinite-weight cases above failed, 2 failed on a CPU tensor
-the test built, now on the inputs' device); bf16 subnormal x / parameters / norm affine / grad_y on
-the row, tl.dot and K-chunked paths, both layouts (build script, not pinned: GPU only): every
-entry within 1.1e-2 of float64's bf16 rounding, finite where it is (torch's own bf16 per-slice
-chain: up to 0.49 off); more than 65535 features (F = 70001) on CUDA.
+Run on the GPU (H200, torch 2.11, triton 3.6; results/checks/session28_call{1..4}_h200.txt):
+rounds 25 and 26 on CUDA (a pytest plugin moved their inputs there; 48 tests: 41 passed before
+the fix, the 5 infinite-weight cases above failed, 2 failed on a CPU tensor the test built, now on
+the inputs' device; all 48 after), this file (20 passed, 8 skipped: the K-chunked path below
+D=32), the CUDA cases of test_feature_mlp / test_op_trust / test_split_backward /
+test_trust_round13_kernels and the CUDA property test; bf16 subnormal x / parameters / norm
+affine / grad_y on the row, tl.dot and K-chunked paths, both layouts (a build script, GPU only):
+every entry within 1.1e-2 of float64's bf16 rounding, finite where it is (torch's own bf16
+per-slice chain: up to 0.49 off); more than 65535 features (F = 70001, fp32 and bf16, both
+layouts) against float64.
 """
 from __future__ import annotations
 
@@ -46,8 +53,11 @@ def _exact_part_inputs(D, H, sign, device="cpu"):
     return t
 
 
-def _assert_finite_entries_match(out, ref, tol, rounding=None):
-    for name, o, r in zip(("y", "x", "weight", "bias", "ln_weight", "ln_bias"), out, ref):
+NAMES = ("y", "x", "weight", "bias", "ln_weight", "ln_bias")
+
+
+def _assert_finite_entries_match(out, ref, tol, rounding=None, names=NAMES):
+    for name, o, r in zip(names, out, ref):
         r = r if rounding is None else r.to(rounding).double()
         o = o.double()
         assert torch.equal(torch.isfinite(o), torch.isfinite(r)), f"{name}: finite where float64 is not, or not"
@@ -86,7 +96,7 @@ def test_infinite_weight_on_the_gpu_dot_backwards(path, dtype, D, H, sign):
     ref = _run(recfuse.reference.ln_tanh_linear_relu, t, torch.float64, eps=1e-5)
     out = _forced(path, recfuse.ln_tanh_linear_relu, t, dtype, eps=1e-5)
     # x.grad of feature 1 is inf / NaN (a closed relu's 0 times the inf weight: torch mixes both)
-    _assert_finite_entries_match(out[:1] + out[2:], ref[:1] + ref[2:], tol, rounding)
+    _assert_finite_entries_match(out[:1] + out[2:], ref[:1] + ref[2:], tol, rounding, NAMES[:1] + NAMES[2:])
     t = _exact_part_inputs(D, H, sign, "cuda")
     if rounding is not None:
         t = [v.to(rounding).double() for v in t]

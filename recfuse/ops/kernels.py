@@ -352,18 +352,26 @@ def _dot_parts(a0, a1, a2, b0, b1, b2, acc, NA: tl.constexpr, NB: tl.constexpr, 
     (~2^-16 relative); ORDER 3 ("bf16x6"): also a0 b2, a1 b1, a2 b0 (~2^-24, fp32's rounding).
     Largest term first, as the 16-bit path always summed.
 
-    NAN_SAFE (z, which decides the relu mask): the lower-order products are summed apart and a NaN
-    among them is dropped before a0 b0 is added, as Triton's own tf32x3 does. An infinite b0 (an
-    infinite weight) times a lower part of a that is 0 or of the other sign (round to nearest
-    leaves either) gave NaN where the exact z is +-inf, and the mask of a z = -inf opened: the
-    weight, bias and norm-affine gradients of that feature silently wrong (red-team round 27,
-    found on the GPU: the interpreter's truncating bf16 conversion keeps remainders' signs). A NaN
-    there always comes with a non-finite a0 b0 (a zero a0 means a zero a), so nothing finite is lost."""
+    NAN_SAFE (z, which decides the relu mask): the lower-order products are summed apart, and a
+    non-finite sum of them is dropped before a0 b0 is added. An infinite b0 (an infinite weight)
+    times a lower part of a of the other sign (round to nearest leaves either sign) or equal to 0
+    gave +-inf against a0 b0's -+inf, or NaN: z NaN where the exact z is +-inf, and the mask of a
+    z = -inf opened: the weight, bias and norm-affine gradients of that feature silently wrong
+    (red-team round 27, found on the GPU; the interpreter's truncating bf16 conversion keeps
+    remainders' signs, so only the zero part shows there). A non-finite lower-order sum always
+    comes with a non-finite a0 b0 (an inf or NaN operand part is in a0 or b0 too, and a zero a0
+    means a zero a), so nothing finite is lost. Triton's own tf32x3 drops only a NaN there."""
     if NAN_SAFE and ORDER > 1:
         small = _dot_cross_parts(a0, a1, a2, b0, b1, b2, tl.zeros_like(acc), NA, NB, ORDER, UPCAST)
-        return _dot_16bit(a0, b0, acc + tl.where(small == small, small, 0.0), UPCAST)
+        return _dot_16bit(a0, b0, acc + _finite_or_zero(small), UPCAST)
     acc = _dot_16bit(a0, b0, acc, UPCAST)
     return _dot_cross_parts(a0, a1, a2, b0, b1, b2, acc, NA, NB, ORDER, UPCAST)
+
+
+@triton.jit
+def _finite_or_zero(v):
+    """v where finite, else 0 (NaN compares false)."""
+    return tl.where(tl.abs(v) < float("inf"), v, 0.0)
 
 
 @triton.jit
@@ -407,9 +415,9 @@ def _output_store(z, z_lo, bias, y_ptrs, ymask, STATS, stats_half, f, B, rows, r
         z += bias[None, :]
     if SAVE_MASK:
         if LO_PART:
-            # z_lo is NaN where an infinite weight meets a zero lower part of t (0 * inf), with z
-            # itself non-finite there: dropped, as `_dot_parts`'s NAN_SAFE does.
-            _store_relu_mask(z + tl.where(z_lo == z_lo, z_lo, 0.0), STATS, stats_half, f, B, rows, rmask, hs, EVEN_B, BLOCK_H)
+            # z_lo is +-inf or NaN where an infinite weight meets a lower part of t of the other
+            # sign or 0, with z itself non-finite there: dropped, as `_dot_parts`'s NAN_SAFE does.
+            _store_relu_mask(z + _finite_or_zero(z_lo), STATS, stats_half, f, B, rows, rmask, hs, EVEN_B, BLOCK_H)
         else:
             _store_relu_mask(z, STATS, stats_half, f, B, rows, rmask, hs, EVEN_B, BLOCK_H)
     _bias_act_store(z, bias, y_ptrs, ymask, False, MASKED, OUT_ACT, FAST_TANH)
