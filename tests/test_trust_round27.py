@@ -19,7 +19,7 @@ Found wrong (a test below fails before its fix):
    fix that dropped only NaN, as Triton's own tf32x3 does, passed the interpreter and failed 6
    CUDA cases); the 16-bit forward's mask does the same with its lower part (`_output_store`).
 
-Run on the GPU (H200, torch 2.11, triton 3.6; results/checks/session28_call{1..4}_h200.txt):
+Run on the GPU (H200, torch 2.11, triton 3.6; results/checks/session28_call{1..6}_h200.txt):
 rounds 25 and 26 on CUDA (a pytest plugin moved their inputs there; 48 tests: 41 passed before
 the fix, the 5 infinite-weight cases above failed, 2 failed on a CPU tensor the test built, now on
 the inputs' device; all 48 after), this file (20 passed, 8 skipped: the K-chunked path below
@@ -28,7 +28,8 @@ test_trust_round13_kernels and the CUDA property test; bf16 subnormal x / parame
 affine / grad_y on the row, tl.dot and K-chunked paths, both layouts (a build script, GPU only):
 every entry within 1.1e-2 of float64's bf16 rounding, finite where it is (torch's own bf16
 per-slice chain: up to 0.49 off); more than 65535 features (F = 70001, fp32 and bf16, both
-layouts) against float64.
+layouts) against float64; x of more than 2^31 elements (fp32 8.6 GB, bf16, both layouts: every
+offset of the last feature or the last rows past int32), the test below (3 passed, call 6).
 """
 from __future__ import annotations
 
@@ -103,3 +104,46 @@ def test_infinite_weight_on_the_gpu_dot_backwards(path, dtype, D, H, sign):
     ref = _run(recfuse.reference.feature_mlp, t, torch.float64, **CHAIN)
     out = _forced(path, recfuse.feature_mlp, t, dtype, **CHAIN)
     _assert_finite_entries_match(out, ref, tol, rounding)
+
+
+# ---------------------------------------------------------------------------------------------
+# more than 2^31 elements in x: every offset past int32 (a GPU with room for it)
+
+def _big_gpu(gib: float) -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory >= gib * 2 ** 30
+
+
+@pytest.mark.skipif(not _big_gpu(60), reason="needs a CUDA GPU with 60 GiB")
+@pytest.mark.parametrize("dtype,feature_dim", [(torch.float32, 1), (torch.bfloat16, 0), (torch.float32, 0)])
+def test_more_than_2_31_elements_on_the_gpu(dtype, feature_dim):
+    """x of F * B * D > 2^31 elements (fp32: 8.6 GB; the last feature's or the last row's offsets
+    pass int32 in the [F, B, D] / [B, F*D] layouts): y and every gradient of the first, middle and
+    last features against float64 on those slices. The bias is +-20 by output (|z - bias| < 12
+    here): every relu decided, no ties for rounding to flip, half the outputs closed."""
+    F, D, H = 256, 128, 4
+    B = 2 ** 31 // (F * D) + 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn((F, B, D) if feature_dim == 0 else (B, F * D), device="cuda", dtype=dtype,
+                    generator=g).requires_grad_(True)
+    xin = x if feature_dim == 0 else x.view(B, F, D)
+    bias = 20.0 * (1 - 2 * (torch.arange(H, device="cuda") % 2)).float().expand(F, H)
+    params = [torch.randn(F, H, D, device="cuda", generator=g) / D ** 0.5, bias,
+              1 + 0.2 * torch.randn(F, D, device="cuda", generator=g), 0.2 * torch.randn(F, D, device="cuda", generator=g)]
+    params = [p.to(dtype).contiguous().requires_grad_(True) for p in params]
+    y = recfuse.ln_tanh_linear_relu(xin, params[0], params[1], ln_weight=params[2], ln_bias=params[3],
+                                    feature_dim=feature_dim)
+    gy = torch.randn(y.shape, device="cuda", dtype=dtype, generator=g)
+    y.backward(gy)
+    x_grad = x.grad if feature_dim == 0 else x.grad.view(B, F, D)
+    tol_y, tol_g = (1e-5, 1e-4) if dtype == torch.float32 else (2e-2, 5e-2)
+    for f in (0, F // 2, F - 1):
+        sl = (lambda t: t[f]) if feature_dim == 0 else (lambda t: t[:, f])
+        leaves = [sl(xin).detach().double().requires_grad_(True)] + [p[f].detach().double().requires_grad_(True)
+                                                                     for p in params]
+        a = torch.nn.functional.layer_norm(leaves[0], (D,), leaves[3], leaves[4], 1e-5)
+        y64 = torch.relu(torch.tanh(a) @ leaves[1].T + leaves[2])
+        y64.backward(sl(gy).double())
+        assert ((sl(y).double() - y64).abs().max() / y64.abs().max()).item() < tol_y, f
+        for name, o, r in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), [sl(x_grad)] + [p.grad[f] for p in params],
+                              leaves):
+            assert ((o.double() - r.grad).abs().max() / r.grad.abs().max()).item() < tol_g, (f, name)
