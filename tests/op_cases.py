@@ -81,6 +81,39 @@ def run_op(fn, tensors, dtype, case: Case, keep_view=True):
     return y.detach(), grads
 
 
+def check_training_forward_against_float64(case: Case, dtype) -> list:
+    """The op's training forward (`launch.forward` with saved stats) against float64 on the same
+    rounded inputs: y, the saved row mean and rstd, and the relu mask bits where it saves them (z
+    farther than 1e-2 from 0): everything the backward reads from it, without running the backward
+    (a forward-config test's backward is another test's subject, and in the interpreter it costs
+    most of the time). Returns the forward launches (`launch.trace_launches`).
+
+    Example:
+        >>> import torch
+        >>> [kind for kind, *_ in check_training_forward_against_float64(Case(2, 5, 8, 3), torch.float32)]
+        ['forward']
+    """
+    x, w, b, lw, lb, _ = (None if t is None else t.to(dtype) for t in make_inputs(case))
+    with launch.trace_launches() as seen:
+        y, stats = launch.forward(x, w, b, lw, lb, case.eps, case.feature_dim, save_stats=True)
+    x64, w64, b64, lw64, lb64 = (None if t is None else t.double() for t in (x, w, b, lw, lb))
+    z64 = recfuse.reference.feature_mlp(x64, w64, b64, ln_weight=lw64, ln_bias=lb64, eps=case.eps,
+                                        feature_dim=case.feature_dim, out_activation=None)
+    assert rel_err(y, z64.clamp_min(0)) < TOLERANCE[dtype]
+    mean64, rstd64 = x64.mean(-1), torch.rsqrt(x64.var(-1, unbiased=False) + case.eps)
+    if case.feature_dim == 1:
+        mean64, rstd64, z64 = mean64.T, rstd64.T, z64.transpose(0, 1)   # [F, B] as the stats
+    assert (stats[0] - mean64).abs().max() <= 1e-6 * x64.abs().max()
+    assert ((stats[1] - rstd64).abs() / rstd64).max() < 1e-5
+    if stats.shape[0] > 2:
+        words = stats[2:].contiguous().view(torch.int32).long()        # [words, F, B]
+        hs = torch.arange(case.H)
+        bits = (words[hs // 32].permute(1, 2, 0) >> (hs % 32)) & 1       # [F, B, H]
+        decided = z64.abs() > 1e-2
+        assert torch.equal(bits.bool()[decided], (z64 > 0)[decided])
+    return seen
+
+
 def rel_err(out, ref):
     out, ref = out.double(), ref.double()
     # The floor keeps gradients that are zero up to rounding (D=1 rows) from dividing by ~1e-15.

@@ -8,9 +8,8 @@ against float64."""
 import pytest
 import torch
 
-import recfuse
-from op_cases import TOLERANCE, Case, check_against_float64, make_inputs, rel_err
-from recfuse.ops import configs, launch
+from op_cases import Case, check_against_float64, check_training_forward_against_float64
+from recfuse.ops import configs
 
 pytestmark = pytest.mark.interpret
 
@@ -32,31 +31,9 @@ def test_16bit_heuristic_forward_tiles_match_float64(D, H):
 
 
 def forward_matches_float64(case, dtype, cfg):
-    """The op's training forward (`launch.forward` with saved stats) on a [B, F*D] buffer viewed as
-    [B, F, D], with ``cfg``'s tiles, against float64 on the same rounded inputs: y, the saved row
-    mean and rstd, and the relu mask bits where it saves them (z farther than 1e-2 from 0) - all
-    the backward reads from it, without running the backward."""
-    x, w, b, lw, lb, _ = (None if t is None else t.to(dtype) for t in make_inputs(case))
-    B, F, D = x.shape
-    view = x.reshape(B, F * D).view(B, F, D)
-    with launch.trace_launches() as seen:
-        y, stats = launch.forward(view, w, b, lw, lb, case.eps, 1, save_stats=True)
-    (_, _, meta, *_), = seen
+    """`check_training_forward_against_float64`, and the launch took ``cfg``'s tiles."""
+    (_, _, meta, *_), = check_training_forward_against_float64(case, dtype)
     assert (meta["BLOCK_B"], meta["BLOCK_D"]) == (cfg.block_b, cfg.block_d), meta
-    x64, w64, b64, lw64, lb64 = (t.double() for t in (x, w, b, lw, lb))
-    z64 = recfuse.reference.feature_mlp(x64, w64, b64, ln_weight=lw64, ln_bias=lb64, eps=case.eps, feature_dim=1,
-                                        out_activation=None)
-    assert rel_err(y, z64.clamp_min(0)) < TOLERANCE[dtype]
-    mean64 = x64.mean(-1).T
-    rstd64 = torch.rsqrt(x64.var(-1, unbiased=False) + case.eps).T
-    assert (stats[0] - mean64).abs().max() < 1e-6 * x64.abs().max()
-    assert ((stats[1] - rstd64).abs() / rstd64).max() < 1e-5
-    if stats.shape[0] > 2:
-        words = stats[2:].contiguous().view(torch.int32).long()  # [words, F, B]
-        hs = torch.arange(case.H)
-        bits = (words[hs // 32].permute(2, 1, 0) >> (hs % 32)) & 1  # [B, F, H]
-        decided = z64.abs() > 1e-2
-        assert torch.equal(bits.bool()[decided], (z64 > 0)[decided])
 
 
 # Shapes off the tuned grid (twenty-third session, H200 tuner): masked rows that were 1.4-2.5x

@@ -12,6 +12,7 @@ import triton.language as tl
 import recfuse
 from recfuse.ops import configs, launch
 from op_cases import (BACKWARD_PATH_CASES, Case, assert_backward_close, chain_backward_inputs, check_against_float64, check_nan_parity,
+                      check_training_forward_against_float64,
                       forced_backward, make_inputs, rel_err, run_op)
 from recfuse.chain import DEFAULT as DEFAULT_CHAIN, chain_of
 from recfuse.ops.composite import composite_backward
@@ -120,12 +121,13 @@ CHUNKED_CASES = [  # (case, forced config changes): the K-chunked forward, 16 co
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case, changes", CHUNKED_CASES, ids=str)
 def test_k_chunked_forward_matches_float64(case, changes, dtype):
-    # Chunk by chunk statistics (Chan's combination) and dots; the backward is the usual kernel.
+    # Chunk by chunk statistics (Chan's combination) and dots: y and the row stats and relu mask
+    # the backward reads (the backward is the usual kernel, tested on its own).
     def chunked(D, H, dt, full_tiles=True):
         return configs.heuristic_forward(D, H, dt, full_tiles, block_k=16, **changes)
 
-    with configs.override(forward=chunked), launch.trace_launches() as launches:
-        check_against_float64(case, dtype)
+    with configs.override(forward=chunked):
+        launches = check_training_forward_against_float64(case, dtype)
     seen = [(meta["BLOCK_K"], meta["K_CHUNKS"]) for kind, _, meta, _ in launches if kind == "forward"]
     assert seen == [(16, case.D // 16)], seen
 
@@ -145,8 +147,8 @@ def test_chunk_loop_forward_matches_float64(case, changes, dtype):
     def chunk_loop(D, H, dt, full_tiles=True):
         return configs.heuristic_forward(D, H, dt, full_tiles, block_k=16, k_loop=k_loop, **changes)
 
-    with configs.override(forward=chunk_loop), launch.trace_launches() as launches:
-        check_against_float64(case, dtype)
+    with configs.override(forward=chunk_loop):
+        launches = check_training_forward_against_float64(case, dtype)
     seen = [(meta["BLOCK_K"], meta["K_CHUNKS"], meta["K_LOOP"]) for kind, _, meta, _ in launches if kind == "forward"]
     assert seen == [(16, case.D // 16, k_loop)], seen
 
@@ -167,8 +169,8 @@ def test_persistent_row_forward_matches_float64(case, block_h, dtype):
     def persistent_rows(D, H, dt, full_tiles=True):
         return configs.ForwardConfig(8, triton.next_power_of_2(D), block_h, False, 1, persistent=1, tile_stages=3)
 
-    with configs.override(forward=persistent_rows), launch.trace_launches() as launches:
-        check_against_float64(case, dtype)
+    with configs.override(forward=persistent_rows):
+        launches = check_training_forward_against_float64(case, dtype)
     seen = [(grid, meta["PERSISTENT"], meta["USE_DOT"]) for kind, grid, meta, _ in launches if kind == "forward"]
     assert len(seen) == 1 and seen[0][1:] == (True, False) and seen[0][0][0] < triton.cdiv(case.B, 8), seen
 
@@ -179,8 +181,7 @@ def test_masked_tiles_take_the_chunked_forward_by_default(D, H, dtype):
     # No forced config, masked rows (B=20): the heuristic chunks D where it divides into chunks
     # (no padded columns at D=48, 96, 160), and fp32 takes chunks for masked rows at any D.
     case = Case(2, 20, D, H, feature_dim=1, ln="per_feature")
-    with launch.trace_launches() as launches:
-        check_against_float64(case, dtype)
+    launches = check_training_forward_against_float64(case, dtype)
     seen = [(meta["BLOCK_K"], meta["K_CHUNKS"], meta["EVEN_D"], meta["EVEN_B"])
             for kind, _, meta, _ in launches if kind == "forward"]
     width = configs.chunk_width(D, 32 if dtype == torch.float32 and H <= 16 else 64)
@@ -195,8 +196,7 @@ def test_wide_chunked_rows_take_the_chunk_loop_by_default(D, H, dtype, k_loop, B
     # (whole row tiles: B a multiple of the tile, the heuristic's 32 or 64 rows); bf16 at H = 4
     # as a 16-wide tl.dot too (the row path before).
     case = Case(1, B, D, H, ln="per_feature")
-    with launch.trace_launches() as launches:
-        check_against_float64(case, dtype)
+    launches = check_training_forward_against_float64(case, dtype)
     seen = [meta["K_LOOP"] for kind, _, meta, _ in launches if kind == "forward"]
     assert seen == [k_loop], seen
 
@@ -394,8 +394,8 @@ def test_k_chunked_row_forward_matches_float64(case, dtype, block_k, persistent)
                                        unroll_h=0, block_h=block_h, block_k=block_k, persistent=persistent,
                                        tile_stages=3 if persistent else 1)
     assert configs.forward_fits(forced, case.D, case.H)
-    with configs.override(forward=forced), launch.trace_launches() as launches:
-        check_against_float64(case, dtype)
+    with configs.override(forward=forced):
+        launches = check_training_forward_against_float64(case, dtype)
     meta = [m for kind, _, m, _ in launches if kind == "forward"][0]
     assert not meta["USE_DOT"] and meta["BLOCK_K"] == block_k and meta["K_CHUNKS"] == case.D // block_k
 
