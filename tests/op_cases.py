@@ -81,6 +81,13 @@ def run_op(fn, tensors, dtype, case: Case, keep_view=True):
     return y.detach(), grads
 
 
+def relu_mask_bits(stats: torch.Tensor, H: int) -> torch.Tensor:
+    """The relu mask a training forward saved beside its row stats ([2 + words, F, B]), as a
+    [F, B, H] bool tensor: bit h % 32 of word h // 32."""
+    words = stats[2:].contiguous().view(torch.int32)  # [words, F, B]
+    return torch.stack([(words[h // 32] >> (h % 32)) & 1 for h in range(H)], dim=-1).bool()
+
+
 def check_training_forward_against_float64(case: Case, dtype) -> list:
     """The op's training forward (`launch.forward` with saved stats) against float64 on the same
     rounded inputs: y, the saved row mean and rstd, and the relu mask bits where it saves them (z
@@ -106,11 +113,8 @@ def check_training_forward_against_float64(case: Case, dtype) -> list:
     assert (stats[0] - mean64).abs().max() <= 1e-6 * x64.abs().max()
     assert ((stats[1] - rstd64).abs() / rstd64).max() < 1e-5
     if stats.shape[0] > 2:
-        words = stats[2:].contiguous().view(torch.int32).long()        # [words, F, B]
-        hs = torch.arange(case.H)
-        bits = (words[hs // 32].permute(1, 2, 0) >> (hs % 32)) & 1       # [F, B, H]
         decided = z64.abs() > 1e-2
-        assert torch.equal(bits.bool()[decided], (z64 > 0)[decided])
+        assert torch.equal(relu_mask_bits(stats, case.H)[decided], (z64 > 0)[decided])
     return seen
 
 

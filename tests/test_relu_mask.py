@@ -17,6 +17,7 @@ from recfuse.chain import DEFAULT as DEFAULT_CHAIN, chain_of
 from recfuse.ops import configs, launch
 from recfuse.reference import feature_mlp as reference_feature_mlp
 from op_cases import (INTERPRETER_AND_CUDA, Case, assert_backward_close, chain_backward_inputs, forced_backward,
+                      relu_mask_bits,
                       with_rows)
 
 DEVICES = INTERPRETER_AND_CUDA
@@ -61,11 +62,6 @@ def _training_forward(args, case, chain=DEFAULT_CHAIN, **knobs):
     return y, stats, [m for kind, _, m, _ in seen if kind == "forward"][0]
 
 
-def _mask_bits(stats, H):
-    words = stats[2:].contiguous().view(torch.int32)  # [words, F, B]
-    return torch.stack([(words[h // 32] >> (h % 32)) & 1 for h in range(H)], dim=-1).bool()  # [F, B, H]
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fwd", sorted(FORWARD_KNOBS))
 @pytest.mark.parametrize("case, dtype", CASES, ids=str)
@@ -76,7 +72,7 @@ def test_training_forward_saves_z_positive_as_bits_after_the_row_stats(case, fwd
     words = 1 if case.H <= 32 else 2
     F, B = (case.F, case.B)
     assert meta.get("SAVE_MASK") and stats.shape == (2 + words, F, B) and stats.dtype == torch.float32
-    bits = _mask_bits(stats, case.H)
+    bits = relu_mask_bits(stats, case.H)
     to_fbh = (lambda t: t) if case.feature_dim == 0 else (lambda t: t.transpose(0, 1))
     z64 = to_fbh(reference_feature_mlp(*[None if t is None else t.double() for t in args[:3]],
                                        ln_weight=None if args[3] is None else args[3].double(),
