@@ -214,6 +214,12 @@ class BackwardConfig(TileConfig):
     # H200 it lost (bf16 D=512 H=64: 1145 vs 1044 us): a tuner candidate, no table entry or
     # heuristic takes it.
     dw_first: int = 0
+    # n > 0: the GEMM backward (`recfuse.ops.gemm_backward`, fp32 only): dt = dz @ w and the weight
+    # gradient as cuBLAS GEMMs over chunks of features (at least n chunks, more where the scratch
+    # buffer would pass bytes(x) / 4), a Triton row kernel between them (block_b, num_warps,
+    # programs_per_sm, loop_stages are its). Needs the forward's row stats and relu mask; a call
+    # without them, or made with TF32 on for fp32 matmuls, runs the fused kernels.
+    gemm: int = 0
 
 
 KernelConfig = ForwardConfig  # the name launch-level code and older tests use
@@ -224,7 +230,7 @@ _BACKWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "programs_per_s
 # Knobs an older table's entries may lack: the heuristic's value stands.
 _OPTIONAL_BACKWARD_KNOBS = ("block_k", "prefetch", "unroll_h", "loop_stages", "col_sums", "split_dw", "dw_block_b",
                             "dw_num_warps", "dw_num_stages", "row_parts", "split_ln", "two_pass",
-                            "dw_first", "row_slots", "maxnreg")
+                            "dw_first", "row_slots", "maxnreg", "gemm")
 
 # ---------------------------------------------------------------------------------------------
 # the heuristic
@@ -524,6 +530,41 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
     return ForwardConfig(block_b, block_d, block_h, False, num_warps)
 
 
+# The GEMM backward (`BackwardConfig.gemm`) where the heuristic takes it: fp32, H of 32-64 (the
+# relu mask a forward saves holds at most 64 columns), rows of at least GEMM_MIN_BLOCK_D padded
+# columns. H200, x 256 MB, per-feature LayerNorm affine, backward GPU time (build/probe of the
+# twenty-ninth session, benchmarks/NOTES.md): fp32 D=512 H=64 3327 -> 816 us, D=256 H=64 2287 ->
+# 889; at H=16 it was no faster (D=512 593 vs 603, D=128 398 vs 635).
+GEMM_MIN_H = 32
+GEMM_MIN_BLOCK_D = 128
+
+
+def gemm_backward_config(D: int, H: int, **knobs) -> BackwardConfig:
+    """The GEMM backward's config for (D, H): its row kernel's tile of ~4096 elements (8 rows of
+    512, 4 warps), 8 programs an SM, the row loop pipelined 2 deep; ``knobs`` replace fields.
+
+    Example:
+        >>> cfg = gemm_backward_config(512, 64)
+        >>> cfg.gemm, cfg.block_b, cfg.num_warps
+        (1, 8, 4)
+    """
+    block_d = triton.next_power_of_2(max(D, 1))
+    cfg = BackwardConfig(max(1, min(64, 4096 // block_d)), block_d, triton.next_power_of_2(max(H, 1)), True, 4,
+                         programs_per_sm=8, loop_stages=2, gemm=1)
+    knobs = {k: v for k, v in knobs.items() if k != "use_dot"}
+    return dataclasses.replace(cfg, **knobs) if knobs else cfg
+
+
+def gemm_backward_preferred(D: int, H: int, dtype: torch.dtype) -> bool:
+    """Whether the heuristic takes the GEMM backward for (D, H, dtype).
+
+    Example:
+        >>> gemm_backward_preferred(512, 64, torch.float32), gemm_backward_preferred(512, 16, torch.float32)
+        (True, False)
+    """
+    return dtype == torch.float32 and GEMM_MIN_H <= H <= 64 and triton.next_power_of_2(D) >= GEMM_MIN_BLOCK_D
+
+
 def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[BackwardConfig]:
     """The backward config without a tuned table, or None when (D, H) is too large for the kernel.
 
@@ -547,6 +588,11 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
         >>> heuristic_backward(16384, 2, torch.float32) is None
         True
     """
+    # gemm=n > 0 (a tuner's or test's knobs) describes the GEMM backward's row kernel; gemm=0 asks
+    # for the fused kernels' own heuristic config (the GEMM backward's fallback)
+    gemm = knobs.pop("gemm", None)
+    if gemm or (gemm is None and not knobs and gemm_backward_preferred(D, H, dtype)):
+        return gemm_backward_config(D, H, **dict(knobs, gemm=gemm or 1))
     # 2 <= H <= 4: each output column on its own (`unroll_h`: row reductions, 2D tiles). On the
     # H100 it beat the tl.dot path (H padded to 16) and the [rows, H, D] broadcast sum at 13 of the
     # 14 H=4 shapes tuned, 1.2-2.3x (fp32 D=32 618 -> 321 us, D=256 572 -> 451; bf16 D=64 762 ->
@@ -1064,6 +1110,11 @@ def backward_fits(cfg: BackwardConfig, D: int, H: int) -> bool:
         return False
     if not _maxnreg_fits(cfg):
         return False
+    if cfg.gemm:
+        # one row kernel: no chunk, split, pass or part of the fused kernels; its tile in registers
+        return (cfg.use_dot and not (cfg.block_k or cfg.split_dw or cfg.two_pass or cfg.row_parts or cfg.prefetch
+                                     or cfg.row_slots or cfg.dw_first or cfg.split_ln)
+                and cfg.block_b * cfg.block_d <= TILE_BUDGET and 0 <= cfg.loop_stages <= 4)
     if cfg.use_dot:
         if cfg.block_k and (cfg.block_k < 16 or cfg.block_k >= cfg.block_d or cfg.block_d % cfg.block_k):
             return False
@@ -1295,6 +1346,10 @@ def table_backward_config(D: int, H: int, dtype: torch.dtype, device: Union[str,
         # about this shape's K-chunked kernel (H100 bf16 D=512 H=64: 5.2 ms with the D=512 H=16
         # entry's 16-row tiles; fp32 H=64 spilled to ~40 ms with H=16's 64-column chunks and 4
         # warps), nor does an entry tuned before the chunked kernel existed.
+        entry = None
+    if heuristic.gemm and (entry is None or "gemm" not in entry):
+        # Where the heuristic takes the GEMM backward, only an entry tuned with it among the
+        # candidates (it names the knob): the fused kernels' entries were measured without it.
         entry = None
     cfg = config_from_entry("backward", entry, D, H, dtype, True) if entry is not None else None
     return cfg if cfg is not None else heuristic

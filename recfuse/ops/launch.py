@@ -28,7 +28,7 @@ from triton.runtime.errors import OutOfResources
 
 from ..chain import ACTIVATIONS, DEFAULT, codes as chain_codes
 from .._checks import BoundedDict, call_signature as signature, stats_planes, tensor_signature as _tensor_signature
-from . import configs, kernels
+from . import configs, gemm_backward, kernels
 from ._compiled_launch import CompiledLaunchCache
 
 log = logging.getLogger("recfuse")
@@ -53,6 +53,10 @@ _FP32_DOT_PRECISION = "tf32x3"
 
 # A list while a `trace_launches` block is open: every plan launch appends (kind, grid, meta, ...).
 _TRACE: Optional[list] = None
+
+
+def _current_trace() -> Optional[list]:
+    return _TRACE
 
 
 @contextlib.contextmanager
@@ -243,8 +247,9 @@ def _relu_mask_words(D: int, H: int, dtype: torch.dtype, device, chain, fwd_bloc
     if bwd is None or not bwd.use_dot:
         return 0
     # The two-pass backward has no whole row to recompute z from, and the two-part row backward
-    # (`kernels.ln_tanh_linear_relu_bwd_rows2_dot`) takes none: they need the mask at any D.
-    if D < min_d and not bwd.two_pass and not (bwd.row_parts and configs.row_parts_dot_fits(D)):
+    # (`kernels.ln_tanh_linear_relu_bwd_rows2_dot`) and the GEMM backward take none: they need the
+    # mask at any D.
+    if D < min_d and not bwd.two_pass and not bwd.gemm and not (bwd.row_parts and configs.row_parts_dot_fits(D)):
         return 0
     return max(1, fwd_block_h // 32)
 
@@ -668,16 +673,28 @@ def backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim,
     return plan
 
 
-def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, chain=DEFAULT):
+def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, chain=DEFAULT,
+                         cfg: Optional[configs.BackwardConfig] = None):
     F, B, D, H = _sizes(x, weight, feature_dim)
     dev = x.device
-    cfg = configs.backward_config(D, H, x.dtype, _config_device(dev))
+    cfg = cfg or configs.backward_config(D, H, x.dtype, _config_device(dev))
     unfit_key = _unfit_key(x, weight, chain)
     # The backward grids hold F on a second or third axis (at most 65535 programs on CUDA).
     if cfg is None or unfit_key in _BWD_UNFIT or F > _MAX_GRID_YZ:
         return None
     norm, act, out_act = chain_codes(chain)
     has_mask = out_act == ACTIVATIONS["relu"] and stats_planes(stats) > 2
+    if cfg.gemm:
+        fused_cfg = configs.heuristic_backward(D, H, x.dtype, gemm=0)
+        fallback = None if fused_cfg is None else _build_backward_plan(
+            grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, chain, cfg=fused_cfg)
+        if F == 0 or not gemm_backward.gemm_backward_eligible(grad_y, x, weight, (bias, ln_weight, ln_bias), norm,
+                                                              out_act, has_mask, stats):
+            return fallback  # no stats or mask (a compiled backward, another chain), or not fp32
+        return gemm_backward.build(
+            cfg, grad_y, x, weight, ln_weight, ln_bias, eps, feature_dim, F, B, D, H, _num_sms(dev), _feature_major,
+            _param_stride, norm, act, device_constexprs("backward", x.dtype, dev.type, chain)["FAST_TANH"],
+            has_mask, F * B, fallback, zero_dx=D == 1 and chain.norm == "layer_norm", tracer=_current_trace)
     # Two passes over column chunks need the forward's row stats and dz without z (its relu mask).
     two_pass = (cfg.use_dot and cfg.two_pass > 0 and not cfg.block_k and B > 0 and (has_mask or out_act == 0)
                 and (norm == 0 or stats is not None))

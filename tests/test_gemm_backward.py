@@ -1,0 +1,185 @@
+"""The GEMM backward (`BackwardConfig.gemm`, `recfuse.ops.gemm_backward`): dz masked from the
+forward's relu mask, dt = dz @ w and the weight gradient as GEMMs over chunks of features, one row
+kernel for the norm and activation backward between them, fixed-order sums for the rest.
+
+Each case runs under the Triton interpreter (``make test-interpret``; its GEMMs are the CPU's) and,
+where a GPU is present, on it with many row tiles a program. References: float64 (the composite
+backward) and the fused kernels on the same inputs and stats.
+"""
+import pytest
+import torch
+
+import recfuse
+from recfuse.chain import DEFAULT as DEFAULT_CHAIN, chain_of
+from recfuse.ops import configs, gemm_backward, launch
+from op_cases import (INTERPRETER_AND_CUDA, Case, assert_backward_close, chain_backward_inputs, forced_backward,
+                      with_rows)
+
+DEVICES = INTERPRETER_AND_CUDA
+
+CASES = [
+    # (case, chain, chunks): padded rows and masked columns (D = 48, 80), H across one and two
+    # mask words (33, 40, 64), the [B, F*D] view, per-feature and shared weights, biases and
+    # LayerNorm affines, none of them, several feature chunks (3 over 5 features: 2 + 2 + 1), and
+    # chains without relu (dz is grad_y) and with RMSNorm and other activations.
+    (Case(5, 37, 48, 33, ln="per_feature", bias="per_feature"), None, 1),
+    (Case(5, 24, 80, 40, feature_dim=1, strided_view=True, per_feature_weight=True, ln="shared"), None, 3),
+    (Case(3, 29, 64, 64, feature_dim=1, strided_view=True, ln="none", bias="none"), None, 2),
+    (Case(2, 30, 32, 16, ln="per_feature"), chain_of("layer_norm", "tanh", None), 1),
+    (Case(4, 21, 32, 12, ln="none"), chain_of("rms_norm", "silu", None), 3),
+    (Case(2, 26, 40, 8, feature_dim=1, ln="per_feature"), chain_of("layer_norm", "gelu", "relu"), 2),
+]
+
+FORWARD = dict(use_dot=True, block_b=16, block_k=0, persistent=0)
+FUSED = dict(use_dot=True, block_b=16, programs_per_sm=1, block_k=0, prefetch=0, gemm=0)
+
+
+def _forced(**knobs):
+    return lambda D, H, dt: configs.heuristic_backward(D, H, dt, **knobs)
+
+
+def _gemm_knobs(chunks: int, device: str) -> dict:
+    # several programs a feature and several row tiles a program on either device
+    return dict(gemm=chunks, block_b=8 if device == "cpu" else 16, programs_per_sm=2 if device == "cpu" else 4)
+
+
+def _training_stats(args, case, chain, backward_knobs):
+    """The row stats (and relu mask) a training forward saves when the backward runs `backward_knobs`."""
+    forward = lambda D, H, dt, full: configs.heuristic_forward(D, H, dt, full, **FORWARD)  # noqa: E731
+    with configs.override(forward=forward, backward=_forced(**backward_knobs)):
+        return launch.forward(*args, case.eps, case.feature_dim, save_stats=True, chain=chain)[1]
+
+
+def _inputs(case, chain, chunks, device, seed):
+    chain = chain or DEFAULT_CHAIN
+    case = case if device == "cpu" else with_rows(case, 1000)
+    args, gy = chain_backward_inputs(case, torch.float32, chain, seed=seed, device=device)
+    knobs = _gemm_knobs(chunks, device)
+    return case, chain, args, gy, knobs, _training_stats(args, case, chain, knobs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case, chain, chunks", CASES, ids=str)
+def test_gemm_gradients_match_float64_and_the_fused_kernels(case, chain, chunks, device):
+    case, chain, args, gy, knobs, stats = _inputs(case, chain, chunks, device, seed=3)
+    if chain.out_activation == "relu":
+        assert stats.shape[0] > 2, "the GEMM backward needs the forward's relu mask at any D"
+    with launch.trace_launches() as seen, configs.override(backward=_forced(**knobs)):
+        grads = launch.backward(gy, *args, case.eps, case.feature_dim, stats, chain=chain)
+    row_launches = [grid for kind, grid, meta, cfg in seen if kind == "backward"]
+    assert all(cfg.gemm for kind, _, _, cfg in seen if kind == "backward")
+    F = case.F
+    assert len(row_launches) == -(-F // -(-F // chunks)), "one row-kernel launch a chunk of features"
+    assert sum(g[1] for g in row_launches) == F
+    fused, _ = forced_backward(gy, args, case, stats, chain, **FUSED)
+    assert_backward_close(grads, fused, gy, args, case, chain, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemm_backward_is_bitwise_deterministic(device):
+    case, chain, args, gy, knobs, stats = _inputs(Case(5, 40, 64, 40, ln="per_feature", bias="per_feature"),
+                                                  None, 2, device, seed=4)
+    with configs.override(backward=_forced(**knobs)):
+        first = launch.backward(gy, *args, case.eps, case.feature_dim, stats)
+        second = launch.backward(gy, *args, case.eps, case.feature_dim, stats)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.interpret
+def test_without_the_forward_stats_or_mask_the_gemm_config_runs_the_fused_kernels():
+    # A compiled backward passes no stats; a forward made under another backward config saves no
+    # mask: the plan is the fused kernels' heuristic one, and right.
+    case = Case(2, 20, 64, 40)
+    args, gy = chain_backward_inputs(case, torch.float32, DEFAULT_CHAIN, seed=6)
+    knobs = _gemm_knobs(1, "cpu")
+    stats = _training_stats(args, case, DEFAULT_CHAIN, knobs)
+    for stats_arg in (stats[:2].contiguous(), None):
+        with launch.trace_launches() as seen, configs.override(backward=_forced(**knobs)):
+            grads = launch.backward(gy, *args, case.eps, case.feature_dim, stats_arg)
+        cfgs = [cfg for kind, _, _, cfg in seen if kind == "backward"]
+        assert cfgs and not any(cfg.gemm for cfg in cfgs)
+        assert_backward_close(grads, grads, gy, args, case, DEFAULT_CHAIN, torch.float32)
+
+
+@pytest.mark.interpret
+def test_16_bit_inputs_do_not_take_the_gemm_backward():
+    case = Case(2, 20, 64, 40)
+    args, gy = chain_backward_inputs(case, torch.bfloat16, DEFAULT_CHAIN, seed=8)
+    knobs = _gemm_knobs(1, "cpu")
+    stats = _training_stats(args, case, DEFAULT_CHAIN, knobs)
+    with launch.trace_launches() as seen, configs.override(backward=_forced(**knobs)):
+        grads = launch.backward(gy, *args, case.eps, case.feature_dim, stats)
+    assert not any(cfg.gemm for kind, _, _, cfg in seen if kind == "backward")
+    fused, _ = forced_backward(gy, args, case, stats, DEFAULT_CHAIN, **FUSED)
+    assert_backward_close(grads, fused, gy, args, case, DEFAULT_CHAIN, torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_autograd_training_step_on_the_gemm_backward_matches_float64(device):
+    case = Case(3, 24 if device == "cpu" else 1024, 96, 48, feature_dim=1, strided_view=True, bias="per_feature")
+    (x, w, b, lw, lb), gy = chain_backward_inputs(case, torch.float64, DEFAULT_CHAIN, seed=5, device=device)
+    leaves = [t.detach().float().requires_grad_(True) for t in (x, w, b, lw, lb)]
+    with configs.override(backward=_forced(**_gemm_knobs(2, device))), launch.trace_launches() as seen:
+        y = recfuse.ln_tanh_linear_relu(leaves[0], leaves[1], leaves[2], ln_weight=leaves[3], ln_bias=leaves[4],
+                                        eps=case.eps, feature_dim=1)
+        y.backward(gy.float())
+    assert [cfg.gemm for kind, _, _, cfg in seen if kind == "backward"] == [2, 2]
+    ref = [t.detach().requires_grad_(True) for t in (x, w, b, lw, lb)]
+    y_ref = recfuse.reference.ln_tanh_linear_relu(ref[0], ref[1], ref[2], ln_weight=ref[3], ln_bias=ref[4],
+                                                 eps=case.eps, feature_dim=1)
+    y_ref.backward(gy)
+    assert ((y.double() - y_ref).norm() / y_ref.norm()).item() < 1e-5
+    for name, g, r in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), [t.grad for t in leaves], ref):
+        err = ((g.double() - r.grad).norm() / r.grad.norm()).item()
+        assert err < 1e-5, f"{name}: {err:.2e}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_with_tf32_on_for_fp32_matmuls_the_call_runs_the_fused_kernels():
+    # cuBLAS would take TF32 (~1e-3 off); the plan checks on every call and runs its fallback.
+    case, chain, args, gy, knobs, stats = _inputs(Case(4, 64, 128, 64, ln="per_feature"), None, 1, "cuda", seed=9)
+    previous = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    try:
+        assert not gemm_backward.fp32_matmul_exact("cuda")
+        with launch.trace_launches() as seen, configs.override(backward=_forced(**knobs)):
+            grads = launch.backward(gy, *args, case.eps, case.feature_dim, stats)
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = previous
+    assert not any(cfg.gemm for kind, _, _, cfg in seen if kind == "backward")
+    assert_backward_close(grads, grads, gy, args, case, chain, torch.float32)
+
+
+def test_the_heuristic_takes_the_gemm_backward_for_fp32_h_32_to_64_and_wide_rows():
+    for D, H, dtype, expected in ((512, 64, torch.float32, True), (128, 32, torch.float32, True),
+                                  (512, 16, torch.float32, False), (64, 64, torch.float32, False),
+                                  (512, 65, torch.float32, False), (512, 64, torch.bfloat16, False)):
+        cfg = configs.heuristic_backward(D, H, dtype)
+        assert bool(cfg is not None and cfg.gemm) is expected, (D, H, dtype)
+        if expected:
+            assert configs.backward_fits(cfg, D, H)
+    # a shipped table's entries of the fused kernels do not replace it (they were tuned without it)
+    for table in ("h200", "h100-80gb-hbm3"):
+        assert configs.table_backward_config(512, 64, torch.float32, "cpu", table=table).gemm == 1
+    # gemm=0 asks for the fused kernels' own config; an entry naming gemm=1 describes the row kernel
+    assert configs.heuristic_backward(512, 64, torch.float32, gemm=0).gemm == 0
+    entry = configs.config_to_entry(configs.gemm_backward_config(512, 64, block_b=4))
+    assert configs.config_from_entry("backward", entry, 512, 64, torch.float32) == configs.gemm_backward_config(
+        512, 64, block_b=4)
+
+
+def test_gemm_configs_fit_only_as_the_row_kernel():
+    base = configs.gemm_backward_config(256, 64)
+    assert configs.backward_fits(base, 256, 64)
+    for bad in (dict(two_pass=32), dict(block_k=64), dict(split_dw=64), dict(prefetch=1), dict(block_b=128),
+                dict(block_b=12), dict(loop_stages=5)):
+        assert not configs.backward_fits(configs.gemm_backward_config(256, 64, **bad), 256, 64), bad
+
+
+def test_feature_chunks_bound_the_scratch_buffer():
+    # x 256 MB fp32 at D=512: a quarter of x is 16 of 64 features; at least `min_chunks` chunks
+    assert gemm_backward.chunk_features(64, 2048, 512, 256 << 20, 1) == 16
+    assert gemm_backward.chunk_features(64, 2048, 512, 256 << 20, 8) == 8
+    # a small x: the 32 MB floor holds every feature in one chunk
+    assert gemm_backward.chunk_features(16, 1024, 256, 16 << 20, 1) == 16
+    assert gemm_backward.chunk_features(5, 10, 8, 1000, 3) == 2
