@@ -151,9 +151,11 @@ def test_with_tf32_on_for_fp32_matmuls_the_call_runs_the_fused_kernels():
 
 
 def test_the_heuristic_takes_the_gemm_backward_for_fp32_h_32_to_64_and_wide_rows():
-    for D, H, dtype, expected in ((512, 64, torch.float32, True), (128, 32, torch.float32, True),
-                                  (512, 16, torch.float32, False), (64, 64, torch.float32, False),
-                                  (512, 65, torch.float32, False), (512, 64, torch.bfloat16, False)):
+    for D, H, dtype, expected in ((512, 64, torch.float32, True), (256, 32, torch.float32, True),
+                                  (300, 40, torch.float32, True), (160, 64, torch.float32, False),
+                                  (128, 32, torch.float32, False), (512, 16, torch.float32, False),
+                                  (1024, 64, torch.float32, False), (512, 65, torch.float32, False),
+                                  (512, 64, torch.bfloat16, False)):
         cfg = configs.heuristic_backward(D, H, dtype)
         assert bool(cfg is not None and cfg.gemm) is expected, (D, H, dtype)
         if expected:
@@ -183,3 +185,43 @@ def test_feature_chunks_bound_the_scratch_buffer():
     # a small x: the 32 MB floor holds every feature in one chunk
     assert gemm_backward.chunk_features(16, 1024, 256, 16 << 20, 1) == 16
     assert gemm_backward.chunk_features(5, 10, 8, 1000, 3) == 2
+
+
+class _OpModule(torch.nn.Module):
+    def __init__(self, F, D, H, generator):
+        super().__init__()
+        kw = dict(device="cuda", generator=generator)
+        self.w = torch.nn.Parameter(torch.randn(H, D, **kw) * D ** -0.5)
+        self.b = torch.nn.Parameter(torch.randn(H, **kw) * 0.1)
+        self.lw = torch.nn.Parameter(1 + 0.1 * torch.randn(F, D, **kw))
+        self.lb = torch.nn.Parameter(0.1 * torch.randn(F, D, **kw))
+
+    def forward(self, x):
+        return recfuse.ln_tanh_linear_relu(x, self.w, self.b, ln_weight=self.lw, ln_bias=self.lb, feature_dim=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_graphed_training_step_on_the_gemm_backward_equals_the_eager_step():
+    # The shipped config (no override): fp32 D=256 H=32 takes the GEMM backward; its GEMMs, sums and
+    # kernels replay from a captured graph with fresh inputs.
+    F, B, D, H = 4, 256, 256, 32
+    assert configs.heuristic_backward(D, H, torch.float32).gemm
+    g = torch.Generator(device="cuda").manual_seed(0)
+    eager, graphed_module = _OpModule(F, D, H, g), _OpModule(F, D, H, g)
+    graphed_module.load_state_dict(eager.state_dict())
+    sample = torch.randn(B, F, D, device="cuda", requires_grad=True)
+    with launch.trace_launches() as seen:
+        graphed = torch.cuda.make_graphed_callables(graphed_module, (sample,))
+    assert any(cfg.gemm for kind, _, _, cfg in seen if kind == "backward")
+    for seed in (1, 2):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        x = torch.randn(B, F, D, device="cuda", generator=gen)
+        gy = torch.randn(B, F, H, device="cuda", generator=gen)
+        outs = []
+        for fn, module in ((eager, eager), (graphed, graphed_module)):
+            module.zero_grad(set_to_none=True)
+            xx = x.clone().requires_grad_(True)
+            fn(xx).backward(gy)
+            outs.append([xx.grad] + [p.grad for p in module.parameters()])
+        for a, b in zip(*outs):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()

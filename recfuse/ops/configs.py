@@ -531,12 +531,15 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
 
 
 # The GEMM backward (`BackwardConfig.gemm`) where the heuristic takes it: fp32, H of 32-64 (the
-# relu mask a forward saves holds at most 64 columns), rows of at least GEMM_MIN_BLOCK_D padded
-# columns. H200, x 256 MB, per-feature LayerNorm affine, backward GPU time (build/probe of the
-# twenty-ninth session, benchmarks/NOTES.md): fp32 D=512 H=64 3327 -> 816 us, D=256 H=64 2287 ->
-# 889; at H=16 it was no faster (D=512 593 vs 603, D=128 398 vs 635).
+# relu mask a forward saves holds at most 64 columns), rows of 256-512 columns. H200, x 256 MB,
+# BFD, per-feature LayerNorm affine, training step GPU time against the fused kernels' heuristic
+# config (benchmarks/results/checks/ab_gemm_bwd_h200.txt): H=64 D=512 3598 -> 1198 us, D=256
+# 2641 -> 1345; H=32 D=512 2912 -> 967, D=256 2770 -> 994; at x 16 MB still 1.4-2.2x. It lost at
+# D=128 (H=64 1280 vs 1366, H=32 704 vs 1011) and D=96 H=32, and at D=160 H=64 to the H200
+# table's entry (1672 us in the grid, 1834 here); at H=16 it won D=512 only (962 -> 860).
 GEMM_MIN_H = 32
-GEMM_MIN_BLOCK_D = 128
+GEMM_MIN_D = 256
+GEMM_MAX_BLOCK_D = 512  # wider rows not measured: they keep the K-chunked kernel
 
 
 def gemm_backward_config(D: int, H: int, **knobs) -> BackwardConfig:
@@ -562,7 +565,7 @@ def gemm_backward_preferred(D: int, H: int, dtype: torch.dtype) -> bool:
         >>> gemm_backward_preferred(512, 64, torch.float32), gemm_backward_preferred(512, 16, torch.float32)
         (True, False)
     """
-    return dtype == torch.float32 and GEMM_MIN_H <= H <= 64 and triton.next_power_of_2(D) >= GEMM_MIN_BLOCK_D
+    return dtype == torch.float32 and GEMM_MIN_H <= H <= 64 and GEMM_MIN_D <= D <= GEMM_MAX_BLOCK_D
 
 
 def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[BackwardConfig]:
@@ -583,8 +586,10 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
         (False, 1, 32)
         >>> heuristic_backward(1024, 64, torch.float32).block_k  # the K-chunked kernel
         32
-        >>> heuristic_backward(128, 64, torch.float32).block_k  # whole rows
+        >>> heuristic_backward(128, 64, torch.float32, gemm=0).block_k  # whole rows
         0
+        >>> heuristic_backward(512, 64, torch.float32).gemm  # the GEMM backward
+        1
         >>> heuristic_backward(16384, 2, torch.float32) is None
         True
     """
