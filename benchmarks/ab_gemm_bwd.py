@@ -34,6 +34,8 @@ def parse(argv=None):
     ap.add_argument("--affine", nargs="+", default=["per_feature"], choices=["per_feature", "none"])
     ap.add_argument("--x-mb", nargs="+", type=float, default=[256.0])
     ap.add_argument("--features", type=int, default=64)
+    ap.add_argument("--gemm-knobs", nargs="*", default=[], metavar="JSON",
+                    help='more GEMM-backward variants, each a JSON object of knobs (e.g. \'{"block_b": 8}\')')
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
@@ -99,7 +101,12 @@ def measure(p: dict, args, copy_GBps: float) -> None:
         recfuse.ln_tanh_linear_relu(x, inp.weight, inp.bias, ln_weight=inp.ln_weight, ln_bias=inp.ln_bias,
                                     feature_dim=inp.feature_dim).backward(gy)
 
-    for name, source in VARIANTS.items():
+    variants = dict(VARIANTS)
+    for text in args.gemm_knobs:
+        knobs = json.loads(text)
+        variants["gemm " + text] = (lambda k: lambda D, H, dt: configs.heuristic_backward(D, H, dt, **dict(k, gemm=1)))(
+            knobs)
+    for name, source in variants.items():
         r = p.setdefault(name, {})
         try:
             with configs.override(backward=source):
@@ -134,6 +141,10 @@ def table(points) -> str:
             f"{num(f.get('extra_peak_MB'), '5.0f')}/{num(g.get('extra_peak_MB'), '<6.0f')} | "
             f"{num(max(f.get('err', [0])), '.1e')} / {num(max(g.get('err', [0])), '.1e')}"
             + (f"  ({f.get('error') or g.get('error')})" if f.get("error") or g.get("error") else ""))
+        for name, r in p.items():
+            if name.startswith("gemm ") and isinstance(r, dict):
+                rows.append(f"{'':6} {name:40} | {num(r.get('train_us'), '9.0f')} {num(r.get('pct_floor'), '5.1f')}"
+                            f" {r.get('error', '')}")
     return "\n".join(rows)
 
 

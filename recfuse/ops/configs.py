@@ -1352,9 +1352,11 @@ def table_backward_config(D: int, H: int, dtype: torch.dtype, device: Union[str,
         # entry's 16-row tiles; fp32 H=64 spilled to ~40 ms with H=16's 64-column chunks and 4
         # warps), nor does an entry tuned before the chunked kernel existed.
         entry = None
-    if heuristic.gemm and (entry is None or "gemm" not in entry):
-        # Where the heuristic takes the GEMM backward, only an entry tuned with it among the
-        # candidates (it names the knob): the fused kernels' entries were measured without it.
+    if heuristic.gemm and (entry is None or entry is not table.get(("backward", D, H, dtype_name, not masked_d))):
+        # Where the heuristic takes the GEMM backward, only the shape's own entry: a neighbour's
+        # tiles say nothing about this shape (H200 fp32 D=512 H=64: 3568 us with the fused kernel,
+        # 1196 with the GEMM backward), while a shape's own tuned entry was measured here (H200
+        # fp32 D=384 H=32: its two-part rows 1110 us, the GEMM backward 1169).
         entry = None
     cfg = config_from_entry("backward", entry, D, H, dtype, True) if entry is not None else None
     return cfg if cfg is not None else heuristic
