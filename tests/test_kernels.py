@@ -257,11 +257,14 @@ def test_empty_batch_and_zero_grad_parameters():
 def test_wide_rows_take_the_k_chunked_backward():
     # H * D past the whole-row kernel's register tile (it fell back to the composite before the
     # K-chunked kernel existed): 32 columns at a time in fp32 at H > 16 (64 spilled on the H100).
-    # D=256 runs the same kernel as D=1024 in a quarter of the interpreter's time (CI).
+    # D=256 runs the same kernel as D=1024 in a quarter of the interpreter's time (CI); its default is
+    # the GEMM backward (`BackwardConfig.gemm`), so the fused kernels' own config is forced here.
+    assert configs.backward_config(1024, 64, torch.float32, "cpu").block_k == 32
+    fused = lambda D, H, dt: configs.heuristic_backward(D, H, dt, gemm=0)  # noqa: E731
     for D in (256, 1024):
-        cfg = configs.backward_config(D, 64, torch.float32, "cpu")
+        cfg = fused(D, 64, torch.float32)
         assert cfg.use_dot and cfg.block_k == 32, D
-    with launch.trace_launches() as seen:
+    with configs.override(backward=fused), launch.trace_launches() as seen:
         check_against_float64(Case(1, 2, 256, 64, ln="none"), torch.float32)
     assert [(m["BLOCK_K"], m["EVEN_D"]) for kind, _, m, _ in seen if kind == "backward"] == [(32, True)]
 

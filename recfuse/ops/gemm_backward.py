@@ -89,7 +89,7 @@ class GemmBackwardPlan:
     meta: dict  # `norm_act_backward_rows`' constexprs
     ints: tuple  # its integers after f0 (F, B, D, stats_half, rows_per_program, strides, eps, 1 / D)
     options: dict
-    fallback: Any  # the fused kernels' plan, for calls made with TF32 on
+    fallback: Any  # the fused kernels' plan, for calls made with TF32 on (None: no fused kernel fits)
     zero_dx: bool = False
     reads_stats: bool = True
     tracer: Optional[Callable[[], Optional[list]]] = None  # `launch.trace_launches`' list, or None
@@ -99,7 +99,7 @@ class GemmBackwardPlan:
         return (self.programs, min(self.chunk, self.F))
 
     def __call__(self, grad_y, x, weight, bias, ln_weight, ln_bias, stats):
-        if not fp32_matmul_exact(x.device.type):
+        if self.fallback is not None and not fp32_matmul_exact(x.device.type):
             return self.fallback(grad_y, x, weight, bias, ln_weight, ln_bias,
                                  stats if self.fallback.reads_stats else None)
         F, B, D, H = self.F, self.B, self.D, self.H
