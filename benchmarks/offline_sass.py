@@ -35,7 +35,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from recfuse.ops import configs, launch
+from recfuse.ops import configs, gemm_backward, launch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
@@ -79,6 +79,11 @@ def build_plan(kind: str, D: int, H: int, dtype: torch.dtype, *, table: str = "n
             plan = launch.backward_plan(gy, x, w, b, lw, lb, 1e-5, 1, stats)
         if plan is None:
             raise SystemExit(f"no backward kernel for D={D} H={H} {dtype} with {cfg}")
+        if isinstance(plan, gemm_backward.GemmBackwardPlan):
+            # its Triton row kernel (the GEMMs are cuBLAS's): x, dt, dx, stats, affine, partials, f0
+            plan.meta["FAST_TANH"] = launch.device_constexprs("backward", dtype, "cuda")["FAST_TANH"]
+            dt, partial = torch.empty(F, B, D), torch.empty(2, plan.programs, F, D)
+            return plan, cfg, source, (x, dt, x, stats, lw, lb, partial, 0) + tuple(plan.ints)
         dz = torch.empty(F, B, H, dtype=plan.dz_dtype or torch.float32)
         tensors = (gy, x, w, b, lw, lb, x, stats, stats, dz)
         cuda_constexprs = launch.device_constexprs("backward", dtype, "cuda", fp32_dots=cfg.fp32_dots)
@@ -240,7 +245,7 @@ def point_report(args, kind: str, D: int, H: int, dtype_name: str) -> dict:
     row_loop = kind == "backward" or bool(getattr(cfg, "persistent", 0))
     report = sass_report(kernel, cfg.block_b * tile_d / (32 * cfg.num_warps), row_loop, trips)
     per_element = report["loop_per_element"]
-    if kind == "backward" and plan.weight_meta is not None:
+    if kind == "backward" and getattr(plan, "weight_meta", None) is not None:
         # the split backward's weight-gradient kernel, or the two-pass backward's second kernel
         # (dx and the partials, on the first kernel's arguments): both walk every element again
         second, second_args = ((launch._launch_bwd_two_pass, kernel_args) if plan.two_pass

@@ -281,6 +281,20 @@ def assert_backward_close(grads, baseline, gy, args, case: Case, chain, dtype, s
             assert torch.equal(g, gb), name
 
 
+def assert_step_matches_float64(y, leaves, inputs64, gy64, eps: float, feature_dim: int, tol: float = 1e-5) -> None:
+    """A float32 training step's y and its leaves' (x, weight, bias, ln_weight, ln_bias) gradients
+    against the float64 per-slice reference on ``inputs64`` with the same grad_y, each relative in
+    norm below ``tol``."""
+    ref = [t.detach().double().requires_grad_(True) for t in inputs64]
+    y_ref = recfuse.reference.ln_tanh_linear_relu(ref[0], ref[1], ref[2], ln_weight=ref[3], ln_bias=ref[4],
+                                                 eps=eps, feature_dim=feature_dim)
+    y_ref.backward(gy64)
+    assert ((y.double() - y_ref).norm() / y_ref.norm()).item() < tol
+    for name, g, r in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), [t.grad for t in leaves], ref):
+        err = ((g.double() - r.grad).norm() / r.grad.norm()).item()
+        assert err < tol, f"{name}: {err:.2e}"
+
+
 def with_rows(case: Case, rows: int) -> Case:
     """`case` with `rows` more rows (a GPU run: many row tiles per program, padded last tiles)."""
     return dataclasses.replace(case, B=case.B + rows)

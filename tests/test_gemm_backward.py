@@ -12,8 +12,8 @@ import torch
 import recfuse
 from recfuse.chain import DEFAULT as DEFAULT_CHAIN, chain_of
 from recfuse.ops import configs, gemm_backward, launch
-from op_cases import (INTERPRETER_AND_CUDA, Case, assert_backward_close, chain_backward_inputs, forced_backward,
-                      with_rows)
+from op_cases import (INTERPRETER_AND_CUDA, Case, assert_backward_close, assert_step_matches_float64,
+                      chain_backward_inputs, forced_backward, with_rows)
 
 DEVICES = INTERPRETER_AND_CUDA
 
@@ -50,6 +50,14 @@ def _training_stats(args, case, chain, backward_knobs):
         return launch.forward(*args, case.eps, case.feature_dim, save_stats=True, chain=chain)[1]
 
 
+def _traced_backward(gy, args, case, stats, knobs, chain=DEFAULT_CHAIN):
+    """`launch.backward` with `knobs` forced: (gradients, the configs of its backward launches)."""
+    with launch.trace_launches() as seen, configs.override(backward=_forced(**knobs)):
+        grads = launch.backward(gy, *args, case.eps, case.feature_dim, stats, chain=chain)
+    return grads, [cfg for kind, _, _, cfg in seen if kind == "backward"], [g for kind, g, _, _ in seen
+                                                                          if kind == "backward"]
+
+
 def _inputs(case, chain, chunks, device, seed):
     chain = chain or DEFAULT_CHAIN
     case = case if device == "cpu" else with_rows(case, 1000)
@@ -64,10 +72,8 @@ def test_gemm_gradients_match_float64_and_the_fused_kernels(case, chain, chunks,
     case, chain, args, gy, knobs, stats = _inputs(case, chain, chunks, device, seed=3)
     if chain.out_activation == "relu":
         assert stats.shape[0] > 2, "the GEMM backward needs the forward's relu mask at any D"
-    with launch.trace_launches() as seen, configs.override(backward=_forced(**knobs)):
-        grads = launch.backward(gy, *args, case.eps, case.feature_dim, stats, chain=chain)
-    row_launches = [grid for kind, grid, meta, cfg in seen if kind == "backward"]
-    assert all(cfg.gemm for kind, _, _, cfg in seen if kind == "backward")
+    grads, cfgs, row_launches = _traced_backward(gy, args, case, stats, knobs, chain)
+    assert cfgs and all(cfg.gemm for cfg in cfgs)
     F = case.F
     assert len(row_launches) == -(-F // -(-F // chunks)), "one row-kernel launch a chunk of features"
     assert sum(g[1] for g in row_launches) == F
@@ -86,32 +92,20 @@ def test_gemm_backward_is_bitwise_deterministic(device):
 
 
 @pytest.mark.interpret
-def test_without_the_forward_stats_or_mask_the_gemm_config_runs_the_fused_kernels():
+@pytest.mark.parametrize("dtype, stats_form", [(torch.float32, "no_mask"), (torch.float32, "none"),
+                                               (torch.bfloat16, "full")], ids=str)
+def test_calls_the_gemm_backward_cannot_take_run_the_fused_kernels(dtype, stats_form):
     # A compiled backward passes no stats; a forward made under another backward config saves no
-    # mask: the plan is the fused kernels' heuristic one, and right.
+    # relu mask; 16-bit inputs: the plan is the fused kernels' heuristic one, and right.
     case = Case(2, 20, 64, 40)
-    args, gy = chain_backward_inputs(case, torch.float32, DEFAULT_CHAIN, seed=6)
+    args, gy = chain_backward_inputs(case, dtype, DEFAULT_CHAIN, seed=6)
     knobs = _gemm_knobs(1, "cpu")
     stats = _training_stats(args, case, DEFAULT_CHAIN, knobs)
-    for stats_arg in (stats[:2].contiguous(), None):
-        with launch.trace_launches() as seen, configs.override(backward=_forced(**knobs)):
-            grads = launch.backward(gy, *args, case.eps, case.feature_dim, stats_arg)
-        cfgs = [cfg for kind, _, _, cfg in seen if kind == "backward"]
-        assert cfgs and not any(cfg.gemm for cfg in cfgs)
-        assert_backward_close(grads, grads, gy, args, case, DEFAULT_CHAIN, torch.float32)
-
-
-@pytest.mark.interpret
-def test_16_bit_inputs_do_not_take_the_gemm_backward():
-    case = Case(2, 20, 64, 40)
-    args, gy = chain_backward_inputs(case, torch.bfloat16, DEFAULT_CHAIN, seed=8)
-    knobs = _gemm_knobs(1, "cpu")
-    stats = _training_stats(args, case, DEFAULT_CHAIN, knobs)
-    with launch.trace_launches() as seen, configs.override(backward=_forced(**knobs)):
-        grads = launch.backward(gy, *args, case.eps, case.feature_dim, stats)
-    assert not any(cfg.gemm for kind, _, _, cfg in seen if kind == "backward")
+    stats = {"no_mask": stats[:2].contiguous(), "none": None, "full": stats}[stats_form]
+    grads, cfgs, _ = _traced_backward(gy, args, case, stats, knobs)
+    assert cfgs and not any(cfg.gemm for cfg in cfgs)
     fused, _ = forced_backward(gy, args, case, stats, DEFAULT_CHAIN, **FUSED)
-    assert_backward_close(grads, fused, gy, args, case, DEFAULT_CHAIN, torch.bfloat16)
+    assert_backward_close(grads, fused, gy, args, case, DEFAULT_CHAIN, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -124,14 +118,7 @@ def test_an_autograd_training_step_on_the_gemm_backward_matches_float64(device):
                                         eps=case.eps, feature_dim=1)
         y.backward(gy.float())
     assert [cfg.gemm for kind, _, _, cfg in seen if kind == "backward"] == [2, 2]
-    ref = [t.detach().requires_grad_(True) for t in (x, w, b, lw, lb)]
-    y_ref = recfuse.reference.ln_tanh_linear_relu(ref[0], ref[1], ref[2], ln_weight=ref[3], ln_bias=ref[4],
-                                                 eps=case.eps, feature_dim=1)
-    y_ref.backward(gy)
-    assert ((y.double() - y_ref).norm() / y_ref.norm()).item() < 1e-5
-    for name, g, r in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), [t.grad for t in leaves], ref):
-        err = ((g.double() - r.grad).norm() / r.grad.norm()).item()
-        assert err < 1e-5, f"{name}: {err:.2e}"
+    assert_step_matches_float64(y, leaves, (x, w, b, lw, lb), gy, case.eps, 1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -142,11 +129,10 @@ def test_with_tf32_on_for_fp32_matmuls_the_call_runs_the_fused_kernels():
     torch.backends.cuda.matmul.fp32_precision = "tf32"
     try:
         assert not gemm_backward.fp32_matmul_exact("cuda")
-        with launch.trace_launches() as seen, configs.override(backward=_forced(**knobs)):
-            grads = launch.backward(gy, *args, case.eps, case.feature_dim, stats)
+        grads, cfgs, _ = _traced_backward(gy, args, case, stats, knobs)
     finally:
         torch.backends.cuda.matmul.fp32_precision = previous
-    assert not any(cfg.gemm for kind, _, _, cfg in seen if kind == "backward")
+    assert cfgs and not any(cfg.gemm for cfg in cfgs)
     assert_backward_close(grads, grads, gy, args, case, chain, torch.float32)
 
 

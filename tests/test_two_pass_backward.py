@@ -13,8 +13,8 @@ import torch
 import recfuse
 from recfuse.chain import DEFAULT as DEFAULT_CHAIN, chain_of
 from recfuse.ops import configs, launch, tuning
-from op_cases import (INTERPRETER_AND_CUDA, Case, assert_backward_close, chain_backward_inputs, count_launches,
-                      forced_backward, with_rows)
+from op_cases import (INTERPRETER_AND_CUDA, Case, assert_backward_close, assert_step_matches_float64,
+                      chain_backward_inputs, count_launches, forced_backward, with_rows)
 
 DEVICES = INTERPRETER_AND_CUDA
 
@@ -127,14 +127,7 @@ def test_an_autograd_training_step_on_the_two_pass_backward_matches_float64():
         y.backward(gy.float())
     backward_meta = [m for kind, _, m, _ in seen if kind == "backward"]
     assert backward_meta and backward_meta[0]["BLOCK_K"] == 16 and "BLOCK_D" not in backward_meta[0]
-    ref = [t.detach().double().requires_grad_(True) for t in (x, w, b, lw, lb)]
-    y_ref = recfuse.reference.ln_tanh_linear_relu(ref[0], ref[1], ref[2], ln_weight=ref[3], ln_bias=ref[4],
-                                                 eps=case.eps, feature_dim=1)
-    y_ref.backward(gy)
-    assert ((y.double() - y_ref).norm() / y_ref.norm()).item() < 1e-5
-    for name, g, r in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), [t.grad for t in leaves], ref):
-        err = ((g.double() - r.grad).norm() / r.grad.norm()).item()
-        assert err < 1e-5, f"{name}: {err:.2e}"
+    assert_step_matches_float64(y, leaves, (x, w, b, lw, lb), gy, case.eps, 1)
 
 
 def test_two_pass_configs_fit_round_trip_their_entries_and_name_their_path():

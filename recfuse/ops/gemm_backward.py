@@ -98,6 +98,11 @@ class GemmBackwardPlan:
     def grid(self) -> tuple:
         return (self.programs, min(self.chunk, self.F))
 
+    @property
+    def launcher(self) -> CompiledLaunchCache:
+        """The row kernel's launcher (`norm_act_backward_rows`)."""
+        return _launch_rows
+
     def __call__(self, grad_y, x, weight, bias, ln_weight, ln_bias, stats):
         if self.fallback is not None and not fp32_matmul_exact(x.device.type):
             return self.fallback(grad_y, x, weight, bias, ln_weight, ln_bias,

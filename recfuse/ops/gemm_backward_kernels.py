@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import _activate_grad, _load_relu_mask_rows, _normalize_activate
+from .kernels import _activate_grad, _dx_of_rows, _load_relu_mask_rows, _normalize_activate
 
 
 @triton.jit
@@ -90,17 +90,7 @@ def norm_act_backward_rows(
         dt = tl.load(dt_ptrs, mask=mask, other=0.0)
         # padded lanes exact zeros: sigmoid'(0) is not 0, and a NaN there would reach the row sums
         da = tl.where(mask, dt * _activate_grad(a, t, ACT, FAST_TANH), 0.0)
-        dxhat = da * g[None, :]
-        if NORM == 0:
-            dx = dxhat
-        else:
-            # inv_d = 1/D correctly rounded on the host: a GPU fp32 `/` is approximate (2 ulp).
-            c1 = tl.sum(dxhat * xhat, axis=1) * inv_d
-            if NORM == 2:
-                dx = (dxhat - xhat * c1[:, None]) * rstd[:, None]
-            else:
-                c2 = tl.sum(dxhat, axis=1) * inv_d
-                dx = (dxhat - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        dx = _dx_of_rows(da * g[None, :], xhat, rstd, inv_d, NORM)
         dx_ptrs = DX + f * stride_dx_f + rows64[:, None] * stride_dx_b + cols[None, :] * stride_dx_d
         tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=mask)
         tl.store(dt_ptrs, t, mask=mask)

@@ -847,6 +847,24 @@ ln_tanh_linear_relu_fwd_y_strided = triton.jit(do_not_specialize=["stride_y_b"])
 
 
 @triton.jit
+def _dx_of_rows(dxhat, xhat, rstd, inv_d, NORM: tl.constexpr):
+    """dx of whole [rows, D] tiles from dL/dxhat: LayerNorm (NORM 1) subtracts dxhat's row mean and
+    xhat times the row mean of dxhat * xhat, RMSNorm (2) the latter only, both scaled by rstd; no
+    norm (0) passes dxhat through."""
+    if NORM == 0:
+        dx = dxhat
+    else:
+        # inv_d = 1/D correctly rounded on the host: a GPU fp32 `/` is approximate (2 ulp).
+        c1 = tl.sum(dxhat * xhat, axis=1) * inv_d
+        if NORM == 2:
+            dx = (dxhat - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            c2 = tl.sum(dxhat, axis=1) * inv_d
+            dx = (dxhat - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+    return dx
+
+
+@triton.jit
 def _load_bwd_tile(
     X, GY, STATS, f, rows, last_row, cols, cmask, hs, hmask, B, stats_half,
     stride_x_f, stride_x_b, stride_x_d, stride_gy_f, stride_gy_b, stride_gy_h,
@@ -1207,17 +1225,7 @@ def ln_tanh_linear_relu_bwd(
             acc_lnw_rows += _fold_rows(da * xhat, ACC_ROWS)
         if HAS_LNB and not LN_IN_WEIGHT:
             acc_lnb_rows += _fold_rows(da, ACC_ROWS)
-        dxhat = da * g[None, :]
-        if NORM == 0:
-            dx = dxhat
-        else:
-            # inv_d = 1/D correctly rounded on the host: a GPU fp32 `/` is approximate (2 ulp).
-            c1 = tl.sum(dxhat * xhat, axis=1) * inv_d
-            if NORM == 2:
-                dx = (dxhat - xhat * c1[:, None]) * rstd[:, None]
-            else:
-                c2 = tl.sum(dxhat, axis=1) * inv_d
-                dx = (dxhat - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        dx = _dx_of_rows(da * g[None, :], xhat, rstd, inv_d, NORM)
         # dx has x's strides, D not necessarily innermost (a permuted [D, B, F] buffer).
         dx_ptrs = DX + f * stride_dx_f + rows64[:, None] * stride_dx_b + cols[None, :] * stride_dx_d
         if EVEN_D and EVEN_B:
