@@ -28,6 +28,7 @@ CASES = [
     (Case(2, 30, 32, 16, ln="per_feature"), chain_of("layer_norm", "tanh", None), 1),
     (Case(4, 21, 32, 12, ln="none"), chain_of("rms_norm", "silu", None), 3),
     (Case(2, 26, 40, 8, feature_dim=1, ln="per_feature"), chain_of("layer_norm", "gelu", "relu"), 2),
+    (Case(3, 22, 48, 36, ln="none"), chain_of(None, "sigmoid", None), 2),
 ]
 
 FORWARD = dict(use_dot=True, block_b=16, block_k=0, persistent=0)
