@@ -380,7 +380,8 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", action="store_true", help="keep the saved table's entries for shapes not in this run")
     ap.add_argument("--resume", action="store_true", help="with --merge: skip shapes the saved table has")
     ap.add_argument("--only", default="all", choices=["all", "unroll_h", "loop_stages", "col_sums", "persistent", "split_dw", "block_k", "row_parts",
-                             "k_loop", "split_ln", "two_pass", "dw_first", "row_slots", "prefetch", "maxnreg", "spread"],
+                             "k_loop", "split_ln", "two_pass", "dw_first", "row_slots", "prefetch", "maxnreg", "gemm",
+                             "spread"],
                     help="time only the heuristic, the saved entry (with --merge) and the candidates that set "
                          "this knob (row_slots / maxnreg: the incumbents' neighbours with it, "
                          "`tuning.row_slots_neighbours` / `tuning.maxnreg_neighbours`; spread: %d "

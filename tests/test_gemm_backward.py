@@ -215,3 +215,26 @@ def test_a_cuda_graphed_training_step_on_the_gemm_backward_equals_the_eager_step
             outs.append([xx.grad] + [p.grad for p in module.parameters()])
         for a, b in zip(*outs):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+
+
+@pytest.mark.interpret
+def test_the_tuner_times_gemm_candidates_on_the_gemm_backward():
+    # A GEMM candidate runs on the stats a forward saves for it (with the relu mask at any D);
+    # on stats without the mask its plan would be the fused kernels' and its time another path's.
+    from recfuse.ops import autotune, tuning
+
+    D, H = 48, 40
+    cands = tuning.gemm_candidates(D, H, torch.float32)
+    assert cands and all(c.gemm for c in cands) and tuning.path_label(tuning.kernel_path(cands[0])).endswith("gemm")
+    assert set(cands) <= set(tuning.backward_candidates(D, H, torch.float32))
+    t = autotune.synthetic_inputs(3, 24, D, H, torch.float32, "cpu", seed=1)
+    stats = autotune._stats(t, D, H, torch.float32, True, backward=configs.heuristic_backward(D, H, torch.float32,
+                                                                                             gemm=0))
+    assert stats.shape[0] == 2  # fp32 D=48: the fused kernels recompute z, no mask saved
+    assert autotune.candidate_stats(t, cands[0], stats).shape[0] > 2  # the mask's words
+    with launch.trace_launches() as seen:
+        grads = autotune._call("backward", t, cands[0], stats)()
+    assert [cfg.gemm for kind, _, _, cfg in seen if kind == "backward"] == [1]
+    fused = autotune._call("backward", t, configs.heuristic_backward(D, H, torch.float32, gemm=0), stats)()
+    for g, f in zip(grads, fused):
+        assert ((g - f).norm() / f.norm()).item() < 1e-5

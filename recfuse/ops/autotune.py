@@ -224,10 +224,11 @@ def _stats(t: dict, D: int, H: int, dtype: torch.dtype, full_tiles: bool, backwa
 
 
 def candidate_stats(t: dict, cfg, stats):
-    """The row stats a backward candidate runs on: the shape's ``stats``, or for a two-pass or a
-    two-part tl.dot row candidate those the forward saves for it (the relu mask at any D,
-    `launch._relu_mask_words`). The CLI tuner times its candidates on these too."""
-    if not (cfg.two_pass or (cfg.use_dot and cfg.row_parts)):
+    """The row stats a backward candidate runs on: the shape's ``stats``, or for a two-pass, a
+    two-part tl.dot row or a GEMM-backward candidate those the forward saves for it (the relu mask
+    at any D, `launch._relu_mask_words`; without it the GEMM backward's plan would be the fused
+    kernels'). The CLI tuner times its candidates on these too."""
+    if not (cfg.two_pass or cfg.gemm or (cfg.use_dot and cfg.row_parts)):
         return stats
     D, H = t["w"].shape[-1], t["w"].shape[-2]
     return _stats(t, D, H, t["x"].dtype, D == triton.next_power_of_2(D), backward=cfg)

@@ -194,6 +194,7 @@ def backward_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Back
         out += split_weight_candidates(D, H, dtype)
         out += two_pass_candidates(D, H, dtype)
         out += row_parts_dot_candidates(D, H, dtype)
+        out += gemm_candidates(D, H, dtype)
         # K-chunked tiles (`kernels.ln_tanh_linear_relu_bwd_chunked`): columns at a time, so
         # longer row tiles fit the registers; 16-column chunks too where 32 would leave a masked
         # last chunk of 1-16 columns (D=40: 16 + 16 + 8 against 32 + 8)
@@ -341,6 +342,31 @@ def row_parts_dot_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs
     return out
 
 
+def gemm_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.BackwardConfig]:
+    """The GEMM backward (`BackwardConfig.gemm`, fp32 only, H >= 16, rows of 64+ columns): its row
+    kernel's tiles of 2048-8192 elements, 4 or 8 warps, 8 or 16 programs an SM, the row loop 2 or
+    3 deep. H200 (results/checks/ab_gemm_bwd_tiles_h200.txt): 4096 elements, 4 warps, 8 programs
+    and 3 stages were best at D = 256/512, H = 32/64; it won at fp32 D=512 H=16 too (1.12x).
+
+    Example:
+        >>> cands = gemm_candidates(512, 64, torch.float32)
+        >>> len(cands), all(c.gemm and configs.backward_fits(c, 512, 64) for c in cands)
+        (24, True)
+        >>> gemm_candidates(512, 64, torch.bfloat16), gemm_candidates(512, 8, torch.float32)
+        ([], [])
+    """
+    block_d = triton.next_power_of_2(D)
+    if dtype != torch.float32 or not 16 <= H <= 64 or block_d < 64:
+        return []
+    out = []
+    for elements, warps, pps, stages in itertools.product((2048, 4096, 8192), (4, 8), (8, 16), (2, 3)):
+        cfg = configs.gemm_backward_config(D, H, block_b=max(1, elements // block_d), num_warps=warps,
+                                           programs_per_sm=pps, loop_stages=stages)
+        if configs.backward_fits(cfg, D, H):
+            out.append(cfg)
+    return list(dict.fromkeys(out))
+
+
 def rank_us(row: dict) -> float:
     """What a timed candidate is ranked by: its "us", plus for a forward its "train_us", the same
     config timed as a training step's forward launches it (saving the row stats and, where the
@@ -439,13 +465,13 @@ def kernel_path(cfg) -> tuple:
                 bool(cfg.maxnreg))
     return ("backward", cfg.use_dot, bool(cfg.block_k), bool(cfg.unroll_h), bool(cfg.loop_stages),
             bool(cfg.col_sums), bool(cfg.prefetch), bool(cfg.split_ln), bool(cfg.split_dw), bool(cfg.row_parts),
-            bool(cfg.two_pass), bool(cfg.dw_first), bool(cfg.row_slots), bool(cfg.maxnreg))
+            bool(cfg.two_pass), bool(cfg.dw_first), bool(cfg.row_slots), bool(cfg.maxnreg), bool(cfg.gemm))
 
 
 # The knob each flag of a `kernel_path` stands for, after its kind.
 PATH_FLAGS = {"forward": ("dot", "chunked", "persistent", "unroll_h", "k_loop", "maxnreg"),
               "backward": ("dot", "chunked", "unroll_h", "loop_stages", "col_sums", "prefetch", "split_ln",
-                           "split_dw", "row_parts", "two_pass", "dw_first", "row_slots", "maxnreg")}
+                           "split_dw", "row_parts", "two_pass", "dw_first", "row_slots", "maxnreg", "gemm")}
 
 
 def path_label(path: tuple) -> str:
