@@ -238,3 +238,29 @@ def test_the_tuner_times_gemm_candidates_on_the_gemm_backward():
     fused = autotune._call("backward", t, configs.heuristic_backward(D, H, torch.float32, gemm=0), stats)()
     for g, f in zip(grads, fused):
         assert ((g - f).norm() / f.norm()).item() < 1e-5
+
+
+def test_cublas_is_allowed_only_in_full_fp32_and_with_a_deterministic_workspace_when_asked(monkeypatch):
+    # torch.use_deterministic_algorithms(True) makes a CUDA GEMM raise without a deterministic
+    # cuBLAS workspace; TF32 would cost ~1e-3. Either way the fused kernels run (tested below).
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert gemm_backward.cublas_allowed("cpu")
+    previous = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert gemm_backward.cublas_allowed("cpu")
+        assert gemm_backward.cublas_allowed("cuda") is False
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        assert gemm_backward.cublas_allowed("cuda") is gemm_backward.fp32_matmul_exact("cuda")
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+@pytest.mark.interpret
+def test_where_cublas_is_not_allowed_the_plan_runs_its_fused_fallback(monkeypatch):
+    case, chain, args, gy, knobs, stats = _inputs(Case(3, 20, 64, 40, ln="per_feature"), None, 1, "cpu", seed=12)
+    monkeypatch.setattr(gemm_backward, "cublas_allowed", lambda device_type: False)
+    grads, cfgs, _ = _traced_backward(gy, args, case, stats, knobs)
+    assert cfgs and not any(cfg.gemm for cfg in cfgs)
+    fused, _ = forced_backward(gy, args, case, stats, DEFAULT_CHAIN, **FUSED)
+    assert_backward_close(grads, fused, gy, args, case, DEFAULT_CHAIN, torch.float32)

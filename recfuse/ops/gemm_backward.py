@@ -16,11 +16,13 @@ well:
 Every gradient is written in its final shape and dtype (fp32 everywhere on this path).
 Deterministic: the same kernels, GEMMs and sums in the same order on every call.
 cuBLAS honours the process's TF32 setting; with TF32 on for fp32 matmuls the GEMMs would carry
-~1e-3 relative error, so such a call runs the fused kernels instead (`fp32_matmul_exact`).
+~1e-3 relative error, and with deterministic algorithms on torch refuses CUDA GEMMs without a
+deterministic cuBLAS workspace: such calls run the fused kernels instead (`cublas_allowed`).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Optional
 
 import torch
@@ -53,6 +55,28 @@ def fp32_matmul_exact(device_type: str) -> bool:
     if precision is not None:
         return precision != "tf32"
     return not torch.backends.cuda.matmul.allow_tf32
+
+
+# The cuBLAS workspace settings under which torch lets GEMMs run with deterministic algorithms on
+# (torch.use_deterministic_algorithms raises on a CUDA GEMM without one of them).
+_DETERMINISTIC_CUBLAS_CONFIGS = (":4096:8", ":16:8")
+
+
+def cublas_allowed(device_type: str) -> bool:
+    """Whether this process lets the GEMM backward's GEMMs run as it needs them: full fp32
+    (`fp32_matmul_exact`), and, with ``torch.use_deterministic_algorithms`` on, a deterministic
+    cuBLAS workspace (``CUBLAS_WORKSPACE_CONFIG``), without which torch raises on a CUDA GEMM. The
+    fused kernels need neither (they are deterministic), so a call without them runs those.
+
+    Example:
+        >>> cublas_allowed("cpu")
+        True
+    """
+    if not fp32_matmul_exact(device_type):
+        return False
+    if device_type != "cuda" or not torch.are_deterministic_algorithms_enabled():
+        return True
+    return os.environ.get("CUBLAS_WORKSPACE_CONFIG") in _DETERMINISTIC_CUBLAS_CONFIGS
 
 
 def chunk_features(F: int, B: int, D: int, x_bytes: int, min_chunks: int) -> int:
@@ -104,7 +128,7 @@ class GemmBackwardPlan:
         return _launch_rows
 
     def __call__(self, grad_y, x, weight, bias, ln_weight, ln_bias, stats):
-        if self.fallback is not None and not fp32_matmul_exact(x.device.type):
+        if self.fallback is not None and not cublas_allowed(x.device.type):
             return self.fallback(grad_y, x, weight, bias, ln_weight, ln_bias,
                                  stats if self.fallback.reads_stats else None)
         F, B, D, H = self.F, self.B, self.D, self.H
