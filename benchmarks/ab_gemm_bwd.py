@@ -59,7 +59,7 @@ from _common import (command_line, copy_bandwidth, device_activity, environment,
                      json_safe, op_inputs, training_bytes)
 
 VARIANTS = {
-    "fused": lambda D, H, dt: configs.heuristic_backward(D, H, dt, gemm=0),
+    "fused": configs.fused_backward_config,
     "gemm": lambda D, H, dt: configs.heuristic_backward(D, H, dt, gemm=1),
 }
 

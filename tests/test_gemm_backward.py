@@ -264,3 +264,16 @@ def test_where_cublas_is_not_allowed_the_plan_runs_its_fused_fallback(monkeypatc
     assert cfgs and not any(cfg.gemm for cfg in cfgs)
     fused, _ = forced_backward(gy, args, case, stats, DEFAULT_CHAIN, **FUSED)
     assert_backward_close(grads, fused, gy, args, case, DEFAULT_CHAIN, torch.float32)
+
+
+def test_a_two_pass_entry_without_the_mask_falls_back_to_the_fused_kernels_not_the_gemm_backward():
+    # The H200 table's own fp32 D=384 H=32 entry is two-pass; a call without the forward's stats (a
+    # compiled backward) falls back to a heuristic config, which at this shape is the GEMM
+    # backward's, which needs the stats too: the fallback must be the fused kernels' own.
+    cfg = configs.table_backward_config(384, 32, torch.float32, "cpu", table="h200")
+    assert cfg.two_pass and configs.heuristic_backward(384, 32, torch.float32).gemm
+    F, B, D, H = 2, 40, 384, 32
+    x, w, gy = torch.randn(F, B, D), torch.randn(H, D), torch.randn(F, B, H)
+    with configs.override(backward=cfg):
+        plan = launch.backward_plan(gy, x, w, None, None, None, 1e-5, 0, None)
+    assert not plan.cfg.gemm and not plan.cfg.two_pass and plan.cfg == configs.fused_backward_config(D, H, x.dtype)

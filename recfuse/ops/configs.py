@@ -571,6 +571,17 @@ def gemm_backward_preferred(D: int, H: int, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and GEMM_MIN_H <= H <= 64 and GEMM_MIN_D <= D <= GEMM_MAX_BLOCK_D
 
 
+def fused_backward_config(D: int, H: int, dtype: torch.dtype) -> Optional[BackwardConfig]:
+    """The fused kernels' own heuristic config, never the GEMM backward's: what a plan falls back to
+    where its config's path cannot run (no forward stats or relu mask, TF32, 16-bit inputs).
+
+    Example:
+        >>> heuristic_backward(384, 32, torch.float32).gemm, fused_backward_config(384, 32, torch.float32).gemm
+        (1, 0)
+    """
+    return heuristic_backward(D, H, dtype, gemm=0)
+
+
 def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[BackwardConfig]:
     """The backward config without a tuned table, or None when (D, H) is too large for the kernel.
 

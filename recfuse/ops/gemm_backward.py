@@ -107,7 +107,6 @@ class GemmBackwardPlan:
     H: int
     chunk: int
     programs: int  # row programs a feature, both Triton kernels
-    rows_per_program: int
     dz_meta: dict
     dz_ints: tuple
     meta: dict  # `norm_act_backward_rows`' constexprs
@@ -230,5 +229,5 @@ def build(cfg: configs.BackwardConfig, grad_y, x, weight, ln_weight, ln_bias, ep
                 FAST_TANH=fast_tanh, EVEN_D=D == block_d, X_EVICT=cfg.x_evict,
                 BLOCK_B=block_b, BLOCK_D=block_d, LOOP_STAGES=max(1, cfg.loop_stages))
     chunk = chunk_features(F, B, D, x.numel() * x.element_size(), cfg.gemm)
-    return GemmBackwardPlan(cfg, F, B, D, H, chunk, programs, rows_per_program, dz_meta, dz_ints, meta, ints,
+    return GemmBackwardPlan(cfg, F, B, D, H, chunk, programs, dz_meta, dz_ints, meta, ints,
                             dict(num_warps=cfg.num_warps), fallback, zero_dx=zero_dx, tracer=tracer)

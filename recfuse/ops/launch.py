@@ -685,7 +685,7 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
     norm, act, out_act = chain_codes(chain)
     has_mask = out_act == ACTIVATIONS["relu"] and stats_planes(stats) > 2
     if cfg.gemm:
-        fused_cfg = configs.heuristic_backward(D, H, x.dtype, gemm=0)
+        fused_cfg = configs.fused_backward_config(D, H, x.dtype)
         fallback = None if fused_cfg is None else _build_backward_plan(
             grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, chain, cfg=fused_cfg)
         if F == 0 or not gemm_backward.gemm_backward_eligible(grad_y, x, weight, (bias, ln_weight, ln_bias), norm,
@@ -705,8 +705,8 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
     if (cfg.two_pass and not two_pass) or (cfg.use_dot and cfg.row_parts and not rows2_dot):
         # No stats or mask (a compiled backward, another out-activation): the entry's tiles were
         # tuned on column chunks (or row parts), and whole rows of that many may not fit; the
-        # heuristic's do.
-        cfg = configs.heuristic_backward(D, H, x.dtype)
+        # fused kernels' heuristic config does (not the GEMM backward's: it needs them too).
+        cfg = configs.fused_backward_config(D, H, x.dtype)
         if cfg is None:
             return None
     chunked = cfg.use_dot and 0 < cfg.block_k < cfg.block_d
