@@ -267,6 +267,27 @@ def device_activity(fn: Callable, device="cuda", calls: int = 1) -> tuple:
     return (whole if rest == 0 else count / calls), busy_us
 
 
+def kernel_times(fn: Callable, device="cuda", calls: int = 1) -> dict:
+    """{kernel name: GPU time per call in us} of `fn`'s CUDA kernels (memcpy and memset included),
+    largest first: where a call's device time goes. Empty on the CPU."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if torch.device(device).type != "cuda":
+        return {}
+    fn()
+    sync(device)
+    with quiet_c_output(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        sync(device)
+    times: dict = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            times[e.name] = times.get(e.name, 0.0) + e.time_range.elapsed_us() / calls
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
 def _is_op(name: str) -> bool:
     return name.startswith("aten::") or name.startswith("recfuse::")
 

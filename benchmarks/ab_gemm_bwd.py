@@ -30,12 +30,15 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dims", nargs="+", type=int, default=[96, 128, 160, 256, 512])
     ap.add_argument("--hs", nargs="+", type=int, default=[16, 32, 64])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
     ap.add_argument("--layouts", nargs="+", default=["BFD"], choices=["BFD", "FBD"])
     ap.add_argument("--affine", nargs="+", default=["per_feature"], choices=["per_feature", "none"])
     ap.add_argument("--x-mb", nargs="+", type=float, default=[256.0])
     ap.add_argument("--features", type=int, default=64)
     ap.add_argument("--gemm-knobs", nargs="*", default=[], metavar="JSON",
                     help='more GEMM-backward variants, each a JSON object of knobs (e.g. \'{"block_b": 8}\')')
+    ap.add_argument("--kernel-times", action="store_true",
+                    help="also record each variant's GPU time per kernel (printed under its point)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
@@ -56,7 +59,7 @@ from recfuse.ops import configs  # noqa: E402
 from recfuse.reference import batched_feature_mlp  # noqa: E402
 
 from _common import (command_line, copy_bandwidth, device_activity, environment, extra_peak_bytes, floor_us,  # noqa: E402
-                     json_safe, op_inputs, training_bytes)
+                     json_safe, kernel_times, op_inputs, training_bytes)
 
 VARIANTS = {
     "fused": configs.fused_backward_config,
@@ -83,8 +86,8 @@ def reference_grads(inp, gy):
 
 
 def measure(p: dict, args, copy_GBps: float) -> None:
-    dev, dtype = args.device, torch.float32
-    B = max(1, int(p["x_MB"] * 2**20 / (4 * args.features * p["D"])))
+    dev, dtype = args.device, {"fp32": torch.float32, "bf16": torch.bfloat16}[p["dtype"]]
+    B = max(1, int(p["x_MB"] * 2**20 / (dtype.itemsize * args.features * p["D"])))
     inp = op_inputs(args.features, B, p["D"], p["H"], dtype, dev, layout=p["layout"],
                     ln="per_feature" if p["affine"] == "per_feature" else "none", seed=11)
     p.update(F=args.features, B=B)
@@ -116,6 +119,8 @@ def measure(p: dict, args, copy_GBps: float) -> None:
                 peak = extra_peak_bytes(step, dev)
                 r["extra_peak_MB"] = None if peak is None else peak / 2**20
                 r["kernels"], r["train_us"] = device_activity(step, dev, calls=5)
+                if args.kernel_times:
+                    r["kernel_us"] = kernel_times(step, dev, calls=3)
             if r["train_us"]:
                 r["pct_floor"] = 100 * p["floor_train_us"] / r["train_us"]
         except Exception as e:  # noqa: BLE001 - one failing variant must not end the run
@@ -125,7 +130,7 @@ def measure(p: dict, args, copy_GBps: float) -> None:
 
 
 def table(points) -> str:
-    head = (f"{'layout':6} {'affine':11} {'D':>4} {'H':>3} {'x MB':>6} | {'fused us':>9} {'%fl':>5} "
+    head = (f"{'dtype':5} {'layout':6} {'affine':11} {'D':>4} {'H':>3} {'x MB':>6} | {'fused us':>9} {'%fl':>5} "
             f"{'gemm us':>9} {'%fl':>5} {'x':>5} | {'k f/g':>6} {'peak MB f/g':>12} | max err fused / gemm")
     rows = [head, "-" * len(head)]
     for p in points:
@@ -134,7 +139,7 @@ def table(points) -> str:
         def num(v, fmt):
             return format(v, fmt) if isinstance(v, (int, float)) else "-"
         rows.append(
-            f"{p['layout']:6} {p['affine']:11} {p['D']:>4} {p['H']:>3} {p['x_MB']:>6.0f} | "
+            f"{p['dtype']:5} {p['layout']:6} {p['affine']:11} {p['D']:>4} {p['H']:>3} {p['x_MB']:>6.0f} | "
             f"{num(f.get('train_us'), '9.0f')} {num(f.get('pct_floor'), '5.1f')} "
             f"{num(g.get('train_us'), '9.0f')} {num(g.get('pct_floor'), '5.1f')} {num(p.get('speedup'), '5.2f')} | "
             f"{num(f.get('kernels'), '>2')}/{num(g.get('kernels'), '<3')} "
@@ -143,8 +148,12 @@ def table(points) -> str:
             + (f"  ({f.get('error') or g.get('error')})" if f.get("error") or g.get("error") else ""))
         for name, r in p.items():
             if name.startswith("gemm ") and isinstance(r, dict):
-                rows.append(f"{'':6} {name:40} | {num(r.get('train_us'), '9.0f')} {num(r.get('pct_floor'), '5.1f')}"
+                rows.append(f"{'':12} {name:40} | {num(r.get('train_us'), '9.0f')} {num(r.get('pct_floor'), '5.1f')}"
                             f" {r.get('error', '')}")
+        for name, r in p.items():
+            if isinstance(r, dict) and r.get("kernel_us"):
+                rows.append(f"{'':12} {name} kernels: " + ", ".join(
+                    f"{k[:36]} {v:.0f}" for k, v in r["kernel_us"].items()))
     return "\n".join(rows)
 
 
@@ -153,10 +162,12 @@ def main(args) -> int:
     env["command"] = command_line()
     copy = copy_bandwidth(256 << 20 if args.device == "cuda" else 1 << 16, args.device)
     env["copy_GBps"] = copy["GBps"]
-    points = [dict(layout=lay, affine=aff, D=D, H=H, x_MB=mb)
-              for mb, lay, aff, H, D in itertools.product(args.x_mb, args.layouts, args.affine, args.hs, args.dims)]
+    points = [dict(dtype=dt, layout=lay, affine=aff, D=D, H=H, x_MB=mb)
+              for dt, mb, lay, aff, H, D in itertools.product(args.dtypes, args.x_mb, args.layouts, args.affine,
+                                                              args.hs, args.dims)]
     for p in tqdm(points, desc="ab_gemm_bwd", disable=None):
         measure(p, args, copy["GBps"])
+        tqdm.write("\n".join(table([p]).splitlines()[2:]))  # a run cut short keeps its finished points
         if args.device == "cuda":
             torch.cuda.empty_cache()
     text = table(points)

@@ -80,9 +80,10 @@ def build_plan(kind: str, D: int, H: int, dtype: torch.dtype, *, table: str = "n
         if plan is None:
             raise SystemExit(f"no backward kernel for D={D} H={H} {dtype} with {cfg}")
         if isinstance(plan, gemm_backward.GemmBackwardPlan):
-            # its Triton row kernel (the GEMMs are cuBLAS's): x, dt, dx, stats, affine, partials, f0
+            # its row kernel (`gemm_backward_kernels.norm_act_backward_rows`; the GEMM kernels are
+            # plain tl.dot tiles): x, dt, dx, stats, affine, partials, f0
             plan.meta["FAST_TANH"] = launch.device_constexprs("backward", dtype, "cuda")["FAST_TANH"]
-            dt, partial = torch.empty(F, B, D), torch.empty(2, plan.programs, F, D)
+            dt, partial = torch.empty(F, B, D, dtype=dtype), torch.empty(2, plan.programs, F, D)
             return plan, cfg, source, (x, dt, x, stats, lw, lb, partial, 0) + tuple(plan.ints)
         dz = torch.empty(F, B, H, dtype=plan.dz_dtype or torch.float32)
         tensors = (gy, x, w, b, lw, lb, x, stats, stats, dz)

@@ -1,10 +1,11 @@
 """The GEMM backward (`BackwardConfig.gemm`, `recfuse.ops.gemm_backward`): dz masked from the
-forward's relu mask, dt = dz @ w and the weight gradient as GEMMs over chunks of features, one row
-kernel for the norm and activation backward between them, fixed-order sums for the rest.
+forward's relu mask, dt = dz @ w and the weight gradient as Triton tensor-core GEMMs over chunks of
+features, one row kernel for the norm and activation backward between them, fixed-order sums for
+the rest.
 
-Each case runs under the Triton interpreter (``make test-interpret``; its GEMMs are the CPU's) and,
-where a GPU is present, on it with many row tiles a program. References: float64 (the composite
-backward) and the fused kernels on the same inputs and stats.
+Each case runs under the Triton interpreter (``make test-interpret``) and, where a GPU is present,
+on it with many row tiles a program. References: float64 (the composite backward), the fused
+kernels on the same inputs and stats, and for 16-bit inputs PyTorch's own 16-bit composite.
 """
 import pytest
 import torch
@@ -12,6 +13,8 @@ import torch
 import recfuse
 from recfuse.chain import DEFAULT as DEFAULT_CHAIN, chain_of
 from recfuse.ops import configs, gemm_backward, launch
+from recfuse.ops.composite import composite_backward
+from recfuse.reference import batched_feature_mlp
 from op_cases import (INTERPRETER_AND_CUDA, Case, assert_backward_close, assert_step_matches_float64,
                       chain_backward_inputs, forced_backward, with_rows)
 
@@ -59,10 +62,10 @@ def _traced_backward(gy, args, case, stats, knobs, chain=DEFAULT_CHAIN):
                                                                           if kind == "backward"]
 
 
-def _inputs(case, chain, chunks, device, seed):
+def _inputs(case, chain, chunks, device, seed, dtype=torch.float32):
     chain = chain or DEFAULT_CHAIN
     case = case if device == "cpu" else with_rows(case, 1000)
-    args, gy = chain_backward_inputs(case, torch.float32, chain, seed=seed, device=device)
+    args, gy = chain_backward_inputs(case, dtype, chain, seed=seed, device=device)
     knobs = _gemm_knobs(chunks, device)
     return case, chain, args, gy, knobs, _training_stats(args, case, chain, knobs)
 
@@ -82,6 +85,39 @@ def test_gemm_gradients_match_float64_and_the_fused_kernels(case, chain, chunks,
     assert_backward_close(grads, fused, gy, args, case, chain, torch.float32)
 
 
+def _torch_16bit_composite_grads(gy, args, case, chain):
+    """PyTorch's own batched composite's gradients, run in the 16-bit dtype of ``args``."""
+    leaves = [None if t is None else t.detach().requires_grad_(True) for t in args]
+    y = batched_feature_mlp(*leaves, case.eps, case.feature_dim, chain)
+    present = [t for t in leaves if t is not None]
+    grads = iter(torch.autograd.grad(y, present, gy))
+    return [None if t is None else next(grads) for t in leaves]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case, chain, chunks", [CASES[0], CASES[1], CASES[5]], ids=str)
+def test_16bit_gemm_gradients_are_no_worse_than_pytorchs_16bit_composite(case, chain, chunks, dtype, device):
+    # The 16-bit contract: gradients no further from float64 than PyTorch's own 16-bit batched
+    # composite's on the same inputs (by more than half again), and than the fused kernels'.
+    case, chain, args, gy, knobs, stats = _inputs(case, chain, chunks, device, seed=7, dtype=dtype)
+    grads, cfgs, _ = _traced_backward(gy, args, case, stats, knobs, chain)
+    assert cfgs and all(cfg.gemm for cfg in cfgs)
+    fused, _ = forced_backward(gy, args, case, stats, chain, **FUSED)
+    assert_backward_close(grads, fused, gy, args, case, chain, dtype)
+    torch16 = _torch_16bit_composite_grads(gy, args, case, chain)
+    reference = composite_backward(gy.double(), *[None if t is None else t.double() for t in args], case.eps,
+                                   case.feature_dim, chain)
+    unit = torch.finfo(dtype).eps
+    for name, g, c, r in zip(("x", "weight", "bias", "ln_weight", "ln_bias"), grads, torch16, reference):
+        if r is None:
+            continue
+        assert g.dtype == dtype and g.shape == r.shape, name
+        scale = r.norm().clamp_min(1e-12)
+        err, err16 = (((t.double() - r).norm() / scale).item() for t in (g, c))
+        assert err <= max(1.5 * err16, unit), f"{name}: {err:.2e} against PyTorch 16-bit {err16:.2e}"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_gemm_backward_is_bitwise_deterministic(device):
     case, chain, args, gy, knobs, stats = _inputs(Case(5, 40, 64, 40, ln="per_feature", bias="per_feature"),
@@ -94,15 +130,19 @@ def test_gemm_backward_is_bitwise_deterministic(device):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("dtype, stats_form", [(torch.float32, "no_mask"), (torch.float32, "none"),
-                                               (torch.bfloat16, "full")], ids=str)
+                                               (torch.bfloat16, "bf16_grad"), (torch.float16, "full")], ids=str)
 def test_calls_the_gemm_backward_cannot_take_run_the_fused_kernels(dtype, stats_form):
     # A compiled backward passes no stats; a forward made under another backward config saves no
-    # relu mask; 16-bit inputs: the plan is the fused kernels' heuristic one, and right.
+    # relu mask (an fp16 forward never does: `configs.relu_mask_min_d`); a grad_y of another dtype
+    # than x: the plan is the fused kernels' heuristic one, and right.
     case = Case(2, 20, 64, 40)
     args, gy = chain_backward_inputs(case, dtype, DEFAULT_CHAIN, seed=6)
     knobs = _gemm_knobs(1, "cpu")
     stats = _training_stats(args, case, DEFAULT_CHAIN, knobs)
-    stats = {"no_mask": stats[:2].contiguous(), "none": None, "full": stats}[stats_form]
+    if stats_form == "bf16_grad":
+        args = [None if t is None else t.float() for t in args]
+        dtype = torch.float32
+    stats = {"no_mask": stats[:2].contiguous(), "none": None}.get(stats_form, stats)
     grads, cfgs, _ = _traced_backward(gy, args, case, stats, knobs)
     assert cfgs and not any(cfg.gemm for cfg in cfgs)
     fused, _ = forced_backward(gy, args, case, stats, DEFAULT_CHAIN, **FUSED)
@@ -123,18 +163,38 @@ def test_an_autograd_training_step_on_the_gemm_backward_matches_float64(device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_with_tf32_on_for_fp32_matmuls_the_call_runs_the_fused_kernels():
-    # cuBLAS would take TF32 (~1e-3 off); the plan checks on every call and runs its fallback.
+def test_with_tf32_on_for_fp32_matmuls_the_gemm_backward_keeps_fp32_accuracy():
+    # Its GEMMs are Triton's 3xTF32 dots, not cuBLAS: the process's TF32 setting (~1e-3 off in a
+    # cuBLAS fp32 GEMM) does not reach them.
     case, chain, args, gy, knobs, stats = _inputs(Case(4, 64, 128, 64, ln="per_feature"), None, 1, "cuda", seed=9)
     previous = torch.backends.cuda.matmul.fp32_precision
     torch.backends.cuda.matmul.fp32_precision = "tf32"
     try:
-        assert not gemm_backward.fp32_matmul_exact("cuda")
         grads, cfgs, _ = _traced_backward(gy, args, case, stats, knobs)
     finally:
         torch.backends.cuda.matmul.fp32_precision = previous
-    assert cfgs and not any(cfg.gemm for cfg in cfgs)
-    assert_backward_close(grads, grads, gy, args, case, chain, torch.float32)
+    assert cfgs and all(cfg.gemm for cfg in cfgs)
+    fused, _ = forced_backward(gy, args, case, stats, chain, **FUSED)
+    assert_backward_close(grads, fused, gy, args, case, chain, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_with_deterministic_algorithms_on_the_gemm_backward_runs_and_repeats_its_bits(device, monkeypatch):
+    # No cuBLAS and no atomics: torch.use_deterministic_algorithms(True) without a deterministic
+    # cuBLAS workspace (where torch refuses a CUDA GEMM) leaves the path as it is.
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    case, chain, args, gy, knobs, stats = _inputs(Case(3, 20, 64, 40, ln="per_feature"), None, 2, device, seed=12)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first, cfgs, _ = _traced_backward(gy, args, case, stats, knobs)
+        second, _, _ = _traced_backward(gy, args, case, stats, knobs)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert cfgs and all(cfg.gemm for cfg in cfgs)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    fused, _ = forced_backward(gy, args, case, stats, DEFAULT_CHAIN, **FUSED)
+    assert_backward_close(first, fused, gy, args, case, DEFAULT_CHAIN, torch.float32)
 
 
 def test_the_heuristic_takes_the_gemm_backward_for_fp32_h_32_to_64_and_wide_rows():
@@ -238,32 +298,6 @@ def test_the_tuner_times_gemm_candidates_on_the_gemm_backward():
     fused = autotune._call("backward", t, configs.heuristic_backward(D, H, torch.float32, gemm=0), stats)()
     for g, f in zip(grads, fused):
         assert ((g - f).norm() / f.norm()).item() < 1e-5
-
-
-def test_cublas_is_allowed_only_in_full_fp32_and_with_a_deterministic_workspace_when_asked(monkeypatch):
-    # torch.use_deterministic_algorithms(True) makes a CUDA GEMM raise without a deterministic
-    # cuBLAS workspace; TF32 would cost ~1e-3. Either way the fused kernels run (tested below).
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    assert gemm_backward.cublas_allowed("cpu")
-    previous = torch.are_deterministic_algorithms_enabled()
-    try:
-        torch.use_deterministic_algorithms(True)
-        assert gemm_backward.cublas_allowed("cpu")
-        assert gemm_backward.cublas_allowed("cuda") is False
-        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        assert gemm_backward.cublas_allowed("cuda") is gemm_backward.fp32_matmul_exact("cuda")
-    finally:
-        torch.use_deterministic_algorithms(previous)
-
-
-@pytest.mark.interpret
-def test_where_cublas_is_not_allowed_the_plan_runs_its_fused_fallback(monkeypatch):
-    case, chain, args, gy, knobs, stats = _inputs(Case(3, 20, 64, 40, ln="per_feature"), None, 1, "cpu", seed=12)
-    monkeypatch.setattr(gemm_backward, "cublas_allowed", lambda device_type: False)
-    grads, cfgs, _ = _traced_backward(gy, args, case, stats, knobs)
-    assert cfgs and not any(cfg.gemm for cfg in cfgs)
-    fused, _ = forced_backward(gy, args, case, stats, DEFAULT_CHAIN, **FUSED)
-    assert_backward_close(grads, fused, gy, args, case, DEFAULT_CHAIN, torch.float32)
 
 
 def test_a_two_pass_entry_without_the_mask_falls_back_to_the_fused_kernels_not_the_gemm_backward():

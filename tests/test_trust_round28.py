@@ -1,6 +1,6 @@
-"""Red-team round 28: the GEMM backward (`BackwardConfig.gemm`, new this session) with non-finite
-values, under the interpreter (its GEMMs are the CPU's IEEE fp32 ones, as cuBLAS's are without
-TF32), through the public op's autograd against the float64 per-slice reference, with round 25's
+"""Red-team round 28: the GEMM backward (`BackwardConfig.gemm`) with non-finite values, under the
+interpreter (its Triton GEMMs' dots are numpy's IEEE fp32 there; on a GPU 3xTF32: run this file
+on CUDA with tools/rounds_on_cuda.py), through the public op's autograd against the float64 per-slice reference, with round 25's
 rules (`test_trust_round25._check`): finite entries within 1e-4 of the largest finite reference
 magnitude, NaN exactly where the reference's NaN is, no finite value where the reference (float64
 and fp32) is non-finite.
@@ -8,10 +8,10 @@ and fp32) is non-finite.
 Probed (66 cases, all right, the cheap ones pinned below): NaN, +inf and -inf in one element of x,
 a whole row of x, the weight, the bias, the LayerNorm weight and bias and grad_y, at F=2 B=3
 D=17 H=3 ([F, B, D]), D=17 H=17 ([B, F, D]) and D=48 H=40 (two relu-mask words); constant rows
-with eps 0, 1e-5 and 1e30. Nothing found: the GEMMs propagate NaN and inf as torch's own matmuls
-in the reference do, the relu mask comes from the forward (round 25's NaN rule), and the row
+with eps 0, 1e-5 and 1e30 (session 29, its GEMMs then cuBLAS's). Nothing found: the GEMMs propagate
+NaN and inf as torch's own matmuls in the reference do, the relu mask comes from the forward (round 25's NaN rule), and the row
 kernel's padded lanes are exact zeros before the row sums.
-Not probed: the GPU (no device time left this session), values near fp32's max in the GEMMs.
+Not probed: values near fp32's max in the GEMMs (3xTF32's split of such a value is not exact).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""pytest plugin: run the interpreter-marked red-team rounds 25 and 26 on CUDA.
+"""pytest plugin: run the interpreter-marked red-team rounds 25, 26 and 28 on CUDA.
 
 Those tests build their inputs on the CPU for Triton's interpreter (`test_trust_round25._inputs`),
 and tests/conftest.py skips every ``interpret`` test outside ``TRITON_INTERPRET=1``. On a GPU this
@@ -7,13 +7,14 @@ compiled kernels: the interpreter converts bf16 by truncation, and the twenty-ei
 a silent wrong gradient only the GPU's rounding shows (tests/test_trust_round27.py).
 
 Round 27's own CUDA tests need no plugin. Usage (on a CUDA machine, from the repository root):
-    PYTHONPATH=$PWD:$PWD/tools:$PWD/tests pytest -p rounds_on_cuda tests/test_trust_round25.py tests/test_trust_round26.py
+    PYTHONPATH=$PWD:$PWD/tools:$PWD/tests pytest -p rounds_on_cuda tests/test_trust_round25.py tests/test_trust_round26.py \
+        tests/test_trust_round28.py
 """
 import sys
 
 import pytest
 
-_MODULES = ("test_trust_round25", "test_trust_round26")
+_MODULES = ("test_trust_round25", "test_trust_round26", "test_trust_round28")
 
 
 @pytest.hookimpl(trylast=True)

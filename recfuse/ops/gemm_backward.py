@@ -1,28 +1,30 @@
-"""The GEMM backward (`BackwardConfig.gemm`): fp32 backwards whose dots are too large for one fused
-kernel's registers run them as cuBLAS GEMMs.
+"""The GEMM backward (`BackwardConfig.gemm`): backwards whose dots are too large for one fused
+kernel's registers run them as tensor-core GEMMs of their own.
 
 The fused backward kernels hold a whole row tile beside the [H, D] weight and its gradient
 accumulator; at fp32 H = 32-64 they run at 255 registers, 12% occupancy, latency-bound, at 6-9%
-of the memory floor on the H200 (benchmarks/NOTES.md). Here each piece is what its hardware does
-well:
+of the memory floor on the H200 (benchmarks/NOTES.md). Here each piece is a kernel that does one
+thing (`gemm_backward_kernels`):
 
-1. `masked_grad_rows` (Triton): dz = grad_y masked by the forward's relu mask, [F, B, H] fp32.
+1. `masked_grad_rows`: dz = grad_y masked by the forward's relu mask, [F, B, H] in x's dtype.
 2. per chunk of features (so that the scratch buffer stays a fraction of x, `chunk_features`):
-   a. dt = dz @ w (cuBLAS; `torch.bmm` for per-feature weights) into the scratch buffer;
-   b. `norm_act_backward_rows` (Triton): dx, t over dt, the affine's column sums per program;
-   c. the weight gradient dz^T @ t (cuBLAS), added over chunks in chunk order.
-3. the bias and LayerNorm-affine gradients: fixed-order sums (`torch.sum`) over rows / programs.
+   a. `dz_times_weight`: dt = dz @ w into the scratch buffer ([chunk, B, D] in x's dtype);
+   b. `norm_act_backward_rows`: dx, t over dt, the affine's column sums per program;
+   c. `weight_grad_partials`: dz^T @ t, one fp32 partial a program slot, added over chunks in
+      chunk order.
+3. the weight, bias and LayerNorm-affine gradients: fixed-order sums (`torch.sum`) over program
+   slots / rows.
 
-Every gradient is written in its final shape and dtype (fp32 everywhere on this path).
-Deterministic: the same kernels, GEMMs and sums in the same order on every call.
-cuBLAS honours the process's TF32 setting; with TF32 on for fp32 matmuls the GEMMs would carry
-~1e-3 relative error, and with deterministic algorithms on torch refuses CUDA GEMMs without a
-deterministic cuBLAS workspace: such calls run the fused kernels instead (`cublas_allowed`).
+Every gradient is written in its final shape and dtype. fp32 dots run as 3xTF32 (fp32 accuracy on
+the tensor cores, whatever the process's TF32 setting), 16-bit ones in their dtype with fp32
+accumulation, as PyTorch's 16-bit Linear backward does. No atomics and no cuBLAS: the same inputs
+give the same bits, with or without ``torch.use_deterministic_algorithms``.
+(Until session 30 the two dots were cuBLAS fp32 GEMMs, on the SIMT cores: 29.5 TF/s, half the
+H200's training step at fp32 D=512 H=64; benchmarks/NOTES.md.)
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Callable, Optional
 
 import torch
@@ -30,10 +32,12 @@ import triton
 
 from . import configs
 from ._compiled_launch import CompiledLaunchCache
-from .gemm_backward_kernels import masked_grad_rows, norm_act_backward_rows
+from .gemm_backward_kernels import dz_times_weight, masked_grad_rows, norm_act_backward_rows, weight_grad_partials
 
 _launch_masked_grad = CompiledLaunchCache(masked_grad_rows)
+_launch_dt = CompiledLaunchCache(dz_times_weight)
 _launch_rows = CompiledLaunchCache(norm_act_backward_rows)
+_launch_dw = CompiledLaunchCache(weight_grad_partials)
 
 # The scratch buffer (dt, then t, of one chunk of features) stays under this fraction of x's bytes,
 # or under SCRATCH_FLOOR_BYTES where that is larger: extra memory of bytes(x) / 4, not bytes(x).
@@ -41,47 +45,10 @@ SCRATCH_FRACTION = 4
 SCRATCH_FLOOR_BYTES = 32 << 20
 
 
-def fp32_matmul_exact(device_type: str) -> bool:
-    """Whether fp32 matmuls on this device type run in full fp32 (no TF32), read without touching
-    the setting (reading the legacy ``allow_tf32`` flag raises once the new API has been used).
-
-    Example:
-        >>> fp32_matmul_exact("cpu")
-        True
-    """
-    if device_type != "cuda":
-        return True
-    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
-    if precision is not None:
-        return precision != "tf32"
-    return not torch.backends.cuda.matmul.allow_tf32
-
-
-# The cuBLAS workspace settings under which torch lets GEMMs run with deterministic algorithms on
-# (torch.use_deterministic_algorithms raises on a CUDA GEMM without one of them).
-_DETERMINISTIC_CUBLAS_CONFIGS = (":4096:8", ":16:8")
-
-
-def cublas_allowed(device_type: str) -> bool:
-    """Whether this process lets the GEMM backward's GEMMs run as it needs them: full fp32
-    (`fp32_matmul_exact`), and, with ``torch.use_deterministic_algorithms`` on, a deterministic
-    cuBLAS workspace (``CUBLAS_WORKSPACE_CONFIG``), without which torch raises on a CUDA GEMM. The
-    fused kernels need neither (they are deterministic), so a call without them runs those.
-
-    Example:
-        >>> cublas_allowed("cpu")
-        True
-    """
-    if not fp32_matmul_exact(device_type):
-        return False
-    if device_type != "cuda" or not torch.are_deterministic_algorithms_enabled():
-        return True
-    return os.environ.get("CUBLAS_WORKSPACE_CONFIG") in _DETERMINISTIC_CUBLAS_CONFIGS
-
-
-def chunk_features(F: int, B: int, D: int, x_bytes: int, min_chunks: int) -> int:
-    """Features a chunk: the [chunk, B, D] fp32 scratch buffer under max(x_bytes / SCRATCH_FRACTION,
-    SCRATCH_FLOOR_BYTES), and at least ``min_chunks`` chunks (`BackwardConfig.gemm`).
+def chunk_features(F: int, B: int, D: int, x_bytes: int, min_chunks: int, element_size: int = 4) -> int:
+    """Features a chunk: the [chunk, B, D] scratch buffer (``element_size`` bytes an element, x's)
+    under max(x_bytes / SCRATCH_FRACTION, SCRATCH_FLOOR_BYTES), and at least ``min_chunks`` chunks
+    (`BackwardConfig.gemm`).
 
     Example:
         >>> chunk_features(64, 2048, 512, 256 << 20, 1)  # x 256 MB: a 64 MB buffer, 16 features
@@ -90,10 +57,52 @@ def chunk_features(F: int, B: int, D: int, x_bytes: int, min_chunks: int) -> int
         3
     """
     budget = max(x_bytes // SCRATCH_FRACTION, SCRATCH_FLOOR_BYTES)
-    per_feature = max(1, B * D * 4)
+    per_feature = max(1, B * D * element_size)
     by_budget = max(1, budget // per_feature)
     by_count = triton.cdiv(F, max(1, min_chunks))
     return max(1, min(F, by_budget, by_count))
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmTiles:
+    """The two GEMM kernels' tiles. dt: [dt_rows, cols] a program (K = H in one step); the weight
+    gradient: [H, cols] a program over ``dw_rows``-row steps pipelined ``dw_stages`` deep,
+    ``dw_slots`` program slots (row ranges) a weight."""
+
+    dt_rows: int
+    cols: int
+    dt_warps: int
+    dw_rows: int
+    dw_stages: int
+    dw_warps: int
+    dw_slots: int
+
+
+def gemm_tiles(B: int, D: int, H: int, chunk: int, per_feature_weight: bool, num_sms: int) -> GemmTiles:
+    """Tiles of the GEMM kernels: 64-row x 128-column dt tiles, and enough weight-gradient program
+    slots that the column tiles x slots (x features of a chunk, per-feature weights) make about
+    two programs an SM, each over rows of whole 64-row steps.
+
+    Example:
+        >>> t = gemm_tiles(131072, 512, 64, 16, False, 132)
+        >>> t.cols, t.dw_slots
+        (128, 66)
+    """
+    cols = min(128, triton.next_power_of_2(max(D, 16)))
+    col_tiles = triton.cdiv(D, cols)
+    dw_rows = 64
+    row_steps = triton.cdiv(B * (1 if per_feature_weight else chunk), dw_rows)
+    per_slot = col_tiles * (chunk if per_feature_weight else 1)
+    slots = max(1, min(row_steps, triton.cdiv(2 * num_sms, per_slot)))
+    return GemmTiles(dt_rows=64, cols=cols, dt_warps=4, dw_rows=dw_rows, dw_stages=3, dw_warps=4, dw_slots=slots)
+
+
+def _sum_into(src: torch.Tensor, dim: int, out: torch.Tensor) -> None:
+    """out = src summed over ``dim`` (fp32 partials into a gradient of the parameter's dtype)."""
+    if src.dtype == out.dtype:
+        torch.sum(src, dim, out=out)
+    else:
+        out.copy_(src.sum(dim))
 
 
 @dataclasses.dataclass
@@ -106,13 +115,14 @@ class GemmBackwardPlan:
     D: int
     H: int
     chunk: int
-    programs: int  # row programs a feature, both Triton kernels
+    programs: int  # row programs a feature, both row kernels
+    tiles: GemmTiles
     dz_meta: dict
     dz_ints: tuple
     meta: dict  # `norm_act_backward_rows`' constexprs
     ints: tuple  # its integers after f0 (F, B, D, stats_half, rows_per_program, strides, eps, 1 / D)
+    dot_meta: dict  # SPLIT, DOT_DTYPE, DOT_PRECISION, UPCAST of both GEMM kernels
     options: dict
-    fallback: Any  # the fused kernels' plan, for calls made with TF32 on (None: no fused kernel fits)
     zero_dx: bool = False
     reads_stats: bool = True
     tracer: Optional[Callable[[], Optional[list]]] = None  # `launch.trace_launches`' list, or None
@@ -127,45 +137,45 @@ class GemmBackwardPlan:
         return _launch_rows
 
     def __call__(self, grad_y, x, weight, bias, ln_weight, ln_bias, stats):
-        if self.fallback is not None and not cublas_allowed(x.device.type):
-            return self.fallback(grad_y, x, weight, bias, ln_weight, ln_bias,
-                                 stats if self.fallback.reads_stats else None)
-        F, B, D, H = self.F, self.B, self.D, self.H
+        F, B, D, H, tiles = self.F, self.B, self.D, self.H, self.tiles
         dx = torch.empty_like(x)
         contiguous = torch.contiguous_format
         gw = torch.empty_like(weight, memory_format=contiguous)
         gb = x.new_empty((0,)) if bias is None else torch.empty_like(bias, memory_format=contiguous)
         glw = x.new_empty((0,)) if ln_weight is None else torch.empty_like(ln_weight, memory_format=contiguous)
         glb = x.new_empty((0,)) if ln_bias is None else torch.empty_like(ln_bias, memory_format=contiguous)
-        dz = x.new_empty((F, B, H), dtype=torch.float32)
+        dz = x.new_empty((F, B, H))
         if stats is None:  # no norm and no relu: the kernels read no stats (any pointer will do)
             stats = dz
         _launch_masked_grad((self.programs, F), (grad_y, stats, dz) + self.dz_ints, self.dz_meta, num_warps=4)
         has_affine = ln_weight is not None or ln_bias is not None
         partial = x.new_empty((2, self.programs, F, D) if has_affine else (1,), dtype=torch.float32)
-        scratch = x.new_empty((min(self.chunk, F), B, D), dtype=torch.float32)
+        scratch = x.new_empty((min(self.chunk, F), B, D))
+        per_feature_w = weight.dim() == 3
+        w_partial = x.new_empty((tiles.dw_slots,) + tuple(gw.shape), dtype=torch.float32)
+        slot_stride = w_partial[0].numel()
         lnw = ln_weight if ln_weight is not None else x
         lnb = ln_bias if ln_bias is not None else x
-        per_feature_w = weight.dim() == 3
+        w_strides = (weight.stride(0) if per_feature_w else 0,) + tuple(weight.stride()[-2:])
+        col_tiles = triton.cdiv(D, tiles.cols)
+        dt_meta = dict(self.dot_meta, BLOCK_M=tiles.dt_rows, BLOCK_N=tiles.cols, BLOCK_H=self.meta_block_h)
+        dw_meta = dict(self.dot_meta, PER_FEATURE=per_feature_w, BLOCK_K=tiles.dw_rows, BLOCK_N=tiles.cols,
+                       BLOCK_H=self.meta_block_h, LOOP_STAGES=tiles.dw_stages)
         for f0 in range(0, F, self.chunk):
             n = min(self.chunk, F - f0)
-            dz_c = dz[f0:f0 + n]
-            buf = scratch[:n]
-            if per_feature_w:
-                torch.bmm(dz_c, weight[f0:f0 + n], out=buf)
-            else:
-                torch.mm(dz_c.view(n * B, H), weight, out=buf.view(n * B, D))
+            _launch_dt((triton.cdiv(B, tiles.dt_rows), col_tiles, n), (dz, weight, scratch, f0, B, H, D) + w_strides,
+                       dt_meta, num_warps=tiles.dt_warps)
             trace = self.tracer() if self.tracer is not None else None
             if trace is not None:
                 trace.append(("backward", (self.programs, n), self.meta, self.cfg))
-            _launch_rows((self.programs, n), (x, buf, dx, stats, lnw, lnb, partial, f0) + self.ints,
+            _launch_rows((self.programs, n), (x, scratch, dx, stats, lnw, lnb, partial, f0) + self.ints,
                          self.meta, **self.options)
-            if per_feature_w:
-                torch.bmm(dz_c.transpose(1, 2), buf, out=gw[f0:f0 + n])
-            elif f0 == 0:
-                torch.mm(dz_c.view(n * B, H).t(), buf.view(n * B, D), out=gw)
-            else:
-                gw.addmm_(dz_c.view(n * B, H).t(), buf.view(n * B, D))
+            rows_total = B if per_feature_w else n * B
+            rows_per_slot = triton.cdiv(triton.cdiv(rows_total, tiles.dw_slots), tiles.dw_rows) * tiles.dw_rows
+            _launch_dw((tiles.dw_slots, col_tiles, n if per_feature_w else 1),
+                       (dz, scratch, w_partial, f0, B, rows_total, rows_per_slot, H, D, slot_stride),
+                       dict(dw_meta, ACCUMULATE=f0 > 0 and not per_feature_w), num_warps=tiles.dw_warps)
+        _sum_into(w_partial, 0, gw)
         if bias is not None:
             if bias.dim() == 2:
                 torch.sum(dz, 1, out=gb)
@@ -174,17 +184,39 @@ class GemmBackwardPlan:
         for i, (p, g) in enumerate(((ln_weight, glw), (ln_bias, glb))):
             if p is not None:
                 if p.dim() == 2:
-                    torch.sum(partial[i], 0, out=g)
+                    _sum_into(partial[i], 0, g)
                 else:
-                    torch.sum(partial[i].view(self.programs * F, D), 0, out=g)
+                    _sum_into(partial[i].view(self.programs * F, D), 0, g)
         if self.zero_dx:
             dx.zero_()
         return dx, gw, gb, glw, glb
 
+    @property
+    def meta_block_h(self) -> int:
+        return max(16, triton.next_power_of_2(self.H))
+
+
+def gemm_dot_meta(cfg: configs.BackwardConfig, dtype: torch.dtype, dot_args: dict, device_type: str) -> dict:
+    """The GEMM kernels' dot constexprs (`gemm_backward_kernels._gemm_dot`): fp32 operands split
+    into bf16 parts where ``cfg.fp32_dots`` is "bf16x6" (the default), else one tl.dot at that
+    precision; ``dot_args`` the forward's DOT_DTYPE / DOT_PRECISION for x on its device.
+
+    Example:
+        >>> import torch
+        >>> from recfuse.ops import configs
+        >>> cfg = configs.gemm_backward_config(512, 64)
+        >>> gemm_dot_meta(cfg, torch.float32, {}, "cuda")["SPLIT"]
+        True
+    """
+    split = dtype == torch.float32 and cfg.fp32_dots == "bf16x6"
+    precision = "ieee" if device_type == "cpu" or cfg.fp32_dots == "ieee" else "tf32x3"
+    return dict(dot_args, SPLIT=split, DOT_PRECISION=precision, UPCAST=device_type == "cpu")
+
 
 def gemm_backward_eligible(grad_y, x, weight, params, norm: int, out_act: int, has_mask: bool, stats) -> bool:
-    """Whether a call can take the GEMM backward: fp32 throughout, the forward's row stats (unless
-    there is no norm) and, with relu, its mask, rows and features to walk.
+    """Whether a call can take the GEMM backward: one floating dtype throughout (fp32, bf16 or
+    fp16), the forward's row stats (unless there is no norm) and, with relu, its mask, rows and
+    features to walk.
 
     Example:
         >>> import torch
@@ -192,10 +224,10 @@ def gemm_backward_eligible(grad_y, x, weight, params, norm: int, out_act: int, h
         >>> gemm_backward_eligible(torch.randn(2, 3, 5), x, w, (), 1, 3, False, None)  # no relu mask
         False
     """
-    fp32 = torch.float32
-    if x.dtype != fp32 or weight.dtype != fp32 or grad_y.dtype != fp32:
+    dtype = x.dtype
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    if any(p is not None and p.dtype != fp32 for p in params):
+    if weight.dtype != dtype or grad_y.dtype != dtype or any(p is not None and p.dtype != dtype for p in params):
         return False
     if x.numel() == 0 or grad_y.numel() == 0:
         return False
@@ -206,9 +238,10 @@ def gemm_backward_eligible(grad_y, x, weight, params, norm: int, out_act: int, h
 
 def build(cfg: configs.BackwardConfig, grad_y, x, weight, ln_weight, ln_bias, eps: float, feature_dim: int,
           F: int, B: int, D: int, H: int, num_sms: int, feature_major: Callable, param_stride: Callable,
-          norm: int, act: int, fast_tanh: int, load_mask: bool, stats_half: int, fallback,
+          norm: int, act: int, fast_tanh: int, load_mask: bool, stats_half: int, dot_meta: dict,
           zero_dx: bool, tracer: Optional[Callable[[], Optional[list]]] = None) -> GemmBackwardPlan:
-    """The plan of a GEMM backward (the caller checked `gemm_backward_eligible`)."""
+    """The plan of a GEMM backward (the caller checked `gemm_backward_eligible`); ``dot_meta`` the
+    GEMM kernels' DOT_DTYPE and DOT_PRECISION for x's dtype on its device (`gemm_dot_meta`)."""
     block_b, block_d = cfg.block_b, triton.next_power_of_2(D)
     programs = max(1, min(triton.cdiv(B, block_b), triton.cdiv(num_sms * cfg.programs_per_sm, F)))
     rows_per_program = triton.cdiv(triton.cdiv(B, programs), block_b) * block_b
@@ -228,6 +261,8 @@ def build(cfg: configs.BackwardConfig, grad_y, x, weight, ln_weight, ln_bias, ep
     meta = dict(HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None, NORM=norm, ACT=act,
                 FAST_TANH=fast_tanh, EVEN_D=D == block_d, X_EVICT=cfg.x_evict,
                 BLOCK_B=block_b, BLOCK_D=block_d, LOOP_STAGES=max(1, cfg.loop_stages))
-    chunk = chunk_features(F, B, D, x.numel() * x.element_size(), cfg.gemm)
-    return GemmBackwardPlan(cfg, F, B, D, H, chunk, programs, dz_meta, dz_ints, meta, ints,
-                            dict(num_warps=cfg.num_warps), fallback, zero_dx=zero_dx, tracer=tracer)
+    chunk = chunk_features(F, B, D, x.numel() * x.element_size(), cfg.gemm, x.element_size())
+    tiles = gemm_tiles(B, D, H, chunk, weight.dim() == 3, num_sms)
+    dot_meta = gemm_dot_meta(cfg, x.dtype, dot_meta, x.device.type)
+    return GemmBackwardPlan(cfg, F, B, D, H, chunk, programs, tiles, dz_meta, dz_ints, meta, ints, dot_meta,
+                            dict(num_warps=cfg.num_warps), zero_dx=zero_dx, tracer=tracer)

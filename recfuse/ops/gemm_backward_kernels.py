@@ -1,19 +1,46 @@
-"""Triton kernels of the GEMM backward (`recfuse.ops.gemm_backward`): the backward's two dots
-(dt = dz @ w and the weight gradient dz^T @ t) run as cuBLAS GEMMs, and these two kernels do the
-rest, row by row, with no dot and no [H, D] accumulator.
+"""Triton kernels of the GEMM backward (`recfuse.ops.gemm_backward`): the backward's two dots as
+tensor-core GEMMs, and the norm and activation backward row by row between them, with no [H, D]
+accumulator beside a row tile.
 
 1. `masked_grad_rows`: dz = grad_y where the forward's relu mask is set, else 0 (or grad_y itself
-   without an out-activation), as a contiguous [F, B, H] fp32 operand.
-2. `norm_act_backward_rows`: from x, the forward's row stats and the GEMM's dt, the norm and
-   activation backward: dx, t (written over dt, the weight-gradient GEMM's operand) and each
-   program's column sums of the LayerNorm affine's gradients.
+   without an out-activation), as a contiguous [F, B, H] operand in the inputs' dtype (fp32 for
+   fp32, else 16-bit: masking is exact).
+2. `dz_times_weight`: dt = dz @ w for a chunk of features, one [rows, columns] tile a program,
+   into the scratch buffer.
+3. `norm_act_backward_rows`: from x, the forward's row stats and dt, the norm and activation
+   backward: dx, t (written over dt, the weight gradient's operand) and each program's column
+   sums of the LayerNorm affine's gradients.
+4. `weight_grad_partials`: dz^T @ t over a range of rows a program, one [H, columns] fp32 partial
+   a program (added to the previous chunk's in the same slot, for a weight shared by the
+   features), which a fixed-order sum over programs reduces.
+
+The dots (`_gemm_dot`): 16-bit operands in their dtype with fp32 accumulation, the precision of
+PyTorch's own 16-bit Linear backward. fp32 operands by default as three bf16 parts each, the six
+largest cross products on the bf16 tensor cores (``SPLIT``, "bf16x6" of `BackwardConfig.fp32_dots`:
+within fp32's rounding, whatever the process's TF32 setting, non-finite values as IEEE products
+give them), or one tl.dot of ``DOT_PRECISION`` ("tf32x3", "ieee"). The interpreter's numpy dot
+takes fp32 (``UPCAST``).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .kernels import _activate_grad, _dx_of_rows, _load_relu_mask_rows, _normalize_activate
+from .kernels import _activate_grad, _dot_parts, _dx_of_rows, _load_relu_mask_rows, _normalize_activate, _split16
+
+
+@triton.jit
+def _gemm_dot(a, b, acc, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              UPCAST: tl.constexpr):
+    """acc + a @ b in fp32. SPLIT: fp32 a and b as three bf16 parts each, six products
+    (`kernels._dot_parts` ORDER 3), an infinite value's NaN remainder zeroed and the lower-order
+    products' non-finite sum dropped (NAN_SAFE), so that inf and NaN reach acc as in an IEEE
+    product. Else one tl.dot of DOT_DTYPE operands at DOT_PRECISION."""
+    if SPLIT:
+        a0, a1, a2 = _split16(a, tl.bfloat16, 3, True)
+        b0, b1, b2 = _split16(b, tl.bfloat16, 3, True)
+        return _dot_parts(a0, a1, a2, b0, b1, b2, acc, 3, 3, 3, UPCAST, True)
+    return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION, out_dtype=tl.float32)
 
 
 @triton.jit
@@ -23,7 +50,7 @@ def masked_grad_rows(
     stride_gy_f, stride_gy_b, stride_gy_h,
     LOAD_MASK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """dz[f, b, h] in fp32, contiguous [F, B, H]; grid (row programs, F). With LOAD_MASK, 0 where
+    """dz[f, b, h] in DZ's dtype, contiguous [F, B, H]; grid (row programs, F). With LOAD_MASK, 0 where
     the forward's z <= 0 (its saved relu mask, `kernels._store_relu_mask`), as torch's relu
     backward selects (a NaN grad_y there is dropped, not multiplied)."""
     pid = tl.program_id(0)
@@ -41,7 +68,7 @@ def masked_grad_rows(
         if LOAD_MASK:
             keep = _load_relu_mask_rows(STATS, stats_half, f, B, rows64, rmask, hs, H, BLOCK_H)
             dz = tl.where(keep, dz, 0.0)
-        tl.store(DZ + (f * B + rows64)[:, None] * H + hs[None, :], dz, mask=mask)
+        tl.store(DZ + (f * B + rows64)[:, None] * H + hs[None, :], dz.to(DZ.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -57,7 +84,8 @@ def norm_act_backward_rows(
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     """The backward of norm -> affine -> activation for features f0 .. f0 + grid[1] - 1, given
-    dt = dL/dt of their rows as a contiguous [grid[1], B, D] fp32 buffer; grid (row programs,
+    dt = dL/dt of their rows as a contiguous [grid[1], B, D] buffer (fp32, or the inputs' 16-bit
+    dtype); grid (row programs,
     features of the chunk).
 
     Writes dx in x's strides, t = activation(affine(xhat)) over dt (each tile is read before it is
@@ -87,13 +115,13 @@ def norm_act_backward_rows(
             stat_ptrs, stat_ptrs + stats_half, rmask,
             HAS_LNW, HAS_LNB, FAST_TANH, True, EVEN_D, False, X_EVICT, NORM, ACT)
         dt_ptrs = DT + (f_local * B + rows64)[:, None] * D + cols[None, :]
-        dt = tl.load(dt_ptrs, mask=mask, other=0.0)
+        dt = tl.load(dt_ptrs, mask=mask, other=0.0).to(tl.float32)
         # padded lanes exact zeros: sigmoid'(0) is not 0, and a NaN there would reach the row sums
         da = tl.where(mask, dt * _activate_grad(a, t, ACT, FAST_TANH), 0.0)
         dx = _dx_of_rows(da * g[None, :], xhat, rstd, inv_d, NORM)
         dx_ptrs = DX + f * stride_dx_f + rows64[:, None] * stride_dx_b + cols[None, :] * stride_dx_d
         tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=mask)
-        tl.store(dt_ptrs, t, mask=mask)
+        tl.store(dt_ptrs, t.to(DT.dtype.element_ty), mask=mask)
         if HAS_LNW:
             acc_w += tl.sum(da * xhat, axis=0)
         if HAS_LNB:
@@ -103,3 +131,79 @@ def norm_act_backward_rows(
         tl.store(part, acc_w, mask=cmask)
     if HAS_LNB:
         tl.store(part + n_prog * F * D, acc_b, mask=cmask)
+
+
+@triton.jit
+def dz_times_weight(
+    DZ, W, DT,
+    f0, B, H, D,
+    stride_w_f, stride_w_h, stride_w_d,
+    SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """dt[f - f0, b, :] = dz[f, b, :] @ w[f] for the features f0 .. f0 + grid[2] - 1 (stride_w_f
+    0: one weight shared by all): dz contiguous [F, B, H], dt the contiguous [grid[2], B, D]
+    scratch buffer; grid (row tiles, column tiles, features of the chunk). H fits one tile
+    (BLOCK_H >= H, at least 16 for the tensor cores; the padding reads zeros)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    f_local = tl.program_id(2).to(tl.int64)
+    f = f0 + f_local
+    hs = tl.arange(0, BLOCK_H)
+    rmask = rows < B
+    cmask = cols < D
+    hmask = hs < H
+    rows64 = rows.to(tl.int64)
+    dz = tl.load(DZ + (f * B + rows64)[:, None] * H + hs[None, :], mask=rmask[:, None] & hmask[None, :], other=0.0)
+    w = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :] * stride_w_d,
+                mask=hmask[:, None] & cmask[None, :], other=0.0)
+    dt = _gemm_dot(dz, w, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), SPLIT, DOT_DTYPE, DOT_PRECISION, UPCAST)
+    tl.store(DT + (f_local * B + rows64)[:, None] * D + cols[None, :], dt.to(DT.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def weight_grad_partials(
+    DZ, T, PARTIAL,
+    f0, B, rows_total, rows_per_program, H, D, slot_stride,
+    PER_FEATURE: tl.constexpr, ACCUMULATE: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, LOOP_STAGES: tl.constexpr,
+):
+    """One program's share of the weight gradient dz^T @ t for the features f0 .. f0 + n - 1 of a
+    chunk, in fp32: rows [pid0 * rows_per_program, + rows_per_program) of ``rows_total``, columns
+    of tile pid1. dz is contiguous [F, B, H], t the chunk's contiguous [n, B, D] scratch buffer.
+
+    A weight shared by the features (grid[2] = 1): the chunk's n * B rows flattened, written to
+    PARTIAL[pid0] ([H, D]), with ACCUMULATE added to what that slot holds (the previous chunk's:
+    the same program slot, in chunk order). Per-feature weights (PER_FEATURE, grid[2] = n): the
+    B rows of feature f0 + pid2, written to PARTIAL[pid0, f0 + pid2]. ``slot_stride`` is a
+    program slot's elements (H * D, or F * H * D).
+
+    The accumulator is the partial's transpose, [columns, H]: columns are the dot's M (64+ rows,
+    as the Hopper tensor cores take them), H (16-64) its N."""
+    pid = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    f_local = tl.program_id(2).to(tl.int64)
+    hs = tl.arange(0, BLOCK_H)
+    cmask = cols < D
+    hmask = hs < H
+    dz_base = DZ + (f0 + f_local).to(tl.int64) * B * H
+    t_base = T + f_local * B * D
+    acc = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, rows_total)
+    for r0 in tl.range(row_start, row_end, BLOCK_K, num_stages=LOOP_STAGES):
+        rows = r0 + tl.arange(0, BLOCK_K)
+        rmask = rows < row_end
+        rows64 = rows.to(tl.int64)
+        dz = tl.load(dz_base + rows64[:, None] * H + hs[None, :], mask=rmask[:, None] & hmask[None, :], other=0.0)
+        t = tl.load(t_base + rows64[:, None] * D + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        acc = _gemm_dot(tl.trans(t), dz, acc, SPLIT, DOT_DTYPE, DOT_PRECISION, UPCAST)
+    part = PARTIAL + pid.to(tl.int64) * slot_stride + hs[None, :] * D + cols[:, None]
+    if PER_FEATURE:
+        part += (f0 + f_local) * H * D
+    mask = cmask[:, None] & hmask[None, :]
+    if ACCUMULATE:
+        acc += tl.load(part, mask=mask, other=0.0)
+    tl.store(part, acc, mask=mask)

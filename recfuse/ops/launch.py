@@ -685,16 +685,17 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
     norm, act, out_act = chain_codes(chain)
     has_mask = out_act == ACTIVATIONS["relu"] and stats_planes(stats) > 2
     if cfg.gemm:
-        fused_cfg = configs.fused_backward_config(D, H, x.dtype)
-        fallback = None if fused_cfg is None else _build_backward_plan(
-            grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, chain, cfg=fused_cfg)
         if F == 0 or not gemm_backward.gemm_backward_eligible(grad_y, x, weight, (bias, ln_weight, ln_bias), norm,
                                                               out_act, has_mask, stats):
-            return fallback  # no stats or mask (a compiled backward, another chain), or not fp32
+            # no stats or mask (a compiled backward, another chain), or mixed dtypes
+            fused_cfg = configs.fused_backward_config(D, H, x.dtype)
+            return None if fused_cfg is None else _build_backward_plan(
+                grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, chain, cfg=fused_cfg)
         return gemm_backward.build(
             cfg, grad_y, x, weight, ln_weight, ln_bias, eps, feature_dim, F, B, D, H, _num_sms(dev), _feature_major,
             _param_stride, norm, act, device_constexprs("backward", x.dtype, dev.type, chain)["FAST_TANH"],
-            has_mask, F * B, fallback, zero_dx=D == 1 and chain.norm == "layer_norm", tracer=_current_trace)
+            has_mask, F * B, _dot_args(x.dtype, dev.type), zero_dx=D == 1 and chain.norm == "layer_norm",
+            tracer=_current_trace)
     # Two passes over column chunks need the forward's row stats and dz without z (its relu mask).
     two_pass = (cfg.use_dot and cfg.two_pass > 0 and not cfg.block_k and B > 0 and (has_mask or out_act == 0)
                 and (norm == 0 or stats is not None))

@@ -343,7 +343,7 @@ def row_parts_dot_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs
 
 
 def gemm_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.BackwardConfig]:
-    """The GEMM backward (`BackwardConfig.gemm`, fp32 only, H >= 16, rows of 64+ columns): its row
+    """The GEMM backward (`BackwardConfig.gemm`, fp32 and bf16, H >= 16, rows of 64+ columns): its row
     kernel's tiles of 2048-8192 elements, 4 or 8 warps, 8 or 16 programs an SM, the row loop 2 or
     3 deep. H200 (results/checks/ab_gemm_bwd_tiles_h200.txt): 4096 elements, 4 warps, 8 programs
     and 3 stages were best at D = 256/512, H = 32/64; it won at fp32 D=512 H=16 too (1.12x).
@@ -352,11 +352,12 @@ def gemm_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Backward
         >>> cands = gemm_candidates(512, 64, torch.float32)
         >>> len(cands), all(c.gemm and configs.backward_fits(c, 512, 64) for c in cands)
         (24, True)
-        >>> gemm_candidates(512, 64, torch.bfloat16), gemm_candidates(512, 8, torch.float32)
+        >>> gemm_candidates(512, 64, torch.float16), gemm_candidates(512, 8, torch.float32)
         ([], [])
     """
     block_d = triton.next_power_of_2(D)
-    if dtype != torch.float32 or not 16 <= H <= 64 or block_d < 64:
+    # fp16: its forward saves no relu mask (`configs.relu_mask_min_d`), which the GEMM backward needs
+    if dtype not in (torch.float32, torch.bfloat16) or not 16 <= H <= 64 or block_d < 64:
         return []
     out = []
     for elements, warps, pps, stages in itertools.product((2048, 4096, 8192), (4, 8), (8, 16), (2, 3)):
