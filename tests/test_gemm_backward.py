@@ -85,6 +85,21 @@ def test_gemm_gradients_match_float64_and_the_fused_kernels(case, chain, chunks,
     assert_backward_close(grads, fused, gy, args, case, chain, torch.float32)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tiles", [dict(gemm_cols_major=0), dict(gemm_row_tiles=3, gemm_rows=16, gemm_cols=16),
+                                   dict(dw_block_b=16, dw_num_stages=1, gemm_dw_per_sm=9),
+                                   dict(fp32_dots="tf32x3")], ids=str)
+def test_the_gemm_tile_knobs_give_the_same_gradients(tiles, device):
+    # [H, columns] partials, several dt row tiles a program (the last one past B), narrow column
+    # tiles over masked D = 80, small row steps in many program slots, one 3xTF32 dot
+    case, chain, args, gy, knobs, stats = _inputs(Case(3, 37, 80, 24, feature_dim=1, strided_view=True,
+                                                       ln="per_feature", bias="per_feature"), None, 2, device, seed=8)
+    grads, cfgs, _ = _traced_backward(gy, args, case, stats, dict(knobs, **tiles))
+    assert cfgs and all(cfg.gemm for cfg in cfgs)
+    fused, _ = forced_backward(gy, args, case, stats, DEFAULT_CHAIN, **FUSED)
+    assert_backward_close(grads, fused, gy, args, case, DEFAULT_CHAIN, torch.float32)
+
+
 def _torch_16bit_composite_grads(gy, args, case, chain):
     """PyTorch's own batched composite's gradients, run in the 16-bit dtype of ``args``."""
     leaves = [None if t is None else t.detach().requires_grad_(True) for t in args]

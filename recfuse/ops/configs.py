@@ -214,12 +214,22 @@ class BackwardConfig(TileConfig):
     # H200 it lost (bf16 D=512 H=64: 1145 vs 1044 us): a tuner candidate, no table entry or
     # heuristic takes it.
     dw_first: int = 0
-    # n > 0: the GEMM backward (`recfuse.ops.gemm_backward`, fp32 only): dt = dz @ w and the weight
-    # gradient as cuBLAS GEMMs over chunks of features (at least n chunks, more where the scratch
-    # buffer would pass bytes(x) / 4), a Triton row kernel between them (block_b, num_warps,
-    # programs_per_sm, loop_stages are its). Needs the forward's row stats and relu mask; a call
-    # without them, or made with TF32 on for fp32 matmuls, runs the fused kernels.
+    # n > 0: the GEMM backward (`recfuse.ops.gemm_backward`, fp32 and bf16): dt = dz @ w and the
+    # weight gradient as Triton tensor-core GEMMs over chunks of features (at least n chunks, more
+    # where the scratch buffer would pass bytes(x) / 4), a row kernel between them (block_b,
+    # num_warps, programs_per_sm, loop_stages are its). Needs the forward's row stats and relu
+    # mask; a call without them runs the fused kernels.
     gemm: int = 0
+    # The GEMM backward's GEMM tiles: dt's [gemm_rows, gemm_cols] tiles, gemm_row_tiles of them a
+    # program (the weight's tile loaded once for them), gemm_dt_warps warps; the weight gradient's
+    # [gemm_cols, H] partials (gemm_cols_major, else [H, gemm_cols]) over dw_block_b-row steps
+    # pipelined dw_num_stages deep with dw_num_warps warps, about gemm_dw_per_sm programs an SM.
+    gemm_rows: int = 64
+    gemm_cols: int = 128
+    gemm_row_tiles: int = 1
+    gemm_dt_warps: int = 4
+    gemm_cols_major: int = 1
+    gemm_dw_per_sm: int = 2
 
 
 KernelConfig = ForwardConfig  # the name launch-level code and older tests use
@@ -230,7 +240,8 @@ _BACKWARD_KNOBS = ("block_b", "num_warps", "use_dot", "x_evict", "programs_per_s
 # Knobs an older table's entries may lack: the heuristic's value stands.
 _OPTIONAL_BACKWARD_KNOBS = ("block_k", "prefetch", "unroll_h", "loop_stages", "col_sums", "split_dw", "dw_block_b",
                             "dw_num_warps", "dw_num_stages", "row_parts", "split_ln", "two_pass",
-                            "dw_first", "row_slots", "maxnreg", "gemm")
+                            "dw_first", "row_slots", "maxnreg", "gemm", "gemm_rows", "gemm_cols", "gemm_row_tiles",
+                            "gemm_dt_warps", "gemm_cols_major", "gemm_dw_per_sm")
 
 # ---------------------------------------------------------------------------------------------
 # the heuristic
@@ -1131,9 +1142,13 @@ def backward_fits(cfg: BackwardConfig, D: int, H: int) -> bool:
         return False
     if cfg.gemm:
         # one row kernel: no chunk, split, pass or part of the fused kernels; its tile in registers
+        gemm_tiles = (cfg.gemm_rows, cfg.gemm_cols, cfg.dw_block_b)
         return (cfg.use_dot and not (cfg.block_k or cfg.split_dw or cfg.two_pass or cfg.row_parts or cfg.prefetch
                                      or cfg.row_slots or cfg.dw_first or cfg.split_ln)
-                and cfg.block_b * cfg.block_d <= TILE_BUDGET and 0 <= cfg.loop_stages <= 4)
+                and cfg.block_b * cfg.block_d <= TILE_BUDGET and 0 <= cfg.loop_stages <= 4
+                and all(16 <= n <= 256 and _power_of_two(n) for n in gemm_tiles)
+                and cfg.gemm_dt_warps in (4, 8) and cfg.dw_num_warps in (4, 8) and 1 <= cfg.dw_num_stages <= 5
+                and 1 <= cfg.gemm_row_tiles <= 8 and cfg.gemm_dw_per_sm >= 1 and cfg.gemm_cols_major in (0, 1))
     if cfg.use_dot:
         if cfg.block_k and (cfg.block_k < 16 or cfg.block_k >= cfg.block_d or cfg.block_d % cfg.block_k):
             return False

@@ -65,36 +65,40 @@ def chunk_features(F: int, B: int, D: int, x_bytes: int, min_chunks: int, elemen
 
 @dataclasses.dataclass(frozen=True)
 class GemmTiles:
-    """The two GEMM kernels' tiles. dt: [dt_rows, cols] a program (K = H in one step); the weight
-    gradient: [H, cols] a program over ``dw_rows``-row steps pipelined ``dw_stages`` deep,
-    ``dw_slots`` program slots (row ranges) a weight."""
+    """The two GEMM kernels' tiles (`BackwardConfig`'s gemm_* and dw_* knobs) and the weight
+    gradient's program slots (row ranges) a weight, ``dw_slots``."""
 
     dt_rows: int
     cols: int
+    row_tiles: int
     dt_warps: int
     dw_rows: int
     dw_stages: int
     dw_warps: int
+    cols_major: int
     dw_slots: int
 
 
-def gemm_tiles(B: int, D: int, H: int, chunk: int, per_feature_weight: bool, num_sms: int) -> GemmTiles:
-    """Tiles of the GEMM kernels: 64-row x 128-column dt tiles, and enough weight-gradient program
-    slots that the column tiles x slots (x features of a chunk, per-feature weights) make about
-    two programs an SM, each over rows of whole 64-row steps.
+def gemm_tiles(cfg: configs.BackwardConfig, B: int, D: int, chunk: int, per_feature_weight: bool,
+               num_sms: int) -> GemmTiles:
+    """The GEMM kernels' tiles of ``cfg``, columns capped at D's power of two, and enough
+    weight-gradient program slots that column tiles x slots (x features of a chunk, per-feature
+    weights) make about ``cfg.gemm_dw_per_sm`` programs an SM, each over whole row steps.
 
     Example:
-        >>> t = gemm_tiles(131072, 512, 64, 16, False, 132)
+        >>> from recfuse.ops import configs
+        >>> t = gemm_tiles(configs.gemm_backward_config(512, 64), 131072, 512, 16, False, 132)
         >>> t.cols, t.dw_slots
         (128, 66)
     """
-    cols = min(128, triton.next_power_of_2(max(D, 16)))
+    cols = min(cfg.gemm_cols, triton.next_power_of_2(max(D, 16)))
     col_tiles = triton.cdiv(D, cols)
-    dw_rows = 64
-    row_steps = triton.cdiv(B * (1 if per_feature_weight else chunk), dw_rows)
+    row_steps = triton.cdiv(B * (1 if per_feature_weight else chunk), cfg.dw_block_b)
     per_slot = col_tiles * (chunk if per_feature_weight else 1)
-    slots = max(1, min(row_steps, triton.cdiv(2 * num_sms, per_slot)))
-    return GemmTiles(dt_rows=64, cols=cols, dt_warps=4, dw_rows=dw_rows, dw_stages=3, dw_warps=4, dw_slots=slots)
+    slots = max(1, min(row_steps, triton.cdiv(cfg.gemm_dw_per_sm * num_sms, per_slot)))
+    return GemmTiles(dt_rows=cfg.gemm_rows, cols=cols, row_tiles=cfg.gemm_row_tiles, dt_warps=cfg.gemm_dt_warps,
+                     dw_rows=cfg.dw_block_b, dw_stages=cfg.dw_num_stages, dw_warps=cfg.dw_num_warps,
+                     cols_major=cfg.gemm_cols_major, dw_slots=slots)
 
 
 def _sum_into(src: torch.Tensor, dim: int, out: torch.Tensor) -> None:
@@ -158,12 +162,15 @@ class GemmBackwardPlan:
         lnb = ln_bias if ln_bias is not None else x
         w_strides = (weight.stride(0) if per_feature_w else 0,) + tuple(weight.stride()[-2:])
         col_tiles = triton.cdiv(D, tiles.cols)
-        dt_meta = dict(self.dot_meta, BLOCK_M=tiles.dt_rows, BLOCK_N=tiles.cols, BLOCK_H=self.meta_block_h)
-        dw_meta = dict(self.dot_meta, PER_FEATURE=per_feature_w, BLOCK_K=tiles.dw_rows, BLOCK_N=tiles.cols,
-                       BLOCK_H=self.meta_block_h, LOOP_STAGES=tiles.dw_stages)
+        dt_meta = dict(self.dot_meta, BLOCK_M=tiles.dt_rows, BLOCK_N=tiles.cols, BLOCK_H=self.meta_block_h,
+                       ROW_TILES=tiles.row_tiles)
+        dw_meta = dict(self.dot_meta, PER_FEATURE=per_feature_w, COLS_MAJOR=bool(tiles.cols_major),
+                       BLOCK_K=tiles.dw_rows, BLOCK_N=tiles.cols, BLOCK_H=self.meta_block_h,
+                       LOOP_STAGES=tiles.dw_stages)
+        dt_programs = triton.cdiv(B, tiles.dt_rows * tiles.row_tiles)
         for f0 in range(0, F, self.chunk):
             n = min(self.chunk, F - f0)
-            _launch_dt((triton.cdiv(B, tiles.dt_rows), col_tiles, n), (dz, weight, scratch, f0, B, H, D) + w_strides,
+            _launch_dt((dt_programs, col_tiles, n), (dz, weight, scratch, f0, B, H, D) + w_strides,
                        dt_meta, num_warps=tiles.dt_warps)
             trace = self.tracer() if self.tracer is not None else None
             if trace is not None:
@@ -262,7 +269,7 @@ def build(cfg: configs.BackwardConfig, grad_y, x, weight, ln_weight, ln_bias, ep
                 FAST_TANH=fast_tanh, EVEN_D=D == block_d, X_EVICT=cfg.x_evict,
                 BLOCK_B=block_b, BLOCK_D=block_d, LOOP_STAGES=max(1, cfg.loop_stages))
     chunk = chunk_features(F, B, D, x.numel() * x.element_size(), cfg.gemm, x.element_size())
-    tiles = gemm_tiles(B, D, H, chunk, weight.dim() == 3, num_sms)
+    tiles = gemm_tiles(cfg, B, D, chunk, weight.dim() == 3, num_sms)
     dot_meta = gemm_dot_meta(cfg, x.dtype, dot_meta, x.device.type)
     return GemmBackwardPlan(cfg, F, B, D, H, chunk, programs, tiles, dz_meta, dz_ints, meta, ints, dot_meta,
                             dict(num_warps=cfg.num_warps), zero_dx=zero_dx, tracer=tracer)

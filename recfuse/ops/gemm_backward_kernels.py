@@ -30,17 +30,24 @@ from .kernels import _activate_grad, _dot_parts, _dx_of_rows, _load_relu_mask_ro
 
 
 @triton.jit
-def _gemm_dot(a, b, acc, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              UPCAST: tl.constexpr):
-    """acc + a @ b in fp32. SPLIT: fp32 a and b as three bf16 parts each, six products
-    (`kernels._dot_parts` ORDER 3), an infinite value's NaN remainder zeroed and the lower-order
-    products' non-finite sum dropped (NAN_SAFE), so that inf and NaN reach acc as in an IEEE
-    product. Else one tl.dot of DOT_DTYPE operands at DOT_PRECISION."""
+def _gemm_operand(v, SPLIT: tl.constexpr):
+    """A GEMM operand as the parts `_gemm_dot_parts` multiplies: three bf16 parts with SPLIT (an
+    infinite value's NaN remainder zeroed), else v itself (three times, the last two unused)."""
     if SPLIT:
-        a0, a1, a2 = _split16(a, tl.bfloat16, 3, True)
-        b0, b1, b2 = _split16(b, tl.bfloat16, 3, True)
+        return _split16(v, tl.bfloat16, 3, True)
+    return v, v, v
+
+
+@triton.jit
+def _gemm_dot_parts(a0, a1, a2, b0, b1, b2, acc, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b in fp32 from `_gemm_operand`'s parts. SPLIT: the six largest cross products
+    (`kernels._dot_parts` ORDER 3), the lower-order products' non-finite sum dropped (NAN_SAFE),
+    so that inf and NaN reach acc as in an IEEE product. Else one tl.dot of DOT_DTYPE operands at
+    DOT_PRECISION."""
+    if SPLIT:
         return _dot_parts(a0, a1, a2, b0, b1, b2, acc, 3, 3, 3, UPCAST, True)
-    return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+    return tl.dot(a0.to(DOT_DTYPE), b0.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION, out_dtype=tl.float32)
 
 
 @triton.jit
@@ -139,34 +146,42 @@ def dz_times_weight(
     f0, B, H, D,
     stride_w_f, stride_w_h, stride_w_d,
     SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, ROW_TILES: tl.constexpr,
 ):
     """dt[f - f0, b, :] = dz[f, b, :] @ w[f] for the features f0 .. f0 + grid[2] - 1 (stride_w_f
     0: one weight shared by all): dz contiguous [F, B, H], dt the contiguous [grid[2], B, D]
-    scratch buffer; grid (row tiles, column tiles, features of the chunk). H fits one tile
-    (BLOCK_H >= H, at least 16 for the tensor cores; the padding reads zeros)."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    scratch buffer; grid (row programs, column tiles, features of the chunk), ROW_TILES
+    consecutive [BLOCK_M, BLOCK_N] tiles a program, the weight's tile loaded (and split) once for
+    them. H fits one tile (BLOCK_H >= H, at least 16 for the tensor cores; the padding reads
+    zeros)."""
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     f_local = tl.program_id(2).to(tl.int64)
     f = f0 + f_local
     hs = tl.arange(0, BLOCK_H)
-    rmask = rows < B
     cmask = cols < D
     hmask = hs < H
-    rows64 = rows.to(tl.int64)
-    dz = tl.load(DZ + (f * B + rows64)[:, None] * H + hs[None, :], mask=rmask[:, None] & hmask[None, :], other=0.0)
     w = tl.load(W + f * stride_w_f + hs[:, None] * stride_w_h + cols[None, :] * stride_w_d,
                 mask=hmask[:, None] & cmask[None, :], other=0.0)
-    dt = _gemm_dot(dz, w, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), SPLIT, DOT_DTYPE, DOT_PRECISION, UPCAST)
-    tl.store(DT + (f_local * B + rows64)[:, None] * D + cols[None, :], dt.to(DT.dtype.element_ty),
-             mask=rmask[:, None] & cmask[None, :])
+    w0, w1, w2 = _gemm_operand(w, SPLIT)
+    row0 = tl.program_id(0) * (ROW_TILES * BLOCK_M)
+    for i in tl.static_range(ROW_TILES):
+        rows = row0 + i * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < B
+        rows64 = rows.to(tl.int64)
+        dz = tl.load(DZ + (f * B + rows64)[:, None] * H + hs[None, :], mask=rmask[:, None] & hmask[None, :],
+                     other=0.0)
+        d0, d1, d2 = _gemm_operand(dz, SPLIT)
+        dt = _gemm_dot_parts(d0, d1, d2, w0, w1, w2, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), SPLIT,
+                             DOT_DTYPE, DOT_PRECISION, UPCAST)
+        tl.store(DT + (f_local * B + rows64)[:, None] * D + cols[None, :], dt.to(DT.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit
 def weight_grad_partials(
     DZ, T, PARTIAL,
     f0, B, rows_total, rows_per_program, H, D, slot_stride,
-    PER_FEATURE: tl.constexpr, ACCUMULATE: tl.constexpr,
+    PER_FEATURE: tl.constexpr, ACCUMULATE: tl.constexpr, COLS_MAJOR: tl.constexpr,
     SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
@@ -180,8 +195,9 @@ def weight_grad_partials(
     B rows of feature f0 + pid2, written to PARTIAL[pid0, f0 + pid2]. ``slot_stride`` is a
     program slot's elements (H * D, or F * H * D).
 
-    The accumulator is the partial's transpose, [columns, H]: columns are the dot's M (64+ rows,
-    as the Hopper tensor cores take them), H (16-64) its N."""
+    COLS_MAJOR accumulates the partial's transpose, [columns, H] = t^T @ dz: the columns are the
+    dot's M (64+ rows, as Hopper's tensor cores take them) and H (16-64) its N; else [H, columns]
+    = dz^T @ t."""
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     f_local = tl.program_id(2).to(tl.int64)
@@ -190,7 +206,10 @@ def weight_grad_partials(
     hmask = hs < H
     dz_base = DZ + (f0 + f_local).to(tl.int64) * B * H
     t_base = T + f_local * B * D
-    acc = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
+    if COLS_MAJOR:
+        acc = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, rows_total)
     for r0 in tl.range(row_start, row_end, BLOCK_K, num_stages=LOOP_STAGES):
@@ -199,11 +218,23 @@ def weight_grad_partials(
         rows64 = rows.to(tl.int64)
         dz = tl.load(dz_base + rows64[:, None] * H + hs[None, :], mask=rmask[:, None] & hmask[None, :], other=0.0)
         t = tl.load(t_base + rows64[:, None] * D + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-        acc = _gemm_dot(tl.trans(t), dz, acc, SPLIT, DOT_DTYPE, DOT_PRECISION, UPCAST)
-    part = PARTIAL + pid.to(tl.int64) * slot_stride + hs[None, :] * D + cols[:, None]
+        d0, d1, d2 = _gemm_operand(dz, SPLIT)
+        t0, t1, t2 = _gemm_operand(t, SPLIT)
+        if COLS_MAJOR:
+            acc = _gemm_dot_parts(tl.trans(t0), tl.trans(t1), tl.trans(t2), d0, d1, d2, acc, SPLIT, DOT_DTYPE,
+                                  DOT_PRECISION, UPCAST)
+        else:
+            acc = _gemm_dot_parts(tl.trans(d0), tl.trans(d1), tl.trans(d2), t0, t1, t2, acc, SPLIT, DOT_DTYPE,
+                                  DOT_PRECISION, UPCAST)
+    slot = PARTIAL + pid.to(tl.int64) * slot_stride
     if PER_FEATURE:
-        part += (f0 + f_local) * H * D
-    mask = cmask[:, None] & hmask[None, :]
+        slot += (f0 + f_local) * H * D
+    if COLS_MAJOR:
+        part = slot + hs[None, :] * D + cols[:, None]
+        mask = cmask[:, None] & hmask[None, :]
+    else:
+        part = slot + hs[:, None] * D + cols[None, :]
+        mask = hmask[:, None] & cmask[None, :]
     if ACCUMULATE:
         acc += tl.load(part, mask=mask, other=0.0)
     tl.store(part, acc, mask=mask)
