@@ -12,8 +12,8 @@ thing (`gemm_backward_kernels`):
    b. `norm_act_backward_rows`: dx, t over dt, the affine's column sums per program;
    c. `weight_grad_partials`: dz^T @ t, one fp32 partial a program slot, added over chunks in
       chunk order.
-3. the weight, bias and LayerNorm-affine gradients: fixed-order sums (`torch.sum`) over program
-   slots / rows.
+3. the weight, bias and LayerNorm-affine gradients: fixed-order sums (`torch.sum`) of the
+   kernels' per-program partials (the bias's from `masked_grad_rows`).
 
 Every gradient is written in its final shape and dtype. fp32 dots run as 3xTF32 (fp32 accuracy on
 the tensor cores, whatever the process's TF32 setting), 16-bit ones in their dtype with fp32
@@ -151,7 +151,9 @@ class GemmBackwardPlan:
         dz = x.new_empty((F, B, H))
         if stats is None:  # no norm and no relu: the kernels read no stats (any pointer will do)
             stats = dz
-        _launch_masked_grad((self.programs, F), (grad_y, stats, dz) + self.dz_ints, self.dz_meta, num_warps=4)
+        bias_partial = x.new_empty((self.programs, F, H) if bias is not None else (1,), dtype=torch.float32)
+        _launch_masked_grad((self.programs, F), (grad_y, stats, dz, bias_partial) + self.dz_ints,
+                            dict(self.dz_meta, HAS_BIAS=bias is not None), num_warps=4)
         has_affine = ln_weight is not None or ln_bias is not None
         partial = x.new_empty((2, self.programs, F, D) if has_affine else (1,), dtype=torch.float32)
         scratch = x.new_empty((min(self.chunk, F), B, D))
@@ -185,9 +187,9 @@ class GemmBackwardPlan:
         _sum_into(w_partial, 0, gw)
         if bias is not None:
             if bias.dim() == 2:
-                torch.sum(dz, 1, out=gb)
+                _sum_into(bias_partial, 0, gb)
             else:
-                torch.sum(dz.view(F * B, H), 0, out=gb)
+                _sum_into(bias_partial.view(self.programs * F, H), 0, gb)
         for i, (p, g) in enumerate(((ln_weight, glw), (ln_bias, glb))):
             if p is not None:
                 if p.dim() == 2:

@@ -33,9 +33,12 @@ from .kernels import _activate_grad, _dot_parts, _dx_of_rows, _load_relu_mask_ro
 def _gemm_operand(v, SPLIT: tl.constexpr):
     """A GEMM operand as the parts `_gemm_dot_parts` multiplies: three bf16 parts with SPLIT (an
     infinite value's NaN remainder zeroed), else v itself (three times, the last two unused)."""
+    # one return statement: Triton types every return of a function, constexpr branches too
     if SPLIT:
-        return _split16(v, tl.bfloat16, 3, True)
-    return v, v, v
+        p0, p1, p2 = _split16(v, tl.bfloat16, 3, True)
+    else:
+        p0, p1, p2 = v, v, v
+    return p0, p1, p2
 
 
 @triton.jit
@@ -52,18 +55,21 @@ def _gemm_dot_parts(a0, a1, a2, b0, b1, b2, acc, SPLIT: tl.constexpr, DOT_DTYPE:
 
 @triton.jit
 def masked_grad_rows(
-    GY, STATS, DZ,
+    GY, STATS, DZ, BIAS_PARTIAL,
     B, H, stats_half, rows_per_program,
     stride_gy_f, stride_gy_b, stride_gy_h,
-    LOAD_MASK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr,
+    LOAD_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """dz[f, b, h] in DZ's dtype, contiguous [F, B, H]; grid (row programs, F). With LOAD_MASK, 0 where
     the forward's z <= 0 (its saved relu mask, `kernels._store_relu_mask`), as torch's relu
-    backward selects (a NaN grad_y there is dropped, not multiplied)."""
+    backward selects (a NaN grad_y there is dropped, not multiplied). With HAS_BIAS, the program's
+    column sums of dz (the bias gradient's share of its rows, summed in fp32 as dz is stored)
+    into BIAS_PARTIAL[pid, f, :H], which a fixed-order sum over programs reduces."""
     pid = tl.program_id(0)
     f = tl.program_id(1).to(tl.int64)
     hs = tl.arange(0, BLOCK_H)
     hmask = hs < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     row_start = pid * rows_per_program
     for r0 in range(row_start, row_start + rows_per_program, BLOCK_B):
         rows = r0 + tl.arange(0, BLOCK_B)
@@ -75,7 +81,12 @@ def masked_grad_rows(
         if LOAD_MASK:
             keep = _load_relu_mask_rows(STATS, stats_half, f, B, rows64, rmask, hs, H, BLOCK_H)
             dz = tl.where(keep, dz, 0.0)
-        tl.store(DZ + (f * B + rows64)[:, None] * H + hs[None, :], dz.to(DZ.dtype.element_ty), mask=mask)
+        dz = dz.to(DZ.dtype.element_ty)
+        tl.store(DZ + (f * B + rows64)[:, None] * H + hs[None, :], dz, mask=mask)
+        if HAS_BIAS:
+            acc += tl.sum(dz.to(tl.float32), axis=0)
+    if HAS_BIAS:
+        tl.store(BIAS_PARTIAL + (pid * tl.num_programs(1) + f) * H + hs, acc, mask=hmask)
 
 
 @triton.jit
