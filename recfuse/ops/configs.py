@@ -541,33 +541,43 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
     return ForwardConfig(block_b, block_d, block_h, False, num_warps)
 
 
-# The GEMM backward (`BackwardConfig.gemm`) where the heuristic takes it: fp32, H of 32-64 (the
-# relu mask a forward saves holds at most 64 columns), rows of 256-512 columns. H200, x 256 MB,
-# BFD, per-feature LayerNorm affine, training step GPU time against the fused kernels' heuristic
-# config (benchmarks/results/checks/ab_gemm_bwd_h200.txt): H=64 D=512 3598 -> 1198 us, D=256
-# 2641 -> 1345; H=32 D=512 2912 -> 967, D=256 2770 -> 994; at x 16 MB still 1.4-2.2x. It lost at
-# D=128 (H=64 1280 vs 1366, H=32 704 vs 1011) and D=96 H=32, and at D=160 H=64 to the H200
-# table's entry (1672 us in the grid, 1834 here); at H=16 it won D=512 only (962 -> 860).
-GEMM_MIN_H = 32
-GEMM_MIN_D = 256
+# The GEMM backward (`BackwardConfig.gemm`) where the heuristic takes it: H of 16-64 (the relu
+# mask a forward saves holds at most 64 columns); fp32 rows of 256-512 columns, bf16 rows of 512.
+# H200, x 256 MB, BFD, per-feature LayerNorm affine, training step GPU time against the fused
+# kernels' heuristic config, Triton GEMMs (session 30; results/checks/session30_call4_h200.txt and
+# benchmarks/NOTES.md): fp32 H=64 D=512 3618 -> ~1080 us, D=256 2644 -> ~1160; H=16 D=512 972 ->
+# ~730, D=256 916 -> ~737; bf16 D=512 H=64 1956 -> 1058, H=16 1054 -> 909. It lost at fp32 D=128
+# (session 29, cuBLAS GEMMs) and bf16 D=256 H=16 (711 vs 974: bf16 row kernels move half an fp32
+# tile's bytes a row tile; not tuned yet).
+GEMM_MIN_H = 16
+GEMM_MIN_D = {torch.float32: 256, torch.bfloat16: 512}
 GEMM_MAX_BLOCK_D = 512  # wider rows not measured: they keep the K-chunked kernel
 
 
-def gemm_backward_config(D: int, H: int, **knobs) -> BackwardConfig:
-    """The GEMM backward's config for (D, H): its row kernel's tile of ~4096 elements (8 rows of
-    512, 4 warps), 8 programs an SM, the row loop pipelined 3 deep; ``knobs`` replace fields.
-    H200, fp32 D = 256/512, H = 32/64, training step (results/checks/ab_gemm_bwd_tiles_h200.txt):
-    half or double the rows 1.04-1.9x slower, 4 programs an SM 1.12-1.18x, 8 warps 1.04-1.12x,
-    16 programs an SM the same, 3 stages 0.96-0.97x the time of 2.
+def gemm_backward_config(D: int, H: int, dtype: torch.dtype = torch.float32, **knobs) -> BackwardConfig:
+    """The GEMM backward's config for (D, H, dtype); ``knobs`` replace fields.
+
+    Its row kernel: tiles of ~4096 elements (8 rows of 512, 4 warps), 8 programs an SM (16 for
+    bf16), the row loop pipelined 3 deep. H200, fp32 D = 256/512, H = 32/64, training step
+    (results/checks/ab_gemm_bwd_tiles_h200.txt): half or double the rows 1.04-1.9x slower, 4
+    programs an SM 1.12-1.18x, 8 warps 1.04-1.12x, 16 programs an SM the same, 3 stages 0.96-0.97x
+    the time of 2; bf16 D=512 (session 30) 16 programs an SM 1.13-1.17x faster than 8.
+    Its GEMMs (session 30, results/checks/session30_call4_h200.txt, fp32 D = 256/512, H = 16/64):
+    dt in two 64 x 64 tiles a program (H=64 219 -> 167 us against one 64 x 128 tile), the weight
+    gradient's [H, 64] partials over 32-row steps, about 4 programs an SM (388 -> 276 us at H=64,
+    216 -> 138 at H=16, against [128, H] partials over 64-row steps, 2 an SM: 255 registers and
+    120 KB of shared memory held one program an SM).
 
     Example:
         >>> cfg = gemm_backward_config(512, 64)
-        >>> cfg.gemm, cfg.block_b, cfg.num_warps
-        (1, 8, 4)
+        >>> cfg.gemm, cfg.block_b, cfg.num_warps, cfg.gemm_cols, cfg.dw_block_b
+        (1, 8, 4, 64, 32)
     """
     block_d = triton.next_power_of_2(max(D, 1))
     cfg = BackwardConfig(max(1, min(64, 4096 // block_d)), block_d, triton.next_power_of_2(max(H, 1)), True, 4,
-                         programs_per_sm=8, loop_stages=3, gemm=1)
+                         programs_per_sm=16 if dtype == torch.bfloat16 else 8, loop_stages=3, gemm=1,
+                         gemm_rows=64, gemm_cols=64, gemm_row_tiles=2, gemm_cols_major=0, gemm_dw_per_sm=4,
+                         dw_block_b=32, dw_num_stages=3, dw_num_warps=4)
     knobs = {k: v for k, v in knobs.items() if k != "use_dot"}
     return dataclasses.replace(cfg, **knobs) if knobs else cfg
 
@@ -576,10 +586,13 @@ def gemm_backward_preferred(D: int, H: int, dtype: torch.dtype) -> bool:
     """Whether the heuristic takes the GEMM backward for (D, H, dtype).
 
     Example:
-        >>> gemm_backward_preferred(512, 64, torch.float32), gemm_backward_preferred(512, 16, torch.float32)
+        >>> gemm_backward_preferred(512, 64, torch.float32), gemm_backward_preferred(128, 16, torch.float32)
+        (True, False)
+        >>> gemm_backward_preferred(512, 16, torch.bfloat16), gemm_backward_preferred(256, 16, torch.bfloat16)
         (True, False)
     """
-    return dtype == torch.float32 and GEMM_MIN_H <= H <= 64 and GEMM_MIN_D <= D <= GEMM_MAX_BLOCK_D
+    min_d = GEMM_MIN_D.get(dtype)
+    return min_d is not None and GEMM_MIN_H <= H <= 64 and min_d <= D <= GEMM_MAX_BLOCK_D
 
 
 def fused_backward_config(D: int, H: int, dtype: torch.dtype) -> Optional[BackwardConfig]:
@@ -622,7 +635,7 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
     # for the fused kernels' own heuristic config (the GEMM backward's fallback)
     gemm = knobs.pop("gemm", None)
     if gemm or (gemm is None and not knobs and gemm_backward_preferred(D, H, dtype)):
-        return gemm_backward_config(D, H, **dict(knobs, gemm=gemm or 1))
+        return gemm_backward_config(D, H, dtype, **dict(knobs, gemm=gemm or 1))
     # 2 <= H <= 4: each output column on its own (`unroll_h`: row reductions, 2D tiles). On the
     # H100 it beat the tl.dot path (H padded to 16) and the [rows, H, D] broadcast sum at 13 of the
     # 14 H=4 shapes tuned, 1.2-2.3x (fp32 D=32 618 -> 321 us, D=256 572 -> 451; bf16 D=64 762 ->

@@ -87,9 +87,9 @@ def gemm_tiles(cfg: configs.BackwardConfig, B: int, D: int, chunk: int, per_feat
 
     Example:
         >>> from recfuse.ops import configs
-        >>> t = gemm_tiles(configs.gemm_backward_config(512, 64), 131072, 512, 16, False, 132)
-        >>> t.cols, t.dw_slots
-        (128, 66)
+        >>> t = gemm_tiles(configs.gemm_backward_config(512, 64), 2048, 512, 16, False, 132)
+        >>> t.cols, t.dw_slots  # 8 column tiles x 66 slots: 4 programs an SM
+        (64, 66)
     """
     cols = min(cfg.gemm_cols, triton.next_power_of_2(max(D, 16)))
     col_tiles = triton.cdiv(D, cols)

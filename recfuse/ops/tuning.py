@@ -344,9 +344,11 @@ def row_parts_dot_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs
 
 def gemm_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.BackwardConfig]:
     """The GEMM backward (`BackwardConfig.gemm`, fp32 and bf16, H >= 16, rows of 64+ columns): its row
-    kernel's tiles of 2048-8192 elements, 4 or 8 warps, 8 or 16 programs an SM, the row loop 2 or
-    3 deep. H200 (results/checks/ab_gemm_bwd_tiles_h200.txt): 4096 elements, 4 warps, 8 programs
-    and 3 stages were best at D = 256/512, H = 32/64; it won at fp32 D=512 H=16 too (1.12x).
+    kernel's tiles of 2048-8192 elements, 4 or 8 warps, 8 or 16 programs an SM, the row loop 3 or
+    4 deep (its GEMMs keep `configs.gemm_backward_config`'s tiles). H200, fp32
+    (results/checks/ab_gemm_bwd_tiles_h200.txt): 4096 elements, 4 warps, 8 programs and 3 stages
+    were best at D = 256/512, H = 32/64, 2 stages 1.03-1.04x slower than 3; bf16 (session 30) is
+    not settled: 8192-element tiles won at D=256 (1.5x), lost at D=512 (spills).
 
     Example:
         >>> cands = gemm_candidates(512, 64, torch.float32)
@@ -360,8 +362,8 @@ def gemm_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Backward
     if dtype not in (torch.float32, torch.bfloat16) or not 16 <= H <= 64 or block_d < 64:
         return []
     out = []
-    for elements, warps, pps, stages in itertools.product((2048, 4096, 8192), (4, 8), (8, 16), (2, 3)):
-        cfg = configs.gemm_backward_config(D, H, block_b=max(1, elements // block_d), num_warps=warps,
+    for elements, warps, pps, stages in itertools.product((2048, 4096, 8192), (4, 8), (8, 16), (3, 4)):
+        cfg = configs.gemm_backward_config(D, H, dtype, block_b=max(1, elements // block_d), num_warps=warps,
                                            programs_per_sm=pps, loop_stages=stages)
         if configs.backward_fits(cfg, D, H):
             out.append(cfg)
