@@ -483,11 +483,13 @@ def summary(entries: list[dict]) -> str:
     lines = [f"{'kind':9s} {'dtype':9s} {'D':>4s} {'H':>3s} | {'best us':>9s} {'% floor':>7s} {'heur us':>9s} {'gain':>5s} "
              f"{'at n x B':>10s} | config"]
     for e in entries:
-        gain = e["heuristic_us"] / e["us"] if e["heuristic_us"] else float("nan")
+        if "us" not in e:  # a hand-written entry (its "source" says why): nothing timed to show
+            continue
+        gain = e["heuristic_us"] / e["us"] if e.get("heuristic_us") else float("nan")
         knobs = " ".join(f"{k}={v}" for k, v in e["config"].items())
         confirm = f"{e['confirm_us']:.0f} @{e['confirm_scale']}x" if "confirm_us" in e else "-"
         lines.append(f"{e['kind']:9s} {e['dtype']:9s} {e['D']:4d} {e['H']:3d} | {e['us']:9.1f} {e['pct_floor']:7.1f} "
-                     f"{e['heuristic_us'] or float('nan'):9.1f} {gain:5.2f} {confirm:>10s} | {knobs}")
+                     f"{e.get('heuristic_us') or float('nan'):9.1f} {gain:5.2f} {confirm:>10s} | {knobs}")
     return "\n".join(lines)
 
 
