@@ -74,28 +74,29 @@ def test_the_own_table_wins_and_the_interpreter_has_none(monkeypatch):
 
 
 def test_a_shapes_own_whole_row_winner_stands_where_the_heuristic_chunks(monkeypatch, fresh_configs):
-    """fp32 D=256 H=16: the heuristic chunks; a tuned entry of this very shape that names block_k
+    """fp32 D=160 H=64: the heuristic chunks; a tuned entry of this very shape that names block_k
     (0: the whole-row kernel won against chunked candidates) is used, while a neighbour's
     entry (whole-row or chunked), or an own entry tuned before the chunked kernel existed (no
-    block_k), is not."""
+    block_k), is not. (fp32 D=256 H=16 until session 30, when the heuristic there became the GEMM
+    backward's, whose own-entry rule differs: `test_gemm_backward.py`.)"""
     monkeypatch.delenv(configs.TABLE_ENV, raising=False)
-    heuristic = configs.heuristic_backward(256, 16, torch.float32)
-    assert heuristic.block_k
+    heuristic = configs.heuristic_backward(160, 64, torch.float32)
+    assert heuristic.block_k and not heuristic.gemm
     whole_row = {"block_b": 16, "num_warps": 8, "use_dot": True, "x_evict": "", "programs_per_sm": 4,
                  "num_stages": 1, "block_k": 0}
-    table = {("backward", 256, 16, "float32", True): whole_row}
+    table = {("backward", 160, 64, "float32", False): whole_row}  # D=160: masked rows' entries
     _fake_gpu(monkeypatch, "fake-gpu", 1, 0, 1)  # an architecture no shipped table has
     monkeypatch.setattr(configs, "load_table", lambda slug: table)
-    cfg = configs.backward_config(256, 16, torch.float32, 0)
+    cfg = configs.backward_config(160, 64, torch.float32, 0)
     assert (cfg.block_k, cfg.block_b, cfg.num_warps) == (0, 16, 8)
-    assert configs.backward_config(256, 32, torch.float32, 0) == configs.heuristic_backward(256, 32, torch.float32)
+    assert configs.backward_config(192, 64, torch.float32, 0) == configs.heuristic_backward(192, 64, torch.float32)
     # a neighbour's chunked entry is not borrowed either (H=16's 64-column chunks at H=64)
-    table[("backward", 512, 16, "float32", True)] = dict(whole_row, block_b=64, block_k=64)
-    assert configs.backward_config(512, 64, torch.float32, 0) == configs.heuristic_backward(512, 64, torch.float32)
-    assert configs.backward_config(512, 16, torch.float32, 0).block_k == 64
+    table[("backward", 192, 16, "float32", False)] = dict(whole_row, block_b=16, block_k=64)
+    assert configs.backward_config(192, 64, torch.float32, 0) == configs.heuristic_backward(192, 64, torch.float32)
+    assert configs.backward_config(192, 16, torch.float32, 0).block_k == 64
     configs._cached_backward_config.cache_clear()
-    table[("backward", 256, 16, "float32", True)] = {k: v for k, v in whole_row.items() if k != "block_k"}
-    assert configs.backward_config(256, 16, torch.float32, 0) == heuristic
+    table[("backward", 160, 64, "float32", False)] = {k: v for k, v in whole_row.items() if k != "block_k"}
+    assert configs.backward_config(160, 64, torch.float32, 0) == heuristic
 
 
 def test_a_per_column_backward_entry_is_not_borrowed_past_eight_columns():
@@ -201,9 +202,10 @@ def test_an_own_table_lies_over_the_same_architecture_table(monkeypatch, fresh_c
         entry = h100[(kind, D, H, name, True)]
         cfg = (configs.forward_config(D, H, dtype, 0) if kind == "forward" else configs.backward_config(D, H, dtype, 0))
         assert (cfg.block_b, cfg.num_warps) == (entry["block_b"], entry["num_warps"]), (kind, D, H, dtype)
-    # a shape neither table has exactly: the nearest entry over both (the H100's D=512 H=16 for H=32)
-    near = h100[("backward", 512, 16, "bfloat16", True)]
-    cfg = configs.backward_config(512, 32, torch.bfloat16, 0)
+    # a shape neither table has exactly: the nearest entry over both (the H100's D=256 H=16 for
+    # H=32; at D=512 the heuristic takes the GEMM backward, which borrows no neighbour's entry)
+    near = h100[("backward", 256, 16, "bfloat16", True)]
+    cfg = configs.backward_config(256, 32, torch.bfloat16, 0)
     assert (cfg.block_b, cfg.num_warps) == (near["block_b"], near["num_warps"])
     # the environment variable still names one table alone
     monkeypatch.setenv(configs.TABLE_ENV, H100)
