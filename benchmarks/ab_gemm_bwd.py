@@ -1,16 +1,19 @@
 """A/B of the GEMM backward (`BackwardConfig.gemm`, `recfuse.ops.gemm_backward`) against the fused
 backward kernels' heuristic config, in one process, on the same inputs.
 
-For every point (layout, D, H, LayerNorm affine, x size): the op's training step (forward with the
+For every point (dtype, layout, D, H, LayerNorm affine, x size): the op's training step (forward with the
 saved stats and relu mask, then backward, parameter grads None before it) with each backward
 forced (`configs.override`), as GPU time (the sum of kernel durations, `device_activity`), its
 share of the memory floor (3 x + 2 y at the copy bandwidth measured here), kernels per step,
 extra peak memory, and every gradient's max |g - g64| / max |g64| against the float64 composite
 with grad_y zeroed where the float64 |z| < 1e-4 (relu ties flip with rounding, as the tuner does).
 The forced configs also reach the forward (which saves the relu mask for either backward).
+``--gemm-knobs`` adds GEMM-backward variants (its row kernel's and GEMMs' knobs), ``--kernel-times``
+each variant's GPU time by kernel (where the step's time goes).
 
 Example:
     $ python benchmarks/ab_gemm_bwd.py --json benchmarks/results/checks/ab_gemm_bwd_h200.json
+    $ python benchmarks/ab_gemm_bwd.py --dtypes bf16 --dims 512 --hs 64 --kernel-times --gemm-knobs '{"programs_per_sm": 16}'
     $ python benchmarks/ab_gemm_bwd.py --device cpu --dims 48 --hs 33 --x-mb 0.05  # interpreter smoke run
 """
 from __future__ import annotations

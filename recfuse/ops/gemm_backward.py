@@ -15,9 +15,10 @@ thing (`gemm_backward_kernels`):
 3. the weight, bias and LayerNorm-affine gradients: fixed-order sums (`torch.sum`) of the
    kernels' per-program partials (the bias's from `masked_grad_rows`).
 
-Every gradient is written in its final shape and dtype. fp32 dots run as 3xTF32 (fp32 accuracy on
-the tensor cores, whatever the process's TF32 setting), 16-bit ones in their dtype with fp32
-accumulation, as PyTorch's 16-bit Linear backward does. No atomics and no cuBLAS: the same inputs
+Every gradient is written in its final shape and dtype. fp32 dots run as three bf16 parts a value,
+six products on the tensor cores (fp32's rounding, whatever the process's TF32 setting; "tf32x3"
+as a `BackwardConfig.fp32_dots` knob), 16-bit ones in their dtype with fp32 accumulation, as
+PyTorch's 16-bit Linear backward does. No atomics and no cuBLAS: the same inputs
 give the same bits, with or without ``torch.use_deterministic_algorithms``.
 (Until session 30 the two dots were cuBLAS fp32 GEMMs, on the SIMT cores: 29.5 TF/s, half the
 H200's training step at fp32 D=512 H=64; benchmarks/NOTES.md.)
@@ -25,7 +26,7 @@ H200's training step at fp32 D=512 H=64; benchmarks/NOTES.md.)
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import triton
