@@ -42,6 +42,9 @@ def smoke_commands(out: Path) -> dict[str, list[str]]:
         # sets TRITON_INTERPRET=1 itself, before Triton is imported
         "host_path_stub": ["host_path_stub.py", "--rounds", "1", "--calls", "10", "--json",
                            str(out / "host_path_stub.json")],
+        # fp32 D=256 H=16 takes the GEMM backward (no table on a CPU machine: the heuristic)
+        "host_path_stub_gemm": ["host_path_stub.py", "--F", "2", "--B", "8", "--D", "256", "--H", "16", "--rounds", "1",
+                                "--calls", "10", "--json", str(out / "host_path_stub_gemm.json")],
         "transform_time": ["transform_time.py", "--features", "8", "--repeats", "1", "--json",
                            str(out / "transform_time.json")],
         "ddp_check": ["ddp_check.py", "--device", "cpu", "--backend", "gloo", "--world-size", "2", "--F", "3", "--D",
@@ -247,6 +250,15 @@ def test_host_path_stub_smoke_run(smoke):
         assert row["us"] > 0 and row["calls"] > 0, name
         assert row["launches"] == (3.0 if "training step" in name else 1.0), (name, row)
     assert {"op forward, no grad", "transform training step", "FFP training step"} <= set(rows)
+
+
+def test_host_path_stub_binds_every_launch_of_the_gemm_backward(smoke):
+    # the tool asserts that every backward plan bound; a GEMM backward step launches the forward,
+    # then masked dz, dt, the row kernel and the weight gradient's partials (one chunk)
+    out, _ = smoke("host_path_stub_gemm")
+    rows = json.loads((out / "host_path_stub_gemm.json").read_text())
+    for name, row in rows.items():
+        assert row["launches"] == (5.0 if "training step" in name else 1.0), (name, row)
 
 
 def test_gpu_kernels_cpu_checks_pass(smoke):

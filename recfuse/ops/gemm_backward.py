@@ -110,9 +110,25 @@ def _sum_into(src: torch.Tensor, dim: int, out: torch.Tensor) -> None:
         out.copy_(src.sum(dim))
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchStep:
+    """One kernel launch of a GEMM backward call: its launcher, grid, the names of the call's
+    tensors it takes (in order, `GemmBackwardPlan.__call__`'s), then its fixed integers, constexprs
+    and launch options."""
+
+    launcher: CompiledLaunchCache
+    grid: tuple
+    tensors: tuple
+    ints: tuple
+    meta: dict
+    options: dict
+
+
 @dataclasses.dataclass
 class GemmBackwardPlan:
-    """Everything a GEMM backward call of one signature needs but its tensors."""
+    """Everything a GEMM backward call of one signature needs but its tensors: its launches in
+    order (`steps`: the masked dz, then per chunk of features dt, the row kernel and the weight
+    gradient's partials), each bound to its compiled kernel after its first launch."""
 
     cfg: configs.BackwardConfig
     F: int
@@ -122,15 +138,13 @@ class GemmBackwardPlan:
     chunk: int
     programs: int  # row programs a feature, both row kernels
     tiles: GemmTiles
-    dz_meta: dict
-    dz_ints: tuple
     meta: dict  # `norm_act_backward_rows`' constexprs
     ints: tuple  # its integers after f0 (F, B, D, stats_half, rows_per_program, strides, eps, 1 / D)
-    dot_meta: dict  # SPLIT, DOT_DTYPE, DOT_PRECISION, UPCAST of both GEMM kernels
-    options: dict
+    steps: list
     zero_dx: bool = False
     reads_stats: bool = True
     tracer: Optional[Callable[[], Optional[list]]] = None  # `launch.trace_launches`' list, or None
+    bound_steps: list = dataclasses.field(default_factory=list)  # per step: its bound launcher, or None
 
     @property
     def grid(self) -> tuple:
@@ -141,6 +155,24 @@ class GemmBackwardPlan:
         """The row kernel's launcher (`norm_act_backward_rows`)."""
         return _launch_rows
 
+    @property
+    def bound(self) -> Optional[bool]:
+        """True once every launch is bound to its compiled kernel (CUDA, after the first call)."""
+        return True if self.bound_steps and all(b is not None for b in self.bound_steps) else None
+
+    def _launch(self, i: int, step: LaunchStep, tensors: tuple) -> None:
+        bound = self.bound_steps[i] if i < len(self.bound_steps) else None
+        if bound is not None:
+            bound(*tensors)
+            return
+        args = tensors + step.ints
+        step.launcher(step.grid, args, step.meta, **step.options)
+        bound = step.launcher.bind(step.grid, args, step.meta, len(tensors), **step.options)
+        if i < len(self.bound_steps):
+            self.bound_steps[i] = bound
+        else:
+            self.bound_steps.append(bound)
+
     def __call__(self, grad_y, x, weight, bias, ln_weight, ln_bias, stats):
         F, B, D, H, tiles = self.F, self.B, self.D, self.H, self.tiles
         dx = torch.empty_like(x)
@@ -150,41 +182,20 @@ class GemmBackwardPlan:
         glw = x.new_empty((0,)) if ln_weight is None else torch.empty_like(ln_weight, memory_format=contiguous)
         glb = x.new_empty((0,)) if ln_bias is None else torch.empty_like(ln_bias, memory_format=contiguous)
         dz = x.new_empty((F, B, H))
-        if stats is None:  # no norm and no relu: the kernels read no stats (any pointer will do)
-            stats = dz
-        bias_partial = x.new_empty((self.programs, F, H) if bias is not None else (1,), dtype=torch.float32)
-        _launch_masked_grad((self.programs, F), (grad_y, stats, dz, bias_partial) + self.dz_ints,
-                            dict(self.dz_meta, HAS_BIAS=bias is not None), num_warps=4)
         has_affine = ln_weight is not None or ln_bias is not None
         partial = x.new_empty((2, self.programs, F, D) if has_affine else (1,), dtype=torch.float32)
-        scratch = x.new_empty((min(self.chunk, F), B, D))
-        per_feature_w = weight.dim() == 3
+        bias_partial = x.new_empty((self.programs, F, H) if bias is not None else (1,), dtype=torch.float32)
         w_partial = x.new_empty((tiles.dw_slots,) + tuple(gw.shape), dtype=torch.float32)
-        slot_stride = w_partial[0].numel()
-        lnw = ln_weight if ln_weight is not None else x
-        lnb = ln_bias if ln_bias is not None else x
-        w_strides = (weight.stride(0) if per_feature_w else 0,) + tuple(weight.stride()[-2:])
-        col_tiles = triton.cdiv(D, tiles.cols)
-        dt_meta = dict(self.dot_meta, BLOCK_M=tiles.dt_rows, BLOCK_N=tiles.cols, BLOCK_H=self.meta_block_h,
-                       ROW_TILES=tiles.row_tiles)
-        dw_meta = dict(self.dot_meta, PER_FEATURE=per_feature_w, COLS_MAJOR=bool(tiles.cols_major),
-                       BLOCK_K=tiles.dw_rows, BLOCK_N=tiles.cols, BLOCK_H=self.meta_block_h,
-                       LOOP_STAGES=tiles.dw_stages)
-        dt_programs = triton.cdiv(B, tiles.dt_rows * tiles.row_tiles)
-        for f0 in range(0, F, self.chunk):
-            n = min(self.chunk, F - f0)
-            _launch_dt((dt_programs, col_tiles, n), (dz, weight, scratch, f0, B, H, D) + w_strides,
-                       dt_meta, num_warps=tiles.dt_warps)
-            trace = self.tracer() if self.tracer is not None else None
-            if trace is not None:
-                trace.append(("backward", (self.programs, n), self.meta, self.cfg))
-            _launch_rows((self.programs, n), (x, scratch, dx, stats, lnw, lnb, partial, f0) + self.ints,
-                         self.meta, **self.options)
-            rows_total = B if per_feature_w else n * B
-            rows_per_slot = triton.cdiv(triton.cdiv(rows_total, tiles.dw_slots), tiles.dw_rows) * tiles.dw_rows
-            _launch_dw((tiles.dw_slots, col_tiles, n if per_feature_w else 1),
-                       (dz, scratch, w_partial, f0, B, rows_total, rows_per_slot, H, D, slot_stride),
-                       dict(dw_meta, ACCUMULATE=f0 > 0 and not per_feature_w), num_warps=tiles.dw_warps)
+        # no norm and no relu: the kernels read no stats (any pointer will do); absent affine: x
+        tensors = dict(grad_y=grad_y, x=x, weight=weight, stats=dz if stats is None else stats, dz=dz,
+                       dx=dx, scratch=x.new_empty((min(self.chunk, F), B, D)), partial=partial,
+                       bias_partial=bias_partial, w_partial=w_partial,
+                       lnw=ln_weight if ln_weight is not None else x, lnb=ln_bias if ln_bias is not None else x)
+        trace = self.tracer() if self.tracer is not None else None
+        for i, step in enumerate(self.steps):
+            if trace is not None and step.launcher is _launch_rows:
+                trace.append(("backward", step.grid, self.meta, self.cfg))
+            self._launch(i, step, tuple(tensors[name] for name in step.tensors))
         _sum_into(w_partial, 0, gw)
         if bias is not None:
             if bias.dim() == 2:
@@ -200,10 +211,6 @@ class GemmBackwardPlan:
         if self.zero_dx:
             dx.zero_()
         return dx, gw, gb, glw, glb
-
-    @property
-    def meta_block_h(self) -> int:
-        return max(16, triton.next_power_of_2(self.H))
 
 
 def gemm_dot_meta(cfg: configs.BackwardConfig, dtype: torch.dtype, dot_args: dict, device_type: str) -> dict:
@@ -246,7 +253,7 @@ def gemm_backward_eligible(grad_y, x, weight, params, norm: int, out_act: int, h
     return norm == 0 or stats is not None
 
 
-def build(cfg: configs.BackwardConfig, grad_y, x, weight, ln_weight, ln_bias, eps: float, feature_dim: int,
+def build(cfg: configs.BackwardConfig, grad_y, x, weight, bias, ln_weight, ln_bias, eps: float, feature_dim: int,
           F: int, B: int, D: int, H: int, num_sms: int, feature_major: Callable, param_stride: Callable,
           norm: int, act: int, fast_tanh: int, load_mask: bool, stats_half: int, dot_meta: dict,
           zero_dx: bool, tracer: Optional[Callable[[], Optional[list]]] = None) -> GemmBackwardPlan:
@@ -264,15 +271,43 @@ def build(cfg: configs.BackwardConfig, grad_y, x, weight, ln_weight, ln_bias, ep
     # dz tiles of up to 4096 elements that divide a program's rows (a power of two: rows_per_program
     # is a multiple of block_b)
     dz_block_b = min(rows_per_program & -rows_per_program, max(1, 4096 // block_h))
-    dz_ints = (B, H, stats_half, rows_per_program, sgf, sgb, grad_y.stride(2))
-    dz_meta = dict(LOAD_MASK=load_mask, BLOCK_B=dz_block_b, BLOCK_H=block_h)
+    dz_step = LaunchStep(_launch_masked_grad, (programs, F), ("grad_y", "stats", "dz", "bias_partial"),
+                         (B, H, stats_half, rows_per_program, sgf, sgb, grad_y.stride(2)),
+                         dict(LOAD_MASK=load_mask, HAS_BIAS=bias is not None, BLOCK_B=dz_block_b, BLOCK_H=block_h),
+                         dict(num_warps=4))
     ints = (F, B, D, stats_half, rows_per_program, sxf, sxb, x.stride(2), sdf, sdb, dx_strides[2],
             param_stride(ln_weight, 2), param_stride(ln_bias, 2), float(eps), 1.0 / D)
     meta = dict(HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None, NORM=norm, ACT=act,
                 FAST_TANH=fast_tanh, EVEN_D=D == block_d, X_EVICT=cfg.x_evict,
                 BLOCK_B=block_b, BLOCK_D=block_d, LOOP_STAGES=max(1, cfg.loop_stages))
     chunk = chunk_features(F, B, D, x.numel() * x.element_size(), cfg.gemm, x.element_size())
-    tiles = gemm_tiles(cfg, B, D, chunk, weight.dim() == 3, num_sms)
+    per_feature_w = weight.dim() == 3
+    tiles = gemm_tiles(cfg, B, D, chunk, per_feature_w, num_sms)
     dot_meta = gemm_dot_meta(cfg, x.dtype, dot_meta, x.device.type)
-    return GemmBackwardPlan(cfg, F, B, D, H, chunk, programs, tiles, dz_meta, dz_ints, meta, ints, dot_meta,
-                            dict(num_warps=cfg.num_warps), zero_dx=zero_dx, tracer=tracer)
+    gemm_block_h = max(16, block_h)
+    col_tiles = triton.cdiv(D, tiles.cols)
+    w_strides = (weight.stride(0) if per_feature_w else 0,) + tuple(weight.stride()[-2:])
+    dt_meta = dict(dot_meta, BLOCK_M=tiles.dt_rows, BLOCK_N=tiles.cols, BLOCK_H=gemm_block_h,
+                   ROW_TILES=tiles.row_tiles)
+    dw_meta = dict(dot_meta, PER_FEATURE=per_feature_w, COLS_MAJOR=bool(tiles.cols_major), BLOCK_K=tiles.dw_rows,
+                   BLOCK_N=tiles.cols, BLOCK_H=gemm_block_h, LOOP_STAGES=tiles.dw_stages)
+    slot_stride = H * D * (F if per_feature_w else 1)
+    steps = [dz_step]
+    for f0 in range(0, F, chunk):
+        n = min(chunk, F - f0)
+        rows_total = B if per_feature_w else n * B
+        rows_per_slot = triton.cdiv(triton.cdiv(rows_total, tiles.dw_slots), tiles.dw_rows) * tiles.dw_rows
+        steps += [
+            LaunchStep(_launch_dt, (triton.cdiv(B, tiles.dt_rows * tiles.row_tiles), col_tiles, n),
+                       ("dz", "weight", "scratch"), (f0, B, H, D) + w_strides, dt_meta,
+                       dict(num_warps=tiles.dt_warps)),
+            LaunchStep(_launch_rows, (programs, n), ("x", "scratch", "dx", "stats", "lnw", "lnb", "partial"),
+                       (f0,) + ints, meta, dict(num_warps=cfg.num_warps)),
+            # the weight gradient's partials: a weight shared by the features adds each chunk's
+            # rows to the previous chunks' in the same program slot (chunk order: deterministic)
+            LaunchStep(_launch_dw, (tiles.dw_slots, col_tiles, n if per_feature_w else 1),
+                       ("dz", "scratch", "w_partial"), (f0, B, rows_total, rows_per_slot, H, D, slot_stride),
+                       dict(dw_meta, ACCUMULATE=f0 > 0 and not per_feature_w), dict(num_warps=tiles.dw_warps)),
+        ]
+    return GemmBackwardPlan(cfg, F, B, D, H, chunk, programs, tiles, meta, ints, steps, zero_dx=zero_dx,
+                            tracer=tracer)

@@ -692,7 +692,7 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
             return None if fused_cfg is None else _build_backward_plan(
                 grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, stats, chain, cfg=fused_cfg)
         return gemm_backward.build(
-            cfg, grad_y, x, weight, ln_weight, ln_bias, eps, feature_dim, F, B, D, H, _num_sms(dev), _feature_major,
+            cfg, grad_y, x, weight, bias, ln_weight, ln_bias, eps, feature_dim, F, B, D, H, _num_sms(dev), _feature_major,
             _param_stride, norm, act, device_constexprs("backward", x.dtype, dev.type, chain)["FAST_TANH"],
             has_mask, F * B, _dot_args(x.dtype, dev.type), zero_dx=D == 1 and chain.norm == "layer_norm",
             tracer=_current_trace)
