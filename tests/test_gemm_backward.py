@@ -179,8 +179,8 @@ def test_an_autograd_training_step_on_the_gemm_backward_matches_float64(device):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_with_tf32_on_for_fp32_matmuls_the_gemm_backward_keeps_fp32_accuracy():
-    # Its GEMMs are Triton's 3xTF32 dots, not cuBLAS: the process's TF32 setting (~1e-3 off in a
-    # cuBLAS fp32 GEMM) does not reach them.
+    # Its GEMMs are Triton's split-bf16 dots (bf16x6), not cuBLAS: the process's TF32 setting
+    # (~1e-3 off in a cuBLAS fp32 GEMM) does not reach them.
     case, chain, args, gy, knobs, stats = _inputs(Case(4, 64, 128, 64, ln="per_feature"), None, 1, "cuda", seed=9)
     previous = torch.backends.cuda.matmul.fp32_precision
     torch.backends.cuda.matmul.fp32_precision = "tf32"

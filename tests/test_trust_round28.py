@@ -1,6 +1,7 @@
 """Red-team round 28: the GEMM backward (`BackwardConfig.gemm`) with non-finite values, under the
-interpreter (its Triton GEMMs' dots are numpy's IEEE fp32 there; on a GPU 3xTF32: run this file
-on CUDA with tools/rounds_on_cuda.py), through the public op's autograd against the float64 per-slice reference, with round 25's
+interpreter (its Triton GEMMs' dots are numpy's fp32 over bf16 parts there; on a GPU the bf16
+tensor cores': run this file on CUDA with tools/rounds_on_cuda.py, 29 passed on the H200 in
+session 30), through the public op's autograd against the float64 per-slice reference, with round 25's
 rules (`test_trust_round25._check`): finite entries within 1e-4 of the largest finite reference
 magnitude, NaN exactly where the reference's NaN is, no finite value where the reference (float64
 and fp32) is non-finite.
