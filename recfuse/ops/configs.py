@@ -597,7 +597,7 @@ def gemm_backward_preferred(D: int, H: int, dtype: torch.dtype) -> bool:
 
 def fused_backward_config(D: int, H: int, dtype: torch.dtype) -> Optional[BackwardConfig]:
     """The fused kernels' own heuristic config, never the GEMM backward's: what a plan falls back to
-    where its config's path cannot run (no forward stats or relu mask, TF32, 16-bit inputs).
+    where its config's path cannot run (no forward stats or relu mask, fp16, mixed dtypes).
 
     Example:
         >>> heuristic_backward(384, 32, torch.float32).gemm, fused_backward_config(384, 32, torch.float32).gemm

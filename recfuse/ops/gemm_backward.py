@@ -64,42 +64,22 @@ def chunk_features(F: int, B: int, D: int, x_bytes: int, min_chunks: int, elemen
     return max(1, min(F, by_budget, by_count))
 
 
-@dataclasses.dataclass(frozen=True)
-class GemmTiles:
-    """The two GEMM kernels' tiles (`BackwardConfig`'s gemm_* and dw_* knobs) and the weight
-    gradient's program slots (row ranges) a weight, ``dw_slots``."""
-
-    dt_rows: int
-    cols: int
-    row_tiles: int
-    dt_warps: int
-    dw_rows: int
-    dw_stages: int
-    dw_warps: int
-    cols_major: int
-    dw_slots: int
-
-
-def gemm_tiles(cfg: configs.BackwardConfig, B: int, D: int, chunk: int, per_feature_weight: bool,
-               num_sms: int) -> GemmTiles:
-    """The GEMM kernels' tiles of ``cfg``, columns capped at D's power of two, and enough
-    weight-gradient program slots that column tiles x slots (x features of a chunk, per-feature
-    weights) make about ``cfg.gemm_dw_per_sm`` programs an SM, each over whole row steps.
+def gemm_grid(cfg: configs.BackwardConfig, B: int, D: int, chunk: int, per_feature_weight: bool,
+              num_sms: int) -> tuple[int, int]:
+    """(columns a GEMM tile, the weight gradient's program slots): ``cfg.gemm_cols`` capped at D's
+    power of two, and enough slots (row ranges) that column tiles x slots (x features of a chunk,
+    per-feature weights) make about ``cfg.gemm_dw_per_sm`` programs an SM, each over whole
+    ``cfg.dw_block_b``-row steps. The other tiles are ``cfg``'s gemm_* and dw_* knobs.
 
     Example:
         >>> from recfuse.ops import configs
-        >>> t = gemm_tiles(configs.gemm_backward_config(512, 64), 2048, 512, 16, False, 132)
-        >>> t.cols, t.dw_slots  # 8 column tiles x 66 slots: 4 programs an SM
+        >>> gemm_grid(configs.gemm_backward_config(512, 64), 2048, 512, 16, False, 132)  # 8 x 66: 4 an SM
         (64, 66)
     """
     cols = min(cfg.gemm_cols, triton.next_power_of_2(max(D, 16)))
-    col_tiles = triton.cdiv(D, cols)
     row_steps = triton.cdiv(B * (1 if per_feature_weight else chunk), cfg.dw_block_b)
-    per_slot = col_tiles * (chunk if per_feature_weight else 1)
-    slots = max(1, min(row_steps, triton.cdiv(cfg.gemm_dw_per_sm * num_sms, per_slot)))
-    return GemmTiles(dt_rows=cfg.gemm_rows, cols=cols, row_tiles=cfg.gemm_row_tiles, dt_warps=cfg.gemm_dt_warps,
-                     dw_rows=cfg.dw_block_b, dw_stages=cfg.dw_num_stages, dw_warps=cfg.dw_num_warps,
-                     cols_major=cfg.gemm_cols_major, dw_slots=slots)
+    per_slot = triton.cdiv(D, cols) * (chunk if per_feature_weight else 1)
+    return cols, max(1, min(row_steps, triton.cdiv(cfg.gemm_dw_per_sm * num_sms, per_slot)))
 
 
 def _sum_into(src: torch.Tensor, dim: int, out: torch.Tensor) -> None:
@@ -137,7 +117,7 @@ class GemmBackwardPlan:
     H: int
     chunk: int
     programs: int  # row programs a feature, both row kernels
-    tiles: GemmTiles
+    dw_slots: int  # the weight gradient's program slots (`gemm_grid`)
     meta: dict  # `norm_act_backward_rows`' constexprs
     ints: tuple  # its integers after f0 (F, B, D, stats_half, rows_per_program, strides, eps, 1 / D)
     steps: list
@@ -174,7 +154,7 @@ class GemmBackwardPlan:
             self.bound_steps.append(bound)
 
     def __call__(self, grad_y, x, weight, bias, ln_weight, ln_bias, stats):
-        F, B, D, H, tiles = self.F, self.B, self.D, self.H, self.tiles
+        F, B, D, H = self.F, self.B, self.D, self.H
         dx = torch.empty_like(x)
         contiguous = torch.contiguous_format
         gw = torch.empty_like(weight, memory_format=contiguous)
@@ -185,7 +165,7 @@ class GemmBackwardPlan:
         has_affine = ln_weight is not None or ln_bias is not None
         partial = x.new_empty((2, self.programs, F, D) if has_affine else (1,), dtype=torch.float32)
         bias_partial = x.new_empty((self.programs, F, H) if bias is not None else (1,), dtype=torch.float32)
-        w_partial = x.new_empty((tiles.dw_slots,) + tuple(gw.shape), dtype=torch.float32)
+        w_partial = x.new_empty((self.dw_slots,) + tuple(gw.shape), dtype=torch.float32)
         # no norm and no relu: the kernels read no stats (any pointer will do); absent affine: x
         tensors = dict(grad_y=grad_y, x=x, weight=weight, stats=dz if stats is None else stats, dz=dz,
                        dx=dx, scratch=x.new_empty((min(self.chunk, F), B, D)), partial=partial,
@@ -282,32 +262,31 @@ def build(cfg: configs.BackwardConfig, grad_y, x, weight, bias, ln_weight, ln_bi
                 BLOCK_B=block_b, BLOCK_D=block_d, LOOP_STAGES=max(1, cfg.loop_stages))
     chunk = chunk_features(F, B, D, x.numel() * x.element_size(), cfg.gemm, x.element_size())
     per_feature_w = weight.dim() == 3
-    tiles = gemm_tiles(cfg, B, D, chunk, per_feature_w, num_sms)
+    cols, dw_slots = gemm_grid(cfg, B, D, chunk, per_feature_w, num_sms)
     dot_meta = gemm_dot_meta(cfg, x.dtype, dot_meta, x.device.type)
     gemm_block_h = max(16, block_h)
-    col_tiles = triton.cdiv(D, tiles.cols)
+    col_tiles = triton.cdiv(D, cols)
     w_strides = (weight.stride(0) if per_feature_w else 0,) + tuple(weight.stride()[-2:])
-    dt_meta = dict(dot_meta, BLOCK_M=tiles.dt_rows, BLOCK_N=tiles.cols, BLOCK_H=gemm_block_h,
-                   ROW_TILES=tiles.row_tiles)
-    dw_meta = dict(dot_meta, PER_FEATURE=per_feature_w, COLS_MAJOR=bool(tiles.cols_major), BLOCK_K=tiles.dw_rows,
-                   BLOCK_N=tiles.cols, BLOCK_H=gemm_block_h, LOOP_STAGES=tiles.dw_stages)
+    dt_meta = dict(dot_meta, BLOCK_M=cfg.gemm_rows, BLOCK_N=cols, BLOCK_H=gemm_block_h, ROW_TILES=cfg.gemm_row_tiles)
+    dw_meta = dict(dot_meta, PER_FEATURE=per_feature_w, COLS_MAJOR=bool(cfg.gemm_cols_major), BLOCK_K=cfg.dw_block_b,
+                   BLOCK_N=cols, BLOCK_H=gemm_block_h, LOOP_STAGES=cfg.dw_num_stages)
     slot_stride = H * D * (F if per_feature_w else 1)
     steps = [dz_step]
     for f0 in range(0, F, chunk):
         n = min(chunk, F - f0)
         rows_total = B if per_feature_w else n * B
-        rows_per_slot = triton.cdiv(triton.cdiv(rows_total, tiles.dw_slots), tiles.dw_rows) * tiles.dw_rows
+        rows_per_slot = triton.cdiv(triton.cdiv(rows_total, dw_slots), cfg.dw_block_b) * cfg.dw_block_b
         steps += [
-            LaunchStep(_launch_dt, (triton.cdiv(B, tiles.dt_rows * tiles.row_tiles), col_tiles, n),
+            LaunchStep(_launch_dt, (triton.cdiv(B, cfg.gemm_rows * cfg.gemm_row_tiles), col_tiles, n),
                        ("dz", "weight", "scratch"), (f0, B, H, D) + w_strides, dt_meta,
-                       dict(num_warps=tiles.dt_warps)),
+                       dict(num_warps=cfg.gemm_dt_warps)),
             LaunchStep(_launch_rows, (programs, n), ("x", "scratch", "dx", "stats", "lnw", "lnb", "partial"),
                        (f0,) + ints, meta, dict(num_warps=cfg.num_warps)),
             # the weight gradient's partials: a weight shared by the features adds each chunk's
             # rows to the previous chunks' in the same program slot (chunk order: deterministic)
-            LaunchStep(_launch_dw, (tiles.dw_slots, col_tiles, n if per_feature_w else 1),
+            LaunchStep(_launch_dw, (dw_slots, col_tiles, n if per_feature_w else 1),
                        ("dz", "scratch", "w_partial"), (f0, B, rows_total, rows_per_slot, H, D, slot_stride),
-                       dict(dw_meta, ACCUMULATE=f0 > 0 and not per_feature_w), dict(num_warps=tiles.dw_warps)),
+                       dict(dw_meta, ACCUMULATE=f0 > 0 and not per_feature_w), dict(num_warps=cfg.dw_num_warps)),
         ]
-    return GemmBackwardPlan(cfg, F, B, D, H, chunk, programs, tiles, meta, ints, steps, zero_dx=zero_dx,
+    return GemmBackwardPlan(cfg, F, B, D, H, chunk, programs, dw_slots, meta, ints, steps, zero_dx=zero_dx,
                             tracer=tracer)
