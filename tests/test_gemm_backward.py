@@ -88,10 +88,11 @@ def test_gemm_gradients_match_float64_and_the_fused_kernels(case, chain, chunks,
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tiles", [dict(gemm_cols_major=0), dict(gemm_row_tiles=3, gemm_rows=16, gemm_cols=16),
                                    dict(dw_block_b=16, dw_num_stages=1, gemm_dw_per_sm=9),
-                                   dict(fp32_dots="tf32x3")], ids=str)
+                                   dict(fp32_dots="tf32x3"), dict(row_slots=1), dict(row_slots=4)], ids=str)
 def test_the_gemm_tile_knobs_give_the_same_gradients(tiles, device):
     # [H, columns] partials, several dt row tiles a program (the last one past B), narrow column
-    # tiles over masked D = 80, small row steps in many program slots, one 3xTF32 dot
+    # tiles over masked D = 80, small row steps in many program slots, one 3xTF32 dot, the
+    # LayerNorm affine's column sums per tile or in 4 row slots (default: the layout's row span)
     case, chain, args, gy, knobs, stats = _inputs(Case(3, 37, 80, 24, feature_dim=1, strided_view=True,
                                                        ln="per_feature", bias="per_feature"), None, 2, device, seed=8)
     grads, cfgs, _ = _traced_backward(gy, args, case, stats, dict(knobs, **tiles))
@@ -241,8 +242,20 @@ def test_gemm_configs_fit_only_as_the_row_kernel():
     base = configs.gemm_backward_config(256, 64)
     assert configs.backward_fits(base, 256, 64)
     for bad in (dict(two_pass=32), dict(block_k=64), dict(split_dw=64), dict(prefetch=1), dict(block_b=128),
-                dict(block_b=12), dict(loop_stages=5)):
+                dict(block_b=12), dict(loop_stages=5), dict(row_slots=3), dict(block_b=8, row_slots=16)):
         assert not configs.backward_fits(configs.gemm_backward_config(256, 64, **bad), 256, 64), bad
+
+
+@pytest.mark.interpret
+def test_programs_per_sm_count_the_programs_of_each_chunks_launch():
+    # 2 chunks of 3 and 2 features over B = 64 rows in 8-row tiles; the interpreter counts 2 SMs:
+    # 2 x 4 programs an SM over a 3-feature chunk is 3 programs a feature (not 8 / 5 = 2 over all F)
+    case, chain, args, gy, knobs, stats = _inputs(Case(5, 64, 32, 16, ln="per_feature"), None, 2, "cpu", seed=5)
+    knobs = dict(knobs, programs_per_sm=4)
+    grads, cfgs, row_launches = _traced_backward(gy, args, case, stats, knobs)
+    assert [tuple(g) for g in row_launches] == [(3, 3), (3, 2)]
+    fused, _ = forced_backward(gy, args, case, stats, DEFAULT_CHAIN, **FUSED)
+    assert_backward_close(grads, fused, gy, args, case, DEFAULT_CHAIN, torch.float32)
 
 
 def test_feature_chunks_bound_the_scratch_buffer():

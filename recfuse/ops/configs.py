@@ -180,7 +180,9 @@ class BackwardConfig(TileConfig):
     # is adds inside each thread: the slots' registers drop by block_b / n without the per-tile
     # cross-warp sums of col_sums (offline, sm_90: fp32 D=256 H=1 8 rows 2 warps 255 registers
     # with spills -> 168, the row loop 49.8 -> 50.8 instructions an element). n = 1 would be
-    # col_sums under another name: it does not fit.
+    # col_sums under another name: it does not fit. The GEMM backward's row kernel (`gemm`): its
+    # LayerNorm-affine column sums in n slots (1: summed per tile), 0 the rows its layout tile
+    # spans (`gemm_backward.row_slots`).
     row_slots: int = 0
     # Whole-row tl.dot path only: n > 0 leaves the weight gradient to a second kernel
     # (`kernels.ln_tanh_linear_relu_bwd_weight`: dz^T @ t over rows, n columns of t at a time,
@@ -1157,7 +1159,8 @@ def backward_fits(cfg: BackwardConfig, D: int, H: int) -> bool:
         # one row kernel: no chunk, split, pass or part of the fused kernels; its tile in registers
         gemm_tiles = (cfg.gemm_rows, cfg.gemm_cols, cfg.dw_block_b)
         return (cfg.use_dot and not (cfg.block_k or cfg.split_dw or cfg.two_pass or cfg.row_parts or cfg.prefetch
-                                     or cfg.row_slots or cfg.dw_first or cfg.split_ln)
+                                     or cfg.dw_first or cfg.split_ln)
+                and (cfg.row_slots == 0 or (_power_of_two(cfg.row_slots) and cfg.row_slots <= cfg.block_b))
                 and cfg.block_b * cfg.block_d <= TILE_BUDGET and 0 <= cfg.loop_stages <= 4
                 and all(16 <= n <= 256 and _power_of_two(n) for n in gemm_tiles)
                 and cfg.gemm_dt_warps in (4, 8) and cfg.dw_num_warps in (4, 8) and 1 <= cfg.dw_num_stages <= 5

@@ -82,6 +82,24 @@ def gemm_grid(cfg: configs.BackwardConfig, B: int, D: int, chunk: int, per_featu
     return cols, max(1, min(row_steps, triton.cdiv(cfg.gemm_dw_per_sm * num_sms, per_slot)))
 
 
+def row_slots(cfg: configs.BackwardConfig, block_d: int, element_size: int) -> int:
+    """The row kernel's column-sum slots (`norm_act_backward_rows`' ROW_SLOTS): ``cfg.row_slots``
+    where set, else the rows one layout tile of its [block_b, block_d] tiles spans: 16-byte
+    vectors a thread, 32 threads a warp, then the warps, along the row first (Triton's blocked
+    layout of a load), so that folding a tile into that many slots adds inside each thread.
+
+    Example:
+        >>> from recfuse.ops import configs
+        >>> cfg = configs.gemm_backward_config(512, 64)  # 8 rows, 4 warps
+        >>> row_slots(cfg, 512, 4), row_slots(cfg, 512, 2)  # fp32: 4 warps along a row; bf16: 2 x 2
+        (1, 2)
+    """
+    if cfg.row_slots:
+        return min(cfg.row_slots, cfg.block_b)
+    span = cfg.num_warps * 32 * max(1, 16 // element_size) // block_d
+    return max(1, min(cfg.block_b, span))
+
+
 def _sum_into(src: torch.Tensor, dim: int, out: torch.Tensor) -> None:
     """out = src summed over ``dim`` (fp32 partials into a gradient of the parameter's dtype)."""
     if src.dtype == out.dtype:
@@ -240,7 +258,10 @@ def build(cfg: configs.BackwardConfig, grad_y, x, weight, bias, ln_weight, ln_bi
     """The plan of a GEMM backward (the caller checked `gemm_backward_eligible`); ``dot_meta`` the
     GEMM kernels' DOT_DTYPE and DOT_PRECISION for x's dtype on its device (`gemm_dot_meta`)."""
     block_b, block_d = cfg.block_b, triton.next_power_of_2(D)
-    programs = max(1, min(triton.cdiv(B, block_b), triton.cdiv(num_sms * cfg.programs_per_sm, F)))
+    chunk = chunk_features(F, B, D, x.numel() * x.element_size(), cfg.gemm, x.element_size())
+    # programs_per_sm counts one launch's programs: the row kernel's launches cover a chunk of
+    # features each, not all F (with all F, 4 chunks launched a quarter of the programs asked for)
+    programs = max(1, min(triton.cdiv(B, block_b), triton.cdiv(num_sms * cfg.programs_per_sm, chunk)))
     rows_per_program = triton.cdiv(triton.cdiv(B, programs), block_b) * block_b
     programs = triton.cdiv(B, rows_per_program)
     sxf, sxb = feature_major(x, feature_dim)
@@ -259,8 +280,8 @@ def build(cfg: configs.BackwardConfig, grad_y, x, weight, bias, ln_weight, ln_bi
             param_stride(ln_weight, 2), param_stride(ln_bias, 2), float(eps), 1.0 / D)
     meta = dict(HAS_LNW=ln_weight is not None, HAS_LNB=ln_bias is not None, NORM=norm, ACT=act,
                 FAST_TANH=fast_tanh, EVEN_D=D == block_d, X_EVICT=cfg.x_evict,
-                BLOCK_B=block_b, BLOCK_D=block_d, LOOP_STAGES=max(1, cfg.loop_stages))
-    chunk = chunk_features(F, B, D, x.numel() * x.element_size(), cfg.gemm, x.element_size())
+                BLOCK_B=block_b, BLOCK_D=block_d, LOOP_STAGES=max(1, cfg.loop_stages),
+                ROW_SLOTS=row_slots(cfg, block_d, x.element_size()))
     per_feature_w = weight.dim() == 3
     cols, dw_slots = gemm_grid(cfg, B, D, chunk, per_feature_w, num_sms)
     dot_meta = gemm_dot_meta(cfg, x.dtype, dot_meta, x.device.type)

@@ -26,7 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import _activate_grad, _dot_parts, _dx_of_rows, _load_relu_mask_rows, _normalize_activate, _split16
+from .kernels import (_activate_grad, _dot_parts, _dx_of_rows, _fold_rows, _load_relu_mask_rows, _normalize_activate,
+                      _split16)
 
 
 @triton.jit
@@ -99,7 +100,7 @@ def norm_act_backward_rows(
     eps, inv_d,
     HAS_LNW: tl.constexpr, HAS_LNB: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
     FAST_TANH: tl.constexpr, EVEN_D: tl.constexpr, X_EVICT: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, LOOP_STAGES: tl.constexpr, ROW_SLOTS: tl.constexpr,
 ):
     """The backward of norm -> affine -> activation for features f0 .. f0 + grid[1] - 1, given
     dt = dL/dt of their rows as a contiguous [grid[1], B, D] buffer (fp32, or the inputs' 16-bit
@@ -110,6 +111,11 @@ def norm_act_backward_rows(
     written, by the program that owns it), and the program's column sums of da * xhat and da (the
     LayerNorm weight's and bias's gradients) into PARTIAL [2, programs, F, D] fp32, which a
     fixed-order sum over programs reduces. Row stats are the forward's (STATS planes 0 and 1).
+
+    The column sums collect in ROW_SLOTS slots (tile row r into slot r % ROW_SLOTS,
+    `kernels._fold_rows`), summed once after the row loop: with ROW_SLOTS the rows one layout tile
+    spans (its warps along rows), each thread adds its own rows, where a sum per tile crossed the
+    warps through shared memory, with a barrier, every tile.
     """
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -117,8 +123,8 @@ def norm_act_backward_rows(
     f = f0 + f_local
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
-    acc_w = tl.zeros([BLOCK_D], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc_w = tl.zeros([ROW_SLOTS, BLOCK_D], dtype=tl.float32)
+    acc_b = tl.zeros([ROW_SLOTS, BLOCK_D], dtype=tl.float32)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, B)
     for r0 in tl.range(row_start, row_end, BLOCK_B, num_stages=LOOP_STAGES):
@@ -141,14 +147,14 @@ def norm_act_backward_rows(
         tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=mask)
         tl.store(dt_ptrs, t.to(DT.dtype.element_ty), mask=mask)
         if HAS_LNW:
-            acc_w += tl.sum(da * xhat, axis=0)
+            acc_w += _fold_rows(da * xhat, ROW_SLOTS)
         if HAS_LNB:
-            acc_b += tl.sum(da, axis=0)
+            acc_b += _fold_rows(da, ROW_SLOTS)
     part = PARTIAL + (pid * F + f) * D + cols
     if HAS_LNW:
-        tl.store(part, acc_w, mask=cmask)
+        tl.store(part, tl.sum(acc_w, axis=0), mask=cmask)
     if HAS_LNB:
-        tl.store(part + n_prog * F * D, acc_b, mask=cmask)
+        tl.store(part + n_prog * F * D, tl.sum(acc_b, axis=0), mask=cmask)
 
 
 @triton.jit

@@ -344,8 +344,8 @@ def row_parts_dot_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs
 
 def gemm_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.BackwardConfig]:
     """The GEMM backward (`BackwardConfig.gemm`, fp32 and bf16, H >= 16, rows of 64+ columns): its row
-    kernel's tiles of 2048-8192 elements, 4 or 8 warps, 8 or 16 programs an SM, the row loop 3 or
-    4 deep (its GEMMs keep `configs.gemm_backward_config`'s tiles). H200, fp32
+    kernel's tiles of 2048-8192 elements, 4 or 8 warps, 2-16 programs an SM a launch, the row loop 3 or
+    4 deep (bf16 also 1 or 2; its GEMMs keep `configs.gemm_backward_config`'s tiles). H200, fp32
     (results/checks/ab_gemm_bwd_tiles_h200.txt): 4096 elements, 4 warps, 8 programs and 3 stages
     were best at D = 256/512, H = 32/64, 2 stages 1.03-1.04x slower than 3; bf16 (session 30) is
     not settled: 8192-element tiles won at D=256 (1.5x), lost at D=512 (spills).
@@ -353,7 +353,7 @@ def gemm_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Backward
     Example:
         >>> cands = gemm_candidates(512, 64, torch.float32)
         >>> len(cands), all(c.gemm and configs.backward_fits(c, 512, 64) for c in cands)
-        (24, True)
+        (48, True)
         >>> gemm_candidates(512, 64, torch.float16), gemm_candidates(512, 8, torch.float32)
         ([], [])
     """
@@ -362,7 +362,9 @@ def gemm_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Backward
     if dtype not in (torch.float32, torch.bfloat16) or not 16 <= H <= 64 or block_d < 64:
         return []
     out = []
-    for elements, warps, pps, stages in itertools.product((2048, 4096, 8192), (4, 8), (8, 16), (3, 4)):
+    # bf16's row kernel stalled on shared memory with its loop pipelined (ncu, session 31): 1-2 stages too
+    stage_counts = (3, 4) if dtype == torch.float32 else (1, 2, 3, 4)
+    for elements, warps, pps, stages in itertools.product((2048, 4096, 8192), (4, 8), (2, 4, 8, 16), stage_counts):
         cfg = configs.gemm_backward_config(D, H, dtype, block_b=max(1, elements // block_d), num_warps=warps,
                                            programs_per_sm=pps, loop_stages=stages)
         if configs.backward_fits(cfg, D, H):
