@@ -559,11 +559,15 @@ GEMM_MAX_BLOCK_D = 512  # wider rows not measured: they keep the K-chunked kerne
 def gemm_backward_config(D: int, H: int, dtype: torch.dtype = torch.float32, **knobs) -> BackwardConfig:
     """The GEMM backward's config for (D, H, dtype); ``knobs`` replace fields.
 
-    Its row kernel: tiles of ~4096 elements (8 rows of 512, 4 warps), 8 programs an SM (16 for
-    bf16), the row loop pipelined 3 deep. H200, fp32 D = 256/512, H = 32/64, training step
-    (results/checks/ab_gemm_bwd_tiles_h200.txt): half or double the rows 1.04-1.9x slower, 4
-    programs an SM 1.12-1.18x, 8 warps 1.04-1.12x, 16 programs an SM the same, 3 stages 0.96-0.97x
-    the time of 2; bf16 D=512 (session 30) 16 programs an SM 1.13-1.17x faster than 8.
+    Its row kernel: tiles of ~2048 elements (4 rows of 512, 4 warps), 4 programs an SM in each
+    chunk's launch, the row loop pipelined 3 deep, the LayerNorm affine's column sums in the
+    layout's row slots (`gemm_backward.row_slots`). The H200 tuner chose exactly this at bf16
+    D=512 H=64 (627.5 us), bf16 D=256 H=64 (673.2) and fp32 D=512 H=64 (805.2) over 2048-8192
+    elements, 4-8 warps, 2-16 programs an SM and 1-4 stages (session 31, the backward alone;
+    results/checks/session31_call3_h200.txt). Until session 31 a launch got a quarter of the
+    programs asked for (counted over all F, not its chunk), so earlier sweeps' "8 programs an SM"
+    were 2. Other measurements (session 29, results/checks/ab_gemm_bwd_tiles_h200.txt, fp32 D =
+    256/512, H = 32/64): 8 warps 1.04-1.12x slower, 3 stages 0.96-0.97x the time of 2.
     Its GEMMs (session 30, results/checks/session30_call4_h200.txt, fp32 D = 256/512, H = 16/64):
     dt in two 64 x 64 tiles a program (H=64 219 -> 167 us against one 64 x 128 tile), the weight
     gradient's [H, 64] partials over 32-row steps, about 4 programs an SM (388 -> 276 us at H=64,
@@ -572,12 +576,12 @@ def gemm_backward_config(D: int, H: int, dtype: torch.dtype = torch.float32, **k
 
     Example:
         >>> cfg = gemm_backward_config(512, 64)
-        >>> cfg.gemm, cfg.block_b, cfg.num_warps, cfg.gemm_cols, cfg.dw_block_b
-        (1, 8, 4, 64, 32)
+        >>> cfg.gemm, cfg.block_b, cfg.num_warps, cfg.programs_per_sm, cfg.gemm_cols, cfg.dw_block_b
+        (1, 4, 4, 4, 64, 32)
     """
     block_d = triton.next_power_of_2(max(D, 1))
-    cfg = BackwardConfig(max(1, min(64, 4096 // block_d)), block_d, triton.next_power_of_2(max(H, 1)), True, 4,
-                         programs_per_sm=16 if dtype == torch.bfloat16 else 8, loop_stages=3, gemm=1,
+    cfg = BackwardConfig(max(1, min(64, 2048 // block_d)), block_d, triton.next_power_of_2(max(H, 1)), True, 4,
+                         programs_per_sm=4, loop_stages=3, gemm=1,
                          gemm_rows=64, gemm_cols=64, gemm_row_tiles=2, gemm_cols_major=0, gemm_dw_per_sm=4,
                          dw_block_b=32, dw_num_stages=3, dw_num_warps=4)
     knobs = {k: v for k, v in knobs.items() if k != "use_dot"}

@@ -90,7 +90,7 @@ def row_slots(cfg: configs.BackwardConfig, block_d: int, element_size: int) -> i
 
     Example:
         >>> from recfuse.ops import configs
-        >>> cfg = configs.gemm_backward_config(512, 64)  # 8 rows, 4 warps
+        >>> cfg = configs.gemm_backward_config(512, 64)  # 4 rows, 4 warps
         >>> row_slots(cfg, 512, 4), row_slots(cfg, 512, 2)  # fp32: 4 warps along a row; bf16: 2 x 2
         (1, 2)
     """
