@@ -213,14 +213,16 @@ def test_with_deterministic_algorithms_on_the_gemm_backward_runs_and_repeats_its
     assert_backward_close(first, fused, gy, args, case, DEFAULT_CHAIN, torch.float32)
 
 
-def test_the_heuristic_takes_the_gemm_backward_for_h_16_to_64_and_wide_rows():
+def test_the_heuristic_takes_the_gemm_backward_for_h_16_to_64_and_wide_rows_or_bf16_h_above_32():
     for D, H, dtype, expected in ((512, 64, torch.float32, True), (256, 32, torch.float32, True),
                                   (300, 40, torch.float32, True), (160, 64, torch.float32, False),
                                   (128, 32, torch.float32, False), (512, 16, torch.float32, True),
                                   (256, 16, torch.float32, True), (512, 8, torch.float32, False),
                                   (1024, 64, torch.float32, False), (512, 65, torch.float32, False),
                                   (512, 64, torch.bfloat16, True), (512, 16, torch.bfloat16, True),
-                                  (256, 64, torch.bfloat16, False), (512, 64, torch.float16, False)):
+                                  (256, 64, torch.bfloat16, True), (48, 40, torch.bfloat16, True),
+                                  (32, 64, torch.bfloat16, False), (256, 32, torch.bfloat16, False),
+                                  (512, 64, torch.float16, False)):
         cfg = configs.heuristic_backward(D, H, dtype)
         assert bool(cfg is not None and cfg.gemm) is expected, (D, H, dtype)
         if expected:

@@ -271,10 +271,13 @@ def test_wide_rows_take_the_k_chunked_backward():
 
 def test_wide_bf16_rows_take_the_whole_row_backward():
     # A [64, 512] bf16 weight tile still fits the whole-row kernel (16-row tiles; 1.4x faster than
-    # chunks on the H100); D=480 pads to 512.
-    cfg = configs.backward_config(480, 60, torch.bfloat16, "cpu")
+    # chunks on the H100); D=480 pads to 512. The heuristic's default there is the GEMM backward
+    # (`configs.GEMM_REGIONS`), so the fused kernels' own config is forced.
+    assert configs.backward_config(480, 60, torch.bfloat16, "cpu").gemm
+    fused = lambda D, H, dt: configs.heuristic_backward(D, H, dt, gemm=0)  # noqa: E731
+    cfg = fused(480, 60, torch.bfloat16)
     assert cfg.use_dot and not cfg.block_k and cfg.block_b == 16
-    with launch.trace_launches() as seen:
+    with configs.override(backward=fused), launch.trace_launches() as seen:
         check_against_float64(Case(1, 6, 480, 60, ln="per_feature"), torch.bfloat16)
     assert [("BLOCK_K" in m, m["EVEN_D"]) for kind, _, m, _ in seen if kind == "backward"] == [(False, False)]
 

@@ -104,7 +104,7 @@ def test_split_weight_candidates_fit_and_name_their_kernel_path():
 def test_an_entry_without_split_dw_keeps_the_fused_kernel_where_the_heuristic_splits():
     # An older table's entry (no split_dw key) was measured on the fused kernel: reading it must
     # not pick up the heuristic's split (bf16 H=64 at 128-256 columns).
-    assert configs.heuristic_backward(256, 64, torch.bfloat16).split_dw == 128
+    assert configs.fused_backward_config(256, 64, torch.bfloat16).split_dw == 128
     old_entry = {k: v for k, v in configs.config_to_entry(configs.heuristic_backward(
         256, 64, torch.bfloat16, use_dot=True, block_b=16, num_warps=4, programs_per_sm=8)).items()
         if not k.startswith(("split_dw", "dw_"))}
@@ -117,16 +117,18 @@ def test_an_entry_without_split_dw_keeps_the_fused_kernel_where_the_heuristic_sp
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_split_backward_through_the_cached_plan_and_bound_launchers_on_cuda():
-    # The configs a CUDA call looks up (the H100 table, or the heuristic) split bf16 H=64 at 128
-    # columns: the second and third calls go through the kept plan's bound launchers of all
-    # three kernels, and give the first call's bits; all within the bf16 bound of float64.
+    # The fused kernels' heuristic splits bf16 H=64 at 128 columns (the H200 table takes the GEMM
+    # backward there, so the fused config is forced): the second and third calls go through the
+    # kept plan's bound launchers of all three kernels, and give the first call's bits; all within
+    # the bf16 bound of float64.
     case = Case(4, 1000, 128, 64, ln="per_feature", bias="per_feature")
     x, w, b, lw, lb, gy = _inputs(case, "cuda", seed=5)
     args = [t.to(torch.bfloat16) for t in (gy, x, w, b, lw, lb)]
-    plan = launch.backward_plan(*args, case.eps, case.feature_dim)
-    assert plan.weight_meta is not None, plan.cfg
-    runs = [launch.backward(*args, case.eps, case.feature_dim) for _ in range(3)]
-    assert plan.bound_weight is not None or launch.backward_plan(*args, case.eps, case.feature_dim).bound_weight
+    with configs.override(backward=lambda D, H, dt: configs.heuristic_backward(D, H, dt, gemm=0)):
+        plan = launch.backward_plan(*args, case.eps, case.feature_dim)
+        assert plan.weight_meta is not None, plan.cfg
+        runs = [launch.backward(*args, case.eps, case.feature_dim) for _ in range(3)]
+        assert plan.bound_weight is not None or launch.backward_plan(*args, case.eps, case.feature_dim).bound_weight
     for later in runs[1:]:
         assert all(torch.equal(a, c) for a, c in zip(runs[0], later))
     reference = composite_backward(*[t.double() for t in args], case.eps, case.feature_dim)

@@ -543,16 +543,21 @@ def _heuristic_forward(D: int, H: int, dtype: torch.dtype, full_tiles: bool) -> 
     return ForwardConfig(block_b, block_d, block_h, False, num_warps)
 
 
-# The GEMM backward (`BackwardConfig.gemm`) where the heuristic takes it: H of 16-64 (the relu
-# mask a forward saves holds at most 64 columns); fp32 rows of 256-512 columns, bf16 rows of 512.
-# H200, x 256 MB, BFD, per-feature LayerNorm affine, training step GPU time against the fused
-# kernels' heuristic config, Triton GEMMs (session 30; results/checks/session30_call4_h200.txt and
-# benchmarks/NOTES.md): fp32 H=64 D=512 3618 -> ~1080 us, D=256 2644 -> ~1160; H=16 D=512 972 ->
-# ~730, D=256 916 -> ~737; bf16 D=512 H=64 1956 -> 1058, H=16 1054 -> 909. It lost at fp32 D=128
-# (session 29, cuBLAS GEMMs) and bf16 D=256 H=16 (711 vs 974: bf16 row kernels move half an fp32
-# tile's bytes a row tile; not tuned yet).
-GEMM_MIN_H = 16
-GEMM_MIN_D = {torch.float32: 256, torch.bfloat16: 512}
+# The GEMM backward (`BackwardConfig.gemm`) where the heuristic takes it, per dtype: (H range, D
+# range) regions; H at most 64 (the relu mask a forward saves holds 64 columns). Against the fused
+# kernels' heuristic config, H200, x 256 MB, BFD, per-feature LayerNorm affine:
+# - fp32 D = 256-512, H = 16-64 (session 30, training step; results/checks/session30_call4_h200.txt):
+#   H=64 D=512 3618 -> ~1080 us, D=256 2644 -> ~1160; H=16 D=512 972 -> ~730, D=256 916 -> ~737.
+#   It lost at fp32 D=128 (session 29, cuBLAS GEMMs; not re-measured with the Triton GEMMs).
+# - bf16 H = 33-64 from rows of 33 columns (session 31, with the row kernel's row slots; the
+#   tuner's backward alone, results/checks/session31_call{3,4,5}_h200.txt): D=48 1063 -> 1003 us,
+#   D=128 1092 -> 730, D=160 1050 -> 857, D=256 998 -> 673, D=512 678 -> 628; bf16 H = 16-32 at
+#   D = 512 only (session 30, training step 1054 -> 909; H=16 D=256 lost, 711 vs 974, before the
+#   row slots).
+GEMM_REGIONS = {
+    torch.float32: (((16, 64), (256, 512)),),
+    torch.bfloat16: (((33, 64), (33, 512)), ((16, 32), (512, 512))),
+}
 GEMM_MAX_BLOCK_D = 512  # wider rows not measured: they keep the K-chunked kernel
 
 
@@ -596,9 +601,11 @@ def gemm_backward_preferred(D: int, H: int, dtype: torch.dtype) -> bool:
         (True, False)
         >>> gemm_backward_preferred(512, 16, torch.bfloat16), gemm_backward_preferred(256, 16, torch.bfloat16)
         (True, False)
+        >>> gemm_backward_preferred(160, 64, torch.bfloat16), gemm_backward_preferred(32, 64, torch.bfloat16)
+        (True, False)
     """
-    min_d = GEMM_MIN_D.get(dtype)
-    return min_d is not None and GEMM_MIN_H <= H <= 64 and min_d <= D <= GEMM_MAX_BLOCK_D
+    return any(h0 <= H <= h1 and d0 <= D <= min(d1, GEMM_MAX_BLOCK_D)
+               for (h0, h1), (d0, d1) in GEMM_REGIONS.get(dtype, ()))
 
 
 def fused_backward_config(D: int, H: int, dtype: torch.dtype) -> Optional[BackwardConfig]:
