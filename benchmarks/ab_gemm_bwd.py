@@ -110,8 +110,9 @@ def measure(p: dict, args, copy_GBps: float) -> None:
     variants = dict(VARIANTS)
     for text in args.gemm_knobs:
         knobs = json.loads(text)
-        variants["gemm " + text] = (lambda k: lambda D, H, dt: configs.heuristic_backward(D, H, dt, **dict({"gemm": 1}, **k)))(
-            knobs)
+        # a knob's own "gemm" (the feature chunks) replaces the default 1
+        variants["gemm " + text] = (
+            lambda k: lambda D, H, dt: configs.heuristic_backward(D, H, dt, **dict({"gemm": 1}, **k)))(knobs)
     for name, source in variants.items():
         r = p.setdefault(name, {})
         try:

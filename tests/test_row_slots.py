@@ -1,6 +1,7 @@
 """The no-tl.dot backward's column sums folded into row slots (`BackwardConfig.row_slots`): each row
 tile's rows r go into slot r % n of the weight- and LayerNorm-gradient accumulators instead of
-one slot a tile row, reduced once after the row loop.
+one slot a tile row, reduced once after the row loop; on the whole-row tl.dot path, the LayerNorm
+affine's sums, instead of one cross-warp sum a tile.
 
 Each case runs under the Triton interpreter (``make test-interpret``) and, where a GPU is present,
 on it with many row tiles per program. References: float64 (the composite backward) and the same
@@ -48,14 +49,49 @@ def test_folded_column_sums_match_float64_and_the_row_slot_loop(case, dtype, cha
         assert g is None or torch.equal(g, h)  # deterministic: fixed-order sums
 
 
+DOT_CASES = [
+    # (case, dtype, path knobs): the whole-row tl.dot backward's LayerNorm-affine sums in row slots;
+    # masked columns and rows, the [B, F*D] view, per-feature and shared affines, a prefetched and a
+    # pipelined row loop, the weight gradient in a kernel of its own (split_dw: dz out)
+    (Case(2, 37, 48, 16, ln="per_feature", bias="per_feature"), torch.float32, dict(loop_stages=3)),
+    (Case(2, 45, 64, 24, feature_dim=1, strided_view=True, ln="shared"), torch.bfloat16, dict(prefetch=1)),
+    (Case(3, 29, 32, 40, per_feature_weight=True, ln="per_feature"), torch.bfloat16,
+     dict(split_dw=16, dw_block_b=16)),
+]
+
+
+@pytest.mark.parametrize("device", INTERPRETER_AND_CUDA)
+@pytest.mark.parametrize("slots", [2, 16])
+@pytest.mark.parametrize("case, dtype, path", DOT_CASES, ids=str)
+def test_dot_path_affine_sums_in_row_slots_match_float64_and_the_per_tile_sums(case, dtype, path, slots, device):
+    case = case if device == "cpu" else with_rows(case, 3000)
+    args, gy = chain_backward_inputs(case, dtype, DEFAULT_CHAIN, seed=4, device=device)
+    stats = launch.forward(*args, case.eps, case.feature_dim, save_stats=True)[1]
+    knobs = dict(path, use_dot=True, gemm=0, block_b=16, num_warps=2, programs_per_sm=1, block_k=0, two_pass=0,
+                 row_parts=0)
+    assert configs.backward_fits(configs.heuristic_backward(case.D, case.H, dtype, **knobs, row_slots=slots),
+                                 case.D, case.H)
+    baseline, base_meta = forced_backward(gy, args, case, stats, DEFAULT_CHAIN, **knobs)
+    grads, meta = forced_backward(gy, args, case, stats, DEFAULT_CHAIN, **knobs, row_slots=slots)
+    assert "ROW_SLOTS" not in base_meta and meta["ROW_SLOTS"] == slots and meta["USE_DOT"]
+    assert_backward_close(grads, baseline, gy, args, case, DEFAULT_CHAIN, dtype)
+    for name, g, h in zip(("x", "weight", "bias"), grads, baseline):
+        assert torch.equal(g, h), name  # only the LayerNorm affine's column sums change order
+
+
 def test_row_slots_outside_their_path_do_not_fit():
-    # one slot per tile row or more is no fold, one slot is col_sums; the tl.dot path and per-tile
-    # column sums have none
+    # one slot per tile row or more is no fold, one slot is col_sums; per-tile column sums have
+    # none; on the tl.dot path only the whole-row kernel has them (not chunks, passes or parts)
     base = dict(use_dot=False, block_b=8, num_warps=2, block_k=0)
     for knobs in (dict(base, row_slots=8), dict(base, row_slots=3), dict(base, row_slots=2, col_sums=1),
                   dict(base, row_slots=1)):  # one slot is col_sums
         assert not configs.backward_fits(configs.heuristic_backward(256, 1, torch.float32, **knobs), 256, 1), knobs
-    dot = configs.heuristic_backward(256, 16, torch.bfloat16, row_slots=2)
-    assert dot.use_dot and not configs.backward_fits(dot, 256, 16)
+    dot = dict(use_dot=True, gemm=0, block_b=16, block_k=0, two_pass=0, row_parts=0, split_dw=0)
+    assert configs.backward_fits(configs.heuristic_backward(256, 16, torch.bfloat16, **dot, row_slots=4), 256, 16)
+    for knobs in (dict(dot, row_slots=3), dict(dot, row_slots=32), dict(dot, row_slots=2, block_k=64),
+                  dict(dot, row_slots=2, two_pass=64, dw_block_b=16),
+                  dict(dot, row_slots=2, split_dw=64, dw_block_b=16, split_ln=1)):
+        cfg = configs.heuristic_backward(256, 16, torch.bfloat16, **knobs)
+        assert cfg.use_dot and not configs.backward_fits(cfg, 256, 16), knobs
     entry = configs.config_to_entry(configs.heuristic_backward(256, 1, torch.float32, **base, row_slots=2))
     assert configs.config_from_entry("backward", entry, 256, 1, torch.float32).row_slots == 2

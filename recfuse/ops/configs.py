@@ -180,9 +180,10 @@ class BackwardConfig(TileConfig):
     # is adds inside each thread: the slots' registers drop by block_b / n without the per-tile
     # cross-warp sums of col_sums (offline, sm_90: fp32 D=256 H=1 8 rows 2 warps 255 registers
     # with spills -> 168, the row loop 49.8 -> 50.8 instructions an element). n = 1 would be
-    # col_sums under another name: it does not fit. The GEMM backward's row kernel (`gemm`): its
-    # LayerNorm-affine column sums in n slots (1: summed per tile), 0 the rows its layout tile
-    # spans (`gemm_backward.row_slots`).
+    # col_sums under another name: it does not fit. The whole-row tl.dot backward (not chunked,
+    # two-pass, row parts or split_ln): its LayerNorm-affine column sums in n slots instead of
+    # one cross-warp sum per tile (0). The GEMM backward's row kernel (`gemm`): the same sums in n
+    # slots (1: summed per tile), 0 the rows its layout tile spans (`gemm_backward.row_slots`).
     row_slots: int = 0
     # Whole-row tl.dot path only: n > 0 leaves the weight gradient to a second kernel
     # (`kernels.ln_tanh_linear_relu_bwd_weight`: dz^T @ t over rows, n columns of t at a time,
@@ -559,6 +560,21 @@ GEMM_REGIONS = {
     torch.bfloat16: (((33, 64), (33, 512)), ((16, 32), (512, 512))),
 }
 GEMM_MAX_BLOCK_D = 512  # wider rows not measured: they keep the K-chunked kernel
+
+
+def layout_row_span(block_b: int, block_d: int, num_warps: int, element_size: int) -> int:
+    """The rows one layout tile of a [block_b, block_d] tile of loaded values spans (at most
+    block_b): Triton's blocked layout of a load gives a thread 16 bytes of a row, then 32 threads
+    a warp and then the warps go along the row first. Folding a tile's rows into that many slots
+    (`kernels._fold_rows`) is adds inside each thread; fewer slots cross warps through shared
+    memory. fp32 at 512 columns with 4 warps: 1 (the warps lie along one row); bf16: 2.
+
+    Example:
+        >>> layout_row_span(8, 512, 4, 4), layout_row_span(8, 512, 4, 2), layout_row_span(16, 256, 4, 2)
+        (1, 2, 4)
+    """
+    span = num_warps * 32 * max(1, 16 // element_size) // max(block_d, 1)
+    return max(1, min(block_b, span))
 
 
 def gemm_backward_config(D: int, H: int, dtype: torch.dtype = torch.float32, **knobs) -> BackwardConfig:
@@ -1194,7 +1210,11 @@ def backward_fits(cfg: BackwardConfig, D: int, H: int) -> bool:
                              or not _power_of_two(cfg.split_dw) or cfg.dw_block_b < 16
                              or not _power_of_two(cfg.dw_block_b) or cfg.dw_num_warps not in (1, 2, 4, 8)):
             return False
-        return cfg.block_d >= 16 and cfg.block_b >= 16 and not cfg.row_slots and (
+        # row_slots on the tl.dot path: the whole-row kernel's LayerNorm-affine column sums
+        if cfg.row_slots and (cfg.block_k or cfg.two_pass or cfg.row_parts or cfg.split_ln
+                              or not _power_of_two(cfg.row_slots) or cfg.row_slots > cfg.block_b):
+            return False
+        return cfg.block_d >= 16 and cfg.block_b >= 16 and (
             cfg.block_k > 0 or cfg.two_pass > 0 or cfg.block_h * cfg.block_d <= 2 * BWD_MAX_WEIGHT_TILE)
     if cfg.row_slots and (cfg.col_sums or cfg.row_slots < 2 or not _power_of_two(cfg.row_slots)
                           or cfg.row_slots >= cfg.block_b or not (cfg.block_h == 1 or cfg.unroll_h)):

@@ -84,9 +84,9 @@ def gemm_grid(cfg: configs.BackwardConfig, B: int, D: int, chunk: int, per_featu
 
 def row_slots(cfg: configs.BackwardConfig, block_d: int, element_size: int) -> int:
     """The row kernel's column-sum slots (`norm_act_backward_rows`' ROW_SLOTS): ``cfg.row_slots``
-    where set, else the rows one layout tile of its [block_b, block_d] tiles spans: 16-byte
-    vectors a thread, 32 threads a warp, then the warps, along the row first (Triton's blocked
-    layout of a load), so that folding a tile into that many slots adds inside each thread.
+    where set, else the rows one layout tile of its [block_b, block_d] tiles spans
+    (`configs.layout_row_span`), so that folding a tile into that many slots adds inside each
+    thread.
 
     Example:
         >>> from recfuse.ops import configs
@@ -96,8 +96,7 @@ def row_slots(cfg: configs.BackwardConfig, block_d: int, element_size: int) -> i
     """
     if cfg.row_slots:
         return min(cfg.row_slots, cfg.block_b)
-    span = cfg.num_warps * 32 * max(1, 16 // element_size) // block_d
-    return max(1, min(cfg.block_b, span))
+    return configs.layout_row_span(cfg.block_b, block_d, cfg.num_warps, element_size)
 
 
 def _sum_into(src: torch.Tensor, dim: int, out: torch.Tensor) -> None:

@@ -1004,6 +1004,7 @@ def ln_tanh_linear_relu_bwd(
     # ROW_SLOTS (no tl.dot, H = 1 or UNROLL_H, not COL_SUMS; 0: BLOCK_B): the row slots are
     # [ROW_SLOTS, BLOCK_D], each tile's rows folded into them (`_fold_rows`: row r into slot
     # r % ROW_SLOTS), adds inside a thread where ROW_SLOTS is the rows a layout tile spans.
+    # On the tl.dot path (0: one cross-warp sum a tile) the same for the LayerNorm affine's sums.
     # DZ_OUT (tl.dot path): no weight gradient here. dz goes to DZ ([F, B, H], contiguous: in
     # grad_y's dtype where it is exactly that, else fp32) and, unless LOAD_STATS, the rows' mean
     # and rstd to STATS; `ln_tanh_linear_relu_bwd_weight` makes the weight gradient from them in
@@ -1085,9 +1086,12 @@ def ln_tanh_linear_relu_bwd(
     # The tl.dot path sums its tiles' columns as it goes: [BLOCK_B, BLOCK_D] slots beside the
     # weight and its accumulator cost registers, and a dot tile is long enough to pay for one
     # cross-warp reduction (H100, F=64 x 256 MB, 32-row tiles: bf16 D=256 H=16 1197 -> 758 us,
-    # D=64 1061 -> 796 us, fp32 D=128 787 -> 705 us; benchmarks/NOTES.md).
-    acc_lnw_rows = tl.zeros([ACC_ROWS, BLOCK_D], dtype=tl.float32)
-    acc_lnb_rows = tl.zeros([ACC_ROWS, BLOCK_D], dtype=tl.float32)
+    # D=64 1061 -> 796 us, fp32 D=128 787 -> 705 us; benchmarks/NOTES.md). ROW_SLOTS as many as
+    # the layout's row span keep the sums in each thread at a few registers (the GEMM backward's
+    # row kernel: bf16 1.5-1.8x faster, session 31; not measured here yet).
+    LN_ROWS: tl.constexpr = ROW_SLOTS if USE_DOT and ROW_SLOTS else ACC_ROWS
+    acc_lnw_rows = tl.zeros([LN_ROWS, BLOCK_D], dtype=tl.float32)
+    acc_lnb_rows = tl.zeros([LN_ROWS, BLOCK_D], dtype=tl.float32)
     row_start = pid_p * rows_per_program
     if PREFETCH:
         last_row = tl.minimum(row_start + rows_per_program, B) - 1
@@ -1222,9 +1226,9 @@ def ln_tanh_linear_relu_bwd(
         if not (EVEN_D and EVEN_B):
             da = tl.where(mask, da, 0.0)
         if HAS_LNW and not LN_IN_WEIGHT:
-            acc_lnw_rows += _fold_rows(da * xhat, ACC_ROWS)
+            acc_lnw_rows += _fold_rows(da * xhat, LN_ROWS)
         if HAS_LNB and not LN_IN_WEIGHT:
-            acc_lnb_rows += _fold_rows(da, ACC_ROWS)
+            acc_lnb_rows += _fold_rows(da, LN_ROWS)
         dx = _dx_of_rows(da * g[None, :], xhat, rstd, inv_d, NORM)
         # dx has x's strides, D not necessarily innermost (a permuted [D, B, F] buffer).
         dx_ptrs = DX + f * stride_dx_f + rows64[:, None] * stride_dx_b + cols[None, :] * stride_dx_d

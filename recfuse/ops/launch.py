@@ -781,6 +781,8 @@ def _build_backward_plan(grad_y, x, weight, bias, ln_weight, ln_bias, eps, featu
                 meta["COL_SUMS"] = True
             elif 0 < cfg.row_slots < cfg.block_b:
                 meta["ROW_SLOTS"] = cfg.row_slots
+        elif cfg.use_dot and cfg.row_slots and not (two_pass or rows2_dot or cfg.split_ln):
+            meta["ROW_SLOTS"] = cfg.row_slots
     per_feature = (weight.dim() == 3,
                    bias is not None and bias.dim() == 2,
                    ln_weight is not None and ln_weight.dim() == 2,

@@ -213,7 +213,8 @@ def row_slots_neighbours(cfg, D: int, H: int, dtype: torch.dtype) -> list[config
     row slots (`BackwardConfig.row_slots`) on its own row tile and on tiles 2 and 4 times as long,
     at its programs per SM and twice as many: what the registers the fold frees can buy. The
     tuner's ``--only row_slots`` times these against the config a GPU runs now (the full candidate
-    list has every row_slots variant, too many for a short run).
+    list has every row_slots variant, too many for a short run). A whole-row tl.dot config gets
+    its LayerNorm-affine sums' slots instead (`_dot_row_slots_neighbours`).
 
     Example:
         >>> base = configs.heuristic_backward(256, 1, torch.float32, use_dot=False, block_b=8, num_warps=2,
@@ -221,7 +222,9 @@ def row_slots_neighbours(cfg, D: int, H: int, dtype: torch.dtype) -> list[config
         >>> sorted({(c.row_slots, c.block_b) for c in row_slots_neighbours(base, 256, 1, torch.float32)})
         [(2, 8), (2, 16), (2, 32), (4, 8), (4, 16), (4, 32)]
     """
-    if (cfg is None or cfg.use_dot or cfg.col_sums or cfg.row_parts or cfg.block_k
+    if cfg is not None and cfg.use_dot:
+        return _dot_row_slots_neighbours(cfg, D, H, dtype)
+    if (cfg is None or cfg.col_sums or cfg.row_parts or cfg.block_k
             or not (cfg.block_h == 1 or cfg.unroll_h)):
         return []
     knobs = configs.config_to_entry(cfg)
@@ -232,6 +235,29 @@ def row_slots_neighbours(cfg, D: int, H: int, dtype: torch.dtype) -> list[config
         if (c is not None and c.block_b == knobs["block_b"] and slots < c.block_b
                 and c.block_b * c.block_d <= max(NARROW_TILE, cfg.block_b * cfg.block_d)
                 and configs.backward_fits(c, D, H)):
+            out.append(c)
+    return list(dict.fromkeys(out))
+
+
+def _dot_row_slots_neighbours(cfg, D: int, H: int, dtype: torch.dtype) -> list[configs.BackwardConfig]:
+    """A whole-row tl.dot backward config with its LayerNorm-affine column sums in as many row slots
+    as its layout tile spans, and twice that (`configs.layout_row_span`), instead of one cross-warp
+    sum a tile: what fixed the GEMM backward's bf16 row kernel (session 31).
+
+    Example:
+        >>> base = configs.heuristic_backward(256, 16, torch.bfloat16, use_dot=True, gemm=0, block_b=16,
+        ...                                    num_warps=4, block_k=0, two_pass=0, row_parts=0, split_dw=0)
+        >>> [c.row_slots for c in row_slots_neighbours(base, 256, 16, torch.bfloat16)]
+        [4, 8]
+    """
+    if cfg.gemm or cfg.block_k or cfg.two_pass or cfg.row_parts or cfg.split_ln or cfg.row_slots:
+        return []
+    element_size = torch.empty((), dtype=dtype).element_size()
+    span = configs.layout_row_span(cfg.block_b, cfg.block_d, cfg.num_warps, element_size)
+    out = []
+    for slots in (span, 2 * span):
+        c = dataclasses.replace(cfg, row_slots=slots)
+        if slots > 1 and configs.backward_fits(c, D, H):
             out.append(c)
     return list(dict.fromkeys(out))
 
