@@ -223,6 +223,19 @@ def masked_rows_ok(p: dict, kind: str, entry: dict) -> bool:
         return False
 
 
+def confirms(confirm_scale: int, confirm_affine) -> bool:
+    """Whether the finalists are timed again (`_ScaledInputs`): at a larger batch, or at the tuned
+    one with each LayerNorm affine mode. Until session 31 ``--confirm-scale 1`` skipped both, and
+    a GEMM backward that won bf16 D=48 H=64 with per-feature affine went into the H200 table while
+    the same shape without affine ran 1.17-1.21x slower (benchmarks/NOTES.md).
+
+    Example:
+        >>> confirms(1, ("per_feature", "none")), confirms(1, ("per_feature",)), confirms(4, ("per_feature",))
+        (True, False, True)
+    """
+    return confirm_scale > 1 or len(tuple(confirm_affine)) > 1
+
+
 class _ScaledInputs:
     """The tuned shape with `scale` times its batch (inputs and the forward's stats made on first
     use), and the time of a config there: with ``affine_modes`` ("per_feature", "none") the sum of
@@ -327,7 +340,7 @@ def tune_shape(p: dict, kinds, bench, quick, copy_gbps: float, progress, only: s
             rows.append(row)
             progress()
         timed = sorted((r for r in rows if "us" in r), key=tuning.rank_us)
-        if confirm_scale > 1:
+        if confirms(confirm_scale, confirm_affine):
             timed = tuning.confirm_at_scale(timed, lambda row: scaled.time(kind, row["config"]), finalists)
         # The winner must also be right with padded rows (B = 1000, not a multiple of its tiles):
         # the timed shape's B is, and masked tiles compile to other code (a 32-row bf16 broadcast-sum
@@ -388,11 +401,12 @@ def main(argv=None) -> int:
                          "candidates over every kernel path, `tuning.spread`)" % SPREAD_LIMIT)
     ap.add_argument("--confirm-scale", type=int, default=4,
                     help="re-time the fastest --finalists at this many times the batch and pick the one best "
-                         "at both sizes (1: off)")
+                         "at both sizes (1: the tuned batch, still with each --confirm-affine mode)")
     ap.add_argument("--finalists", type=int, default=4)
     ap.add_argument("--confirm-affine", nargs="+", choices=["per_feature", "none"], default=list(autotune.CONFIRM_AFFINE),
                     help="the LayerNorm affine modes the finalists are re-timed with at --confirm-scale (their "
-                         "times summed): a table entry serves calls with and without the affine")
+                         "times summed): a table entry serves calls with and without the affine (one mode and "
+                         "--confirm-scale 1: no re-timing)")
     ap.add_argument("--compile-worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.compile_worker:
