@@ -252,8 +252,7 @@ def _dot_row_slots_neighbours(cfg, D: int, H: int, dtype: torch.dtype) -> list[c
     """
     if cfg.gemm or cfg.block_k or cfg.two_pass or cfg.row_parts or cfg.split_ln or cfg.row_slots:
         return []
-    element_size = torch.empty((), dtype=dtype).element_size()
-    span = configs.layout_row_span(cfg.block_b, cfg.block_d, cfg.num_warps, element_size)
+    span = configs.layout_row_span(cfg.block_b, cfg.block_d, cfg.num_warps, dtype.itemsize)
     out = []
     for slots in (span, 2 * span):
         c = dataclasses.replace(cfg, row_slots=slots)
