@@ -1,6 +1,12 @@
 """A/B of the relu mask a training forward saves for the backward (`launch._relu_mask_words`)
 against the backward recomputing z with a dot, in one process, on the same inputs and configs.
 
+16-bit inputs also A/B the mask's lo part (`kernels._lo_part_product`, the forward's
+``MASK_LO_PART``): the forward saving the mask of its 16-bit z alone, timed, and the gradient
+errors against float64 with grad_y *not* zeroed at relu ties (what a user's step sees) of: the
+backward reading either mask, the backward recomputing z, and PyTorch's own autograd of the
+batched composite run in that dtype (the 16-bit contract: no worse than it).
+
 For every (D, H, dtype): the training forward (saved row stats) with and without the mask's bits,
 and the backward (fused kernel(s) and the reduction: `launch.BackwardPlan`) reading the mask or
 recomputing z, each timed with do_bench (median, GPU time of the kernels), with the training
@@ -48,7 +54,7 @@ import _common as C  # noqa: E402
 from recfuse.chain import chain_of  # noqa: E402
 from recfuse.ops import launch  # noqa: E402
 from recfuse.ops.composite import composite_backward  # noqa: E402
-from recfuse.reference import batched_feature_mlp  # noqa: E402
+from recfuse.reference import batched_feature_mlp, batched_ln_tanh_linear_relu  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RELU_TIE = 1e-4
@@ -90,7 +96,32 @@ def measure(D, H, dtype, args, bench, copy_GBps) -> dict:
     for name in ("mask", "z"):
         fwd = row["fwd_mask_us"] if name == "mask" else row["fwd_plain_us"]
         row[f"train_{name}_pct"] = 100 * row["floor_train_us"] / (fwd + row[f"bwd_{name}_us"])
+    if dtype != torch.float32:
+        row.update(lo_part_ab(inp, params, fplan, stats, stats2, bench))
+        row["train_mask_hi_pct"] = 100 * row["floor_train_us"] / (row["fwd_mask_hi_us"] + row["bwd_mask_us"])
     return row
+
+
+def lo_part_ab(inp, params, fplan, stats, stats2, bench) -> dict:
+    """The 16-bit forward's mask without its lo part: forward time, and every path's gradient
+    error against float64 with the caller's grad_y as drawn (relu ties not zeroed)."""
+    fplan_hi = dataclasses.replace(fplan, meta=dict(fplan.meta, MASK_LO_PART=False), bound=None)
+    out = {"fwd_mask_hi_us": bench(lambda: fplan_hi(inp.x, *params))}
+    _, stats_hi = fplan_hi(inp.x, *params)
+    out["mask_hi_flipped"] = float((stats_hi[2:] != stats[2:]).float().mean())  # of the mask words
+    gy = inp.grad_y
+    f64 = [t.double() for t in (inp.x,) + params]
+    ref = composite_backward(gy.double(), *f64, 1e-5, inp.feature_dim)
+    del f64
+    for name, s in (("mask", stats), ("mask_hi", stats_hi), ("z", stats2)):
+        bplan = launch.backward_plan(gy, inp.x, *params, 1e-5, inp.feature_dim, s)
+        grads = bplan(gy, inp.x, *params, s if bplan.reads_stats else None)
+        out[f"untied_{name}_errs"] = [C.relative_error(g, r) for g, r in zip(grads, ref) if r is not None]
+    leaves = [t.detach().requires_grad_() for t in (inp.x,) + params]
+    y = batched_ln_tanh_linear_relu(*leaves, 1e-5, inp.feature_dim)
+    torch.autograd.backward(y, gy)
+    out["untied_torch_errs"] = [C.relative_error(t.grad, r) for t, r in zip(leaves, ref) if r is not None]
+    return out
 
 
 def main(args) -> int:
@@ -117,6 +148,11 @@ def main(args) -> int:
                   f"{row['bwd_mask_us']:9.1f} {row['bwd_z_us']:9.1f} {row['bwd_z_us'] / row['bwd_mask_us']:5.2f} | "
                   f"{row['train_mask_pct']:9.0f} {row['train_z_pct']:7.0f} | "
                   f"{row['bwd_mask_err']:8.1e} {row['bwd_z_err']:8.1e}", flush=True)
+            if "fwd_mask_hi_us" in row:
+                errs = " ".join(f"{n} {max(row[f'untied_{n}_errs']):.1e}" for n in ("mask", "mask_hi", "z", "torch"))
+                print(f"{'':>8} {'':>4} {'':>3} | fwd mask without lo part {row['fwd_mask_hi_us']:.1f} us "
+                      f"(trn% {row['train_mask_hi_pct']:.0f}, {100 * row['mask_hi_flipped']:.2f}% of mask words "
+                      f"differ) | untied grad errors, worst of x/w/b/lnw/lnb: {errs}", flush=True)
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     if args.json:

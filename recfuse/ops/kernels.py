@@ -685,6 +685,7 @@ def _forward_tile(
     EVEN_D: tl.constexpr, EVEN_B: tl.constexpr, X_EVICT: tl.constexpr, W_LOADED: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     K_CHUNKS: tl.constexpr, SAVE_MASK: tl.constexpr, K_LOOP: tl.constexpr, MASK_K: tl.constexpr = False,
+    MASK_LO_PART: tl.constexpr = True,
 ):
     """One tile of BLOCK_B rows of feature f. W_LOADED: the caller holds the whole weight block
     (w1, bias1: H <= BLOCK_H); otherwise the weight is read block by block after the tanh."""
@@ -696,8 +697,9 @@ def _forward_tile(
     x_rows = X + f * stride_x_f + rows.to(tl.int64) * stride_x_b
     x_ptrs = x_rows[:, None] + cols[None, :] * stride_x_d
     stat_ptrs = STATS + f * B + rows
-    # The relu mask for the backward from z to ~fp32 accuracy: 16-bit dots add t's rounding error.
-    LO_PART: tl.constexpr = SAVE_MASK and USE_DOT and DOT_DTYPE != tl.float32
+    # The relu mask for the backward from z to ~fp32 accuracy: 16-bit dots add t's rounding error
+    # (MASK_LO_PART False: the mask of the 16-bit z alone, as PyTorch's 16-bit autograd has it).
+    LO_PART: tl.constexpr = SAVE_MASK and USE_DOT and DOT_DTYPE != tl.float32 and MASK_LO_PART
     if BLOCK_K < BLOCK_D:
         z, z_lo, mean, rstd = _chunked_norm_act_linear(
             x_rows, rmask, f, D, H, eps, W, LNW, LNB, stride_x_d, stride_w_f, stride_w_h,
@@ -785,7 +787,7 @@ def ln_tanh_linear_relu_fwd(
     PERSISTENT: tl.constexpr, TILE_STAGES: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     K_CHUNKS: tl.constexpr, SAVE_MASK: tl.constexpr = False, K_LOOP: tl.constexpr = 0, D_ALIGN: tl.constexpr = 1,
-    MASK_K: tl.constexpr = False, FEATURES_FIRST: tl.constexpr = False,
+    MASK_K: tl.constexpr = False, FEATURES_FIRST: tl.constexpr = False, MASK_LO_PART: tl.constexpr = True,
 ):
     # STATS (SAVE_STATS, for a backward that follows): [2, F, B] fp32, mean then rstd; with
     # SAVE_MASK (relu, H <= BLOCK_H <= 64) also z's relu mask as bits in the planes after them
@@ -825,7 +827,7 @@ def ln_tanh_linear_relu_fwd(
                 stride_bias_f, stride_lnw_f, stride_lnb_f, stride_y_f, stride_y_b, eps,
                 HAS_BIAS, HAS_LNW, HAS_LNB, NORM, ACT, OUT_ACT, USE_DOT, DOT_DTYPE, DOT_PRECISION, FAST_TANH,
                 SAVE_STATS, EVEN_D, EVEN_B, X_EVICT, BLOCK_K == BLOCK_D, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K,
-                K_CHUNKS, SAVE_MASK, K_LOOP, MASK_K,
+                K_CHUNKS, SAVE_MASK, K_LOOP, MASK_K, MASK_LO_PART,
             )
     else:
         _forward_tile(
@@ -834,7 +836,7 @@ def ln_tanh_linear_relu_fwd(
             stride_bias_f, stride_lnw_f, stride_lnb_f, stride_y_f, stride_y_b, eps,
             HAS_BIAS, HAS_LNW, HAS_LNB, NORM, ACT, OUT_ACT, USE_DOT, DOT_DTYPE, DOT_PRECISION, FAST_TANH,
             SAVE_STATS, EVEN_D, EVEN_B, X_EVICT, False, BLOCK_B, BLOCK_D, BLOCK_H, BLOCK_K, K_CHUNKS, SAVE_MASK,
-            K_LOOP, MASK_K,
+            K_LOOP, MASK_K, MASK_LO_PART,
         )
 
 
