@@ -4,8 +4,9 @@ against the backward recomputing z with a dot, in one process, on the same input
 16-bit inputs also A/B the mask's lo part (`kernels._lo_part_product`, the forward's
 ``MASK_LO_PART``): the forward saving the mask of its 16-bit z alone, timed, and the gradient
 errors against float64 with grad_y *not* zeroed at relu ties (what a user's step sees) of: the
-backward reading either mask, the backward recomputing z, and PyTorch's own autograd of the
-batched composite run in that dtype (the 16-bit contract: no worse than it).
+backward reading either mask, the backward recomputing z, PyTorch's own autograd of the
+per-slice chain run in that dtype ("torch", the 16-bit contract: no worse than it), and of the
+batched composite ("composite": it computes in float32 and casts back, so it is not a 16-bit peer).
 
 For every (D, H, dtype): the training forward (saved row stats) with and without the mask's bits,
 and the backward (fused kernel(s) and the reduction: `launch.BackwardPlan`) reading the mask or
@@ -54,7 +55,7 @@ import _common as C  # noqa: E402
 from recfuse.chain import chain_of  # noqa: E402
 from recfuse.ops import launch  # noqa: E402
 from recfuse.ops.composite import composite_backward  # noqa: E402
-from recfuse.reference import batched_feature_mlp, batched_ln_tanh_linear_relu  # noqa: E402
+from recfuse.reference import batched_feature_mlp, batched_ln_tanh_linear_relu, ln_tanh_linear_relu  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RELU_TIE = 1e-4
@@ -117,10 +118,12 @@ def lo_part_ab(inp, params, fplan, stats, stats2, bench) -> dict:
         bplan = launch.backward_plan(gy, inp.x, *params, 1e-5, inp.feature_dim, s)
         grads = bplan(gy, inp.x, *params, s if bplan.reads_stats else None)
         out[f"untied_{name}_errs"] = [C.relative_error(g, r) for g, r in zip(grads, ref) if r is not None]
-    leaves = [t.detach().requires_grad_() for t in (inp.x,) + params]
-    y = batched_ln_tanh_linear_relu(*leaves, 1e-5, inp.feature_dim)
-    torch.autograd.backward(y, gy)
-    out["untied_torch_errs"] = [C.relative_error(t.grad, r) for t, r in zip(leaves, ref) if r is not None]
+    for name, fn in (("torch", ln_tanh_linear_relu), ("composite", batched_ln_tanh_linear_relu)):
+        leaves = [t.detach().requires_grad_() for t in (inp.x,) + params]
+        w, b, lw, lb = leaves[1:]
+        y = fn(leaves[0], w, b, ln_weight=lw, ln_bias=lb, eps=1e-5, feature_dim=inp.feature_dim)
+        torch.autograd.backward(y, gy)
+        out[f"untied_{name}_errs"] = [C.relative_error(t.grad, r) for t, r in zip(leaves, ref) if r is not None]
     return out
 
 
@@ -149,7 +152,7 @@ def main(args) -> int:
                   f"{row['train_mask_pct']:9.0f} {row['train_z_pct']:7.0f} | "
                   f"{row['bwd_mask_err']:8.1e} {row['bwd_z_err']:8.1e}", flush=True)
             if "fwd_mask_hi_us" in row:
-                errs = " ".join(f"{n} {max(row[f'untied_{n}_errs']):.1e}" for n in ("mask", "mask_hi", "z", "torch"))
+                errs = " ".join(f"{n} {max(row[f'untied_{n}_errs']):.1e}" for n in ("mask", "mask_hi", "z", "torch", "composite"))
                 print(f"{'':>8} {'':>4} {'':>3} | fwd mask without lo part {row['fwd_mask_hi_us']:.1f} us "
                       f"(trn% {row['train_mask_hi_pct']:.0f}, {100 * row['mask_hi_flipped']:.2f}% of mask words "
                       f"differ) | untied grad errors, worst of x/w/b/lnw/lnb: {errs}", flush=True)
