@@ -9,6 +9,8 @@ forward that saves no mask; the gradients against float64 and against the same b
 recomputing z (same bits under the interpreter). Each case runs under the
 Triton interpreter and, where a GPU is present, on it at sizes with many row tiles per program.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -93,6 +95,29 @@ def test_training_forward_saves_z_positive_as_bits_after_the_row_stats(case, fwd
         assert torch.equal(y, y_no_grad)
     else:  # two compiled variants may contract the bias add apart: one rounding of y at most
         assert ((y.double() - y_no_grad.double()).abs() <= 2 ** -7 * y_no_grad.double().abs()).all()
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d.values[0] != "cpu"])
+@pytest.mark.parametrize("fwd", ["whole_row", "chunked"])
+def test_a_16_bit_mask_without_its_lo_part_is_that_of_the_16_bit_z(fwd, device):
+    """``MASK_LO_PART=False`` (benchmarks/ab_relu_mask.py's A/B, not a shipped config): the mask is
+    that of the forward's own 16-bit z, so it equals y > 0 of the same call, bit for bit; the row
+    stats and y are those of the default forward. CUDA only: the interpreter's forward multiplies
+    fp32 operands (numpy has no bf16 matmul), so it has no lo part to leave out."""
+    case, dtype = CASES[-1]
+    case = _scaled(case, device)
+    args, _ = chain_backward_inputs(case, dtype, DEFAULT_CHAIN, seed=3, device=device)
+    with configs.override(forward=_forced_forward(**FORWARD_KNOBS[fwd])):
+        plan = launch.forward_plan(*args, case.eps, case.feature_dim, save_stats=True)
+    assert plan.meta.get("SAVE_MASK")
+    hi_plan = dataclasses.replace(plan, meta=dict(plan.meta, MASK_LO_PART=False), bound=None)
+    y, stats = plan(*args)
+    y_hi, stats_hi = hi_plan(*args)
+    to_fbh = (lambda t: t) if case.feature_dim == 0 else (lambda t: t.transpose(0, 1))
+    assert torch.equal(relu_mask_bits(stats_hi, case.H), to_fbh(y_hi) > 0)
+    assert torch.equal(stats_hi[:2], stats[:2])
+    # the variants compile apart: one rounding of y at most
+    assert ((y_hi.double() - y.double()).abs() <= 2 ** -7 * y.double().abs()).all()
 
 
 # Under the interpreter each case runs two of the four paths (each path twice over the cases: CI
