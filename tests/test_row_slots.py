@@ -95,3 +95,33 @@ def test_row_slots_outside_their_path_do_not_fit():
         assert cfg.use_dot and not configs.backward_fits(cfg, 256, 16), knobs
     entry = configs.config_to_entry(configs.heuristic_backward(256, 1, torch.float32, **base, row_slots=2))
     assert configs.config_from_entry("backward", entry, 256, 1, torch.float32).row_slots == 2
+
+
+def test_the_heuristic_sums_wide_dot_rows_in_twice_the_layout_span():
+    # `configs.DOT_ROW_SLOTS_MIN_D`: the heuristic's own whole-row tl.dot config from 128 columns;
+    # narrower rows, other tl.dot kernels and configs that name their knobs keep sums per tile.
+    for D, H, dtype in ((128, 16, torch.float32), (256, 16, torch.bfloat16), (128, 16, torch.bfloat16)):
+        cfg = configs.heuristic_backward(D, H, dtype)
+        assert cfg.use_dot and not (cfg.block_k or cfg.two_pass or cfg.row_parts or cfg.gemm), (D, H, dtype)
+        span = configs.layout_row_span(cfg.block_b, cfg.block_d, cfg.num_warps, dtype.itemsize)
+        assert cfg.row_slots == min(cfg.block_b, 2 * span) > 1 and configs.backward_fits(cfg, D, H)
+    assert configs.heuristic_backward(64, 16, torch.bfloat16).row_slots == 0
+    assert configs.heuristic_backward(128, 16, torch.float32, block_b=16).row_slots == 0
+    assert configs.heuristic_backward(1024, 64, torch.float32, gemm=0).row_slots == 0  # K-chunked
+
+
+@pytest.mark.interpret
+def test_the_heuristics_row_slots_match_float64_and_the_per_tile_sums():
+    # the shipped lookup on the interpreter (no table: the heuristic's own config, with its slots)
+    case, dtype = Case(2, 41, 128, 16, feature_dim=1, strided_view=True, ln="per_feature"), torch.float32
+    args, gy = chain_backward_inputs(case, dtype, DEFAULT_CHAIN, seed=5)
+    stats = launch.forward(*args, case.eps, case.feature_dim, save_stats=True)[1]
+    with launch.trace_launches() as seen:
+        grads = launch.backward(gy, *args, case.eps, case.feature_dim, stats, chain=DEFAULT_CHAIN)
+    meta = [m for kind, _, m, _ in seen if kind == "backward"][0]
+    cfg = configs.heuristic_backward(case.D, case.H, dtype)
+    assert meta["USE_DOT"] and meta["ROW_SLOTS"] == cfg.row_slots > 1
+    baseline, base_meta = forced_backward(gy, args, case, stats, DEFAULT_CHAIN,
+                                          **dict(configs.config_to_entry(cfg), row_slots=0))
+    assert "ROW_SLOTS" not in base_meta
+    assert_backward_close(grads, baseline, gy, args, case, DEFAULT_CHAIN, dtype)

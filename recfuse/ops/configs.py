@@ -808,10 +808,25 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
         # 771 -> 791); longer tiles (D=256 H=16, 32 rows: 718 -> 803) and fp32 (0.45-1.01x) were
         # slower; fp16 (fp32 operands) not measured (benchmarks/results/checks/ab_prefetch_h100.json).
         cfg = dataclasses.replace(cfg, prefetch=1)
+    if not knobs and cfg.use_dot and whole_rows and not cfg.split_ln and cfg.block_d >= DOT_ROW_SLOTS_MIN_D:
+        # The LayerNorm affine's column sums in twice the layout's row span of slots
+        # (`BackwardConfig.row_slots`), not one cross-warp sum a tile. Only the heuristic's own
+        # config: a table entry or tuner candidate names its row slots.
+        span = layout_row_span(cfg.block_b, cfg.block_d, cfg.num_warps, dtype.itemsize)
+        cfg = dataclasses.replace(cfg, row_slots=min(cfg.block_b, 2 * span))
     if cfg.use_dot and not cfg.block_k and not cfg.two_pass and cfg.block_d >= 512 and "fp32_dots" not in knobs:
         # whole 512-wide rows: bf16x6 3831 us, fp32 FMA dots 2138 us (H100, D=512 H=16)
         cfg = dataclasses.replace(cfg, fp32_dots="ieee")
     return cfg
+
+
+# The whole-row tl.dot backward's heuristic sums its LayerNorm-affine columns in row slots from this
+# row width. H200 tuner, backward alone, x 256 MB, the table's config with 0 / the layout's row
+# span / twice it (thirty-second session, results/checks/session32_call{1,2}_h200.txt): twice the
+# span won at every D >= 128 tried (fp32 H=16 D=128 398 -> 376 us, D=256 570 -> 538; bf16 H=16
+# D=256 458 -> 419, D=512 553 -> 515; bf16 D=128 537 -> 517, the span itself a hair behind), and
+# none at D = 32-64 but bf16 D=32 (fp32 D=32/48/64 and bf16 D=48/64 kept their sums per tile).
+DOT_ROW_SLOTS_MIN_D = 128
 
 
 # The tl.dot path's two-part rows (`kernels.ln_tanh_linear_relu_bwd_rows2_dot`) need a second part
