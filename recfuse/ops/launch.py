@@ -237,7 +237,9 @@ def _relu_mask_words(D: int, H: int, dtype: torch.dtype, device, chain, fwd_bloc
     that of z to ~fp32 accuracy, as the backward's recomputed z: a 16-bit forward adds the product
     of t's rounding error (`kernels._lo_part_product`; y keeps its bits). Taken from the forward's
     16-bit z alone it flipped z within ~1e-3 of 0 and moved bf16 gradients from ~3e-3 to ~3e-2 off
-    float64 (as PyTorch's own bf16 autograd is)."""
+    float64 (as PyTorch's own bf16 autograd is). That forward (``MASK_LO_PART=False``, only
+    benchmarks/ab_relu_mask.py sets it) is 20-30% faster on the H200 at D = 160-512 H = 16/64:
+    kept out, for the tests' 1e-2 bound (benchmarks/NOTES.md, thirty-second session)."""
     if chain.out_activation != "relu" or chain.norm is None or not H <= fwd_block_h <= 64:
         return 0
     min_d = configs.relu_mask_min_d(dtype)
