@@ -543,7 +543,7 @@ def main(argv=None) -> int:
     print(f"total {env['total_s']:.0f} s", file=sys.stderr)
     if args.save:
         write_outputs(args.save, slug, env, points, final=True, merge=args.merge, off_grid=args.off_grid)
-        print(f"wrote {result_stem(args.save, slug, args.chains)}.json/.txt/.png", file=sys.stderr)
+        print(f"wrote {result_stem(args.save, slug, args.chains, args.off_grid)}.json/.txt/.png", file=sys.stderr)
     return 0
 
 
