@@ -822,10 +822,12 @@ def heuristic_backward(D: int, H: int, dtype: torch.dtype, **knobs) -> Optional[
 
 # The whole-row tl.dot backward's heuristic sums its LayerNorm-affine columns in row slots from this
 # row width. H200 tuner, backward alone, x 256 MB, the table's config with 0 / the layout's row
-# span / twice it (thirty-second session, results/checks/session32_call{1,2}_h200.txt): twice the
-# span won at every D >= 128 tried (fp32 H=16 D=128 398 -> 376 us, D=256 570 -> 538; bf16 H=16
-# D=256 458 -> 419, D=512 553 -> 515; bf16 D=128 537 -> 517, the span itself a hair behind), and
-# none at D = 32-64 but bf16 D=32 (fp32 D=32/48/64 and bf16 D=48/64 kept their sums per tile).
+# span / twice it (thirty-second session, results/checks/session32_call{1,2,4}_h200.txt): slots
+# won at every D >= 128 tried, twice the span at six of seven (fp32 H=16 D=128 393 -> 376 us,
+# D=256 566 -> 538; bf16 H=16 D=256 458 -> 419, D=512 553 -> 515; bf16 H=8 D=192 703 -> 624, D=384
+# 765 -> 712), the span itself at bf16 D=128 H=16 (540 -> 517; twice it 529); below D=128 only
+# bf16 D=32 H=16 gained (fp32 D=32/48/64 and bf16 D=48/64 kept their sums per tile). The
+# heuristic's own config, timed (call 6): bf16 D=256 H=16 520 -> 495 us, D=128 540 -> 533.
 DOT_ROW_SLOTS_MIN_D = 128
 
 
