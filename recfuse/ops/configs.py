@@ -1194,6 +1194,12 @@ def forward_fits(cfg: ForwardConfig, D: int, H: int) -> bool:
     return cfg.block_b * cfg.block_d * cfg.block_h <= 2 * TILE_BUDGET
 
 
+def _affine_slots_fit(cfg: BackwardConfig) -> bool:
+    """Row slots of the LayerNorm-affine column sums (the GEMM row kernel, the whole-row tl.dot
+    kernel): none, or a power of two of at most a tile's rows."""
+    return cfg.row_slots == 0 or (_power_of_two(cfg.row_slots) and cfg.row_slots <= cfg.block_b)
+
+
 def backward_fits(cfg: BackwardConfig, D: int, H: int) -> bool:
     if not _power_of_two(cfg.block_b) or cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.programs_per_sm < 1:
         return False
@@ -1204,8 +1210,7 @@ def backward_fits(cfg: BackwardConfig, D: int, H: int) -> bool:
         gemm_tiles = (cfg.gemm_rows, cfg.gemm_cols, cfg.dw_block_b)
         return (cfg.use_dot and not (cfg.block_k or cfg.split_dw or cfg.two_pass or cfg.row_parts or cfg.prefetch
                                      or cfg.dw_first or cfg.split_ln)
-                and (cfg.row_slots == 0 or (_power_of_two(cfg.row_slots) and cfg.row_slots <= cfg.block_b))
-                and cfg.block_b * cfg.block_d <= TILE_BUDGET and 0 <= cfg.loop_stages <= 4
+                and _affine_slots_fit(cfg) and cfg.block_b * cfg.block_d <= TILE_BUDGET and 0 <= cfg.loop_stages <= 4
                 and all(16 <= n <= 256 and _power_of_two(n) for n in gemm_tiles)
                 and cfg.gemm_dt_warps in (4, 8) and cfg.dw_num_warps in (4, 8) and 1 <= cfg.dw_num_stages <= 5
                 and 1 <= cfg.gemm_row_tiles <= 8 and cfg.gemm_dw_per_sm >= 1 and cfg.gemm_cols_major in (0, 1))
@@ -1229,7 +1234,7 @@ def backward_fits(cfg: BackwardConfig, D: int, H: int) -> bool:
             return False
         # row_slots on the tl.dot path: the whole-row kernel's LayerNorm-affine column sums
         if cfg.row_slots and (cfg.block_k or cfg.two_pass or cfg.row_parts or cfg.split_ln
-                              or not _power_of_two(cfg.row_slots) or cfg.row_slots > cfg.block_b):
+                              or not _affine_slots_fit(cfg)):
             return False
         return cfg.block_d >= 16 and cfg.block_b >= 16 and (
             cfg.block_k > 0 or cfg.two_pass > 0 or cfg.block_h * cfg.block_d <= 2 * BWD_MAX_WEIGHT_TILE)

@@ -371,9 +371,11 @@ def gemm_candidates(D: int, H: int, dtype: torch.dtype) -> list[configs.Backward
     """The GEMM backward (`BackwardConfig.gemm`, fp32 and bf16, H >= 16, rows of 64+ columns): its row
     kernel's tiles of 2048-8192 elements, 4 or 8 warps, 2-16 programs an SM a launch, the row loop 3 or
     4 deep (bf16 also 1 or 2; its GEMMs keep `configs.gemm_backward_config`'s tiles). H200, fp32
-    (results/checks/ab_gemm_bwd_tiles_h200.txt): 4096 elements, 4 warps, 8 programs and 3 stages
-    were best at D = 256/512, H = 32/64, 2 stages 1.03-1.04x slower than 3; bf16 (session 30) is
-    not settled: 8192-element tiles won at D=256 (1.5x), lost at D=512 (spills).
+    (results/checks/ab_gemm_bwd_tiles_h200.txt, before the per-launch program count was fixed):
+    4096 elements, 4 warps, 8 programs and 3 stages were best at D = 256/512, H = 32/64, 2 stages
+    1.03-1.04x slower than 3. Session 31's tuner, after the fix and the row slots, chose 2048
+    elements, 4 warps, 4 programs and 3 stages at fp32 D=512 H=64 and bf16 D = 256/512 H=64
+    (`configs.gemm_backward_config`).
 
     Example:
         >>> cands = gemm_candidates(512, 64, torch.float32)
